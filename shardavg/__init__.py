@@ -1,0 +1,34 @@
+"""shardavg: shard-local weight averaging (EMA, SWA, power-function EMA) for distributed training."""
+
+from .averager import WeightAverager
+from .errors import LayoutError, ModelChangedError, NonFiniteError, StrategyError
+from .rules import (
+    EMA,
+    SWA,
+    CustomRule,
+    InverseGammaWarmup,
+    PowerEMA,
+    RatioWarmup,
+    Rule,
+    rule_from_config,
+)
+from .strategies import detect
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "EMA",
+    "SWA",
+    "CustomRule",
+    "InverseGammaWarmup",
+    "LayoutError",
+    "ModelChangedError",
+    "NonFiniteError",
+    "PowerEMA",
+    "RatioWarmup",
+    "Rule",
+    "StrategyError",
+    "WeightAverager",
+    "detect",
+    "rule_from_config",
+]

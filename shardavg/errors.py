@@ -1,0 +1,19 @@
+"""Errors shardavg raises on bad input; each message names the offending tensors or settings."""
+
+from __future__ import annotations
+
+
+class StrategyError(ValueError):
+    """An unknown strategy name, or a strategy forced on a model it does not fit."""
+
+
+class ModelChangedError(RuntimeError):
+    """The model's tensors no longer match the ones the averager was built on."""
+
+
+class NonFiniteError(FloatingPointError):
+    """Live weights hold NaN or infinity; the average was left untouched."""
+
+
+class LayoutError(RuntimeError):
+    """Ranks disagree on the tracked tensors, or their shards do not tile a tensor."""

@@ -1,0 +1,310 @@
+"""Averaging rules: how far the average moves toward the live weights at each update.
+
+Every built-in rule is a *lerp rule*. After ``n`` earlier updates (``n >= 1``) the shadow
+moves toward the live weights by ``weight(n)``::
+
+    shadow <- shadow + weight(n) * (live - shadow)
+
+and the first update (``n == 0``) copies the live weights, as
+``torch.optim.swa_utils.AveragedModel`` does. A rule is plain data: ``to_config()`` gives a
+dict that is saved with the averager's state, compared on load and written in YAML;
+``rule_from_config`` builds the rule back.
+
+Any callable with torch's ``multi_avg_fn(shadow_list, live_list, num_updates)`` signature is
+accepted as well (see ``CustomRule``), e.g. ``torch.optim.swa_utils.get_ema_multi_avg_fn``.
+"""
+
+from __future__ import annotations
+
+import math
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+MultiAvgFn = Callable[[list[torch.Tensor], list[torch.Tensor], torch.Tensor], None]
+
+
+def _check_number(owner: str, name: str, value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise ValueError(f"{owner}: {name} must be a finite number, got {value!r}")
+    return float(value)
+
+
+# --------------------------------------------------------------------------- warm-ups
+
+
+class Warmup(ABC):
+    """A ramp for the EMA decay over the first updates; the rule caps it at its own decay."""
+
+    @abstractmethod
+    def decay(self, num_updates: int) -> float:
+        """Uncapped decay after ``num_updates`` earlier updates."""
+
+    @abstractmethod
+    def to_config(self) -> dict[str, Any]: ...
+
+
+@dataclass(frozen=True)
+class InverseGammaWarmup(Warmup):
+    """``1 - (1 + t / inv_gamma) ** -power``: the ramp of timm's ModelEmaV3 and diffusers' EMAModel.
+
+    ``power=2/3`` suits runs of up to about a million steps, ``power=3/4`` shorter ones.
+    """
+
+    inv_gamma: float = 1.0
+    power: float = 2.0 / 3.0
+
+    def __post_init__(self) -> None:
+        for name in ("inv_gamma", "power"):
+            if _check_number("InverseGammaWarmup", name, getattr(self, name)) <= 0:
+                raise ValueError(f"InverseGammaWarmup: {name} must be > 0, got {getattr(self, name)!r}")
+
+    def decay(self, num_updates: int) -> float:
+        return 1.0 - (1.0 + num_updates / self.inv_gamma) ** -self.power
+
+    def to_config(self) -> dict[str, Any]:
+        return {"kind": "inverse_gamma", "inv_gamma": float(self.inv_gamma), "power": float(self.power)}
+
+
+@dataclass(frozen=True)
+class RatioWarmup(Warmup):
+    """``(1 + t) / (10 + t)``: the ramp of TensorFlow's ExponentialMovingAverage ``num_updates``."""
+
+    def decay(self, num_updates: int) -> float:
+        return (1.0 + num_updates) / (10.0 + num_updates)
+
+    def to_config(self) -> dict[str, Any]:
+        return {"kind": "ratio"}
+
+
+def warmup_from_config(config: Mapping[str, Any]) -> Warmup:
+    kind = config.get("kind")
+    if kind == "inverse_gamma":
+        return InverseGammaWarmup(inv_gamma=config["inv_gamma"], power=config["power"])
+    if kind == "ratio":
+        return RatioWarmup()
+    raise ValueError(f"unknown warm-up kind {kind!r}; expected 'inverse_gamma' or 'ratio'")
+
+
+# --------------------------------------------------------------------------- rules
+
+
+class Rule(ABC):
+    """Base of every rule the averager accepts."""
+
+    @abstractmethod
+    def to_config(self) -> dict[str, Any]:
+        """Plain-data description, saved with the averager's state."""
+
+
+class LerpRule(Rule):
+    """A rule the averager applies itself with fused lerp kernels."""
+
+    @abstractmethod
+    def weight(self, num_updates: int) -> float:
+        """Weight of the live weights in the update that follows ``num_updates >= 1`` updates."""
+
+
+@dataclass(frozen=True)
+class EMA(LerpRule):
+    """Exponential moving average: ``shadow <- decay * shadow + (1 - decay) * live``.
+
+    Give exactly one of ``decay`` (in (0, 1)) or ``half_life`` (in updates: after that many
+    updates an old weight counts half). ``warmup`` ramps the decay up from 0 and caps it at
+    ``decay``; the update after ``n`` earlier ones uses ``min(decay, warmup.decay(n))``.
+    Without a warm-up the result is bitwise that of ``AveragedModel`` with
+    ``get_ema_multi_avg_fn(decay)``.
+    """
+
+    decay: float | None = None
+    half_life: float | None = None
+    warmup: Warmup | None = None
+
+    def __post_init__(self) -> None:
+        if (self.decay is None) == (self.half_life is None):
+            given = "both" if self.decay is not None else "neither"
+            raise ValueError(f"EMA takes exactly one of decay= or half_life=, got {given}")
+        if self.decay is not None:
+            decay = _check_number("EMA", "decay", self.decay)
+            if not 0.0 < decay < 1.0:
+                raise ValueError(f"EMA decay must be in the open interval (0, 1), got {self.decay!r}")
+        else:
+            if _check_number("EMA", "half_life", self.half_life) <= 0:
+                raise ValueError(f"EMA half_life must be > 0 updates, got {self.half_life!r}")
+        if self.warmup is not None and not isinstance(self.warmup, Warmup):
+            raise TypeError(
+                f"EMA warmup must be InverseGammaWarmup(...), RatioWarmup() or None, got {self.warmup!r}"
+            )
+
+    @property
+    def target_decay(self) -> float:
+        """The decay reached after the warm-up (``decay``, or derived from ``half_life``)."""
+        if self.decay is not None:
+            return float(self.decay)
+        return 0.5 ** (1.0 / float(self.half_life))  # type: ignore[arg-type]
+
+    def weight(self, num_updates: int) -> float:
+        decay = self.target_decay
+        if self.warmup is not None:
+            decay = min(decay, self.warmup.decay(num_updates))
+        return 1.0 - decay
+
+    def to_config(self) -> dict[str, Any]:
+        config: dict[str, Any] = {"kind": "ema"}
+        if self.decay is not None:
+            config["decay"] = float(self.decay)
+        else:
+            config["half_life"] = float(self.half_life)  # type: ignore[arg-type]
+        config["warmup"] = None if self.warmup is None else self.warmup.to_config()
+        return config
+
+
+@dataclass(frozen=True)
+class SWA(LerpRule):
+    """Stochastic weight averaging: the equal-weight running mean of every update."""
+
+    def weight(self, num_updates: int) -> float:
+        return 1.0 / (num_updates + 1)
+
+    def to_config(self) -> dict[str, Any]:
+        return {"kind": "swa"}
+
+
+def sigma_rel_to_gamma(sigma_rel: float) -> float:
+    """EDM2's conversion from relative standard deviation to the power-function exponent.
+
+    Solves ``g**3 + 7 g**2 + (16 - s**-2) g + (12 - s**-2) = 0`` for its largest real root by
+    Newton's method started to the right of every root (the cubic is convex and increasing
+    there, so the iteration decreases monotonically onto that root).
+    """
+    inv2 = sigma_rel**-2
+    gamma = max(1.0, inv2)
+    for _ in range(200):
+        f = ((gamma + 7.0) * gamma + (16.0 - inv2)) * gamma + (12.0 - inv2)
+        df = (3.0 * gamma + 14.0) * gamma + (16.0 - inv2)
+        step = f / df
+        gamma -= step
+        if abs(step) <= 1e-12 * max(1.0, abs(gamma)):
+            break
+    return gamma
+
+
+def gamma_to_sigma_rel(gamma: float) -> float:
+    """Relative standard deviation of the power-function EMA profile with exponent ``gamma``."""
+    return math.sqrt((gamma + 1.0) / ((gamma + 2.0) ** 2 * (gamma + 3.0)))
+
+
+@dataclass(frozen=True)
+class PowerEMA(LerpRule):
+    """EDM2's power-function EMA: ``beta_t = (1 - 1/t) ** (gamma + 1)`` at the ``t``-th update.
+
+    Give exactly one of ``gamma`` (> -1; EDM2 uses about 3 to 17) or ``sigma_rel`` (the
+    relative width of the averaging profile, in (0, 0.3003); EDM2 uses 0.05 to 0.15).
+    ``gamma = 0`` is SWA. The
+    update after ``n`` earlier ones is update ``t = n + 1``, so its weight is ``1 - beta_t``.
+    """
+
+    gamma: float | None = None
+    sigma_rel: float | None = None
+
+    def __post_init__(self) -> None:
+        if (self.gamma is None) == (self.sigma_rel is None):
+            given = "both" if self.gamma is not None else "neither"
+            raise ValueError(f"PowerEMA takes exactly one of gamma= or sigma_rel=, got {given}")
+        if self.gamma is not None:
+            if _check_number("PowerEMA", "gamma", self.gamma) <= -1.0:
+                raise ValueError(f"PowerEMA gamma must be > -1, got {self.gamma!r}")
+        else:
+            sigma_rel = _check_number("PowerEMA", "sigma_rel", self.sigma_rel)
+            gamma = sigma_rel_to_gamma(sigma_rel) if sigma_rel > 0 else math.nan
+            if not (gamma > -1.0 and math.isclose(gamma_to_sigma_rel(gamma), sigma_rel, rel_tol=1e-9)):
+                raise ValueError(
+                    f"PowerEMA sigma_rel must be in (0, 0.3003) (the widest power-function profile), "
+                    f"got {self.sigma_rel!r}"
+                )
+
+    @property
+    def exponent(self) -> float:
+        """The exponent ``gamma``, given or derived from ``sigma_rel``."""
+        if self.gamma is not None:
+            return float(self.gamma)
+        return sigma_rel_to_gamma(float(self.sigma_rel))  # type: ignore[arg-type]
+
+    def weight(self, num_updates: int) -> float:
+        t = num_updates + 1
+        return 1.0 - (1.0 - 1.0 / t) ** (self.exponent + 1.0)
+
+    def to_config(self) -> dict[str, Any]:
+        if self.gamma is not None:
+            return {"kind": "power_ema", "gamma": float(self.gamma)}
+        return {"kind": "power_ema", "sigma_rel": float(self.sigma_rel)}  # type: ignore[arg-type]
+
+
+class CustomRule(Rule):
+    """Wraps a ``multi_avg_fn(shadow_list, live_list, num_updates)`` callable.
+
+    The averager calls it once per (device, dtype) group with lists of shadow shards and
+    live shards of the same dtype (live shards are cast in bounded buckets when the shadow
+    dtype differs) and ``num_updates`` as a 0-d integer tensor on the group's device,
+    exactly as ``AveragedModel`` does.
+    """
+
+    def __init__(self, fn: MultiAvgFn) -> None:
+        if not callable(fn):
+            raise TypeError(f"a custom rule must be callable, got {fn!r}")
+        self.fn = fn
+
+    def __repr__(self) -> str:
+        return f"CustomRule({self.name})"
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, CustomRule) and other.fn is self.fn
+
+    def __hash__(self) -> int:
+        return hash(self.fn)
+
+    @property
+    def name(self) -> str:
+        fn = self.fn
+        return f"{getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', type(fn).__name__)}"
+
+    def to_config(self) -> dict[str, Any]:
+        return {"kind": "custom", "name": self.name}
+
+
+def as_rule(rule: Rule | MultiAvgFn) -> Rule:
+    """Accept a built-in rule or a ``multi_avg_fn`` callable."""
+    if isinstance(rule, Rule):
+        return rule
+    if isinstance(rule, Warmup):
+        raise TypeError(f"{rule!r} is a warm-up, not a rule: pass EMA(decay=..., warmup={rule!r})")
+    if callable(rule):
+        return CustomRule(rule)
+    raise TypeError(
+        f"rule must be EMA(...), SWA(), PowerEMA(...) or a multi_avg_fn callable, got {rule!r}"
+    )
+
+
+def rule_from_config(config: Mapping[str, Any]) -> Rule:
+    """Build a built-in rule from ``Rule.to_config()`` output (or the same dict from YAML)."""
+    kind = config.get("kind")
+    if kind == "ema":
+        warmup = config.get("warmup")
+        return EMA(
+            decay=config.get("decay"),
+            half_life=config.get("half_life"),
+            warmup=None if warmup is None else warmup_from_config(warmup),
+        )
+    if kind == "swa":
+        return SWA()
+    if kind == "power_ema":
+        return PowerEMA(gamma=config.get("gamma"), sigma_rel=config.get("sigma_rel"))
+    if kind == "custom":
+        raise ValueError(
+            f"rule {config.get('name')!r} is a custom callable: it cannot be rebuilt from its "
+            "config; pass the callable itself"
+        )
+    raise ValueError(f"unknown rule kind {kind!r}; expected 'ema', 'swa' or 'power_ema'")

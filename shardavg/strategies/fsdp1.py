@@ -1,0 +1,94 @@
+"""FSDP1 (``FullyShardedDataParallel``), with ``use_orig_params`` True or False.
+
+Each FSDP unit flattens its parameters into one flat parameter and gives every rank an equal
+chunk of it. An original parameter's local view is the slice of this rank's chunk that falls
+inside it (FSDP's own ``_shard_param_infos``), one contiguous range of that parameter.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+from .base import Strategy, TensorInfo, canonical_name
+
+
+def _join(*parts: str) -> str:
+    return ".".join(part for part in parts if part)
+
+
+class FSDP1(Strategy):
+    name = "fsdp1"
+
+    @staticmethod
+    def fits(model: nn.Module) -> bool:
+        return any(isinstance(module, FSDP) for module in model.modules())
+
+    def _units(self) -> list[tuple[str, FSDP]]:
+        return [
+            (canonical_name(path), module)
+            for path, module in self.module.named_modules()
+            if isinstance(module, FSDP) and module._handle is not None
+        ]
+
+    def _scan_params(self) -> list[TensorInfo]:
+        infos: list[TensorInfo] = []
+        self._flat_params = []
+        for prefix, unit in self._units():
+            handle = unit._handle
+            flat = handle.flat_param
+            self._flat_params.append(flat)
+            aliases: dict[str, list[str]] = {}
+            for shared in flat._shared_param_infos:
+                primary = _join(prefix, shared.prim_module_name, shared.prim_param_name)
+                aliases.setdefault(primary, []).append(_join(prefix, shared.module_name, shared.param_name))
+            for index, (fqn, shape, shard) in enumerate(zip(flat._fqns, flat._shapes, flat._shard_param_infos)):
+                name = _join(prefix, canonical_name(fqn))
+                start = shard.intra_param_start_idx if shard.in_shard else 0
+                end = shard.intra_param_end_idx + 1 if shard.in_shard else 0
+                requires_grad = flat._params[index].requires_grad if handle._use_orig_params else flat.requires_grad
+                infos.append(
+                    TensorInfo(
+                        name=name,
+                        aliases=tuple(aliases.get(name, ())),
+                        kind="param",
+                        shape=torch.Size(shape),
+                        dtype=flat.dtype,
+                        requires_grad=requires_grad,
+                        start=start,
+                        end=end,
+                    )
+                )
+        self._shard_ptrs = [self._local_shard(flat).data_ptr() for flat in self._flat_params]
+        self._views = [view for flat in self._flat_params for view in self._slices(flat)]
+        return infos
+
+    @staticmethod
+    def _local_shard(flat: torch.Tensor) -> torch.Tensor:
+        """This rank's chunk; before FSDP's lazy init (the first forward) that is the flat parameter itself."""
+        return getattr(flat, "_local_shard", flat).detach()
+
+    def _slices(self, flat: torch.Tensor) -> list[torch.Tensor]:
+        local = self._local_shard(flat)
+        return [
+            local.narrow(0, shard.offset_in_shard, shard.numel_in_shard) if shard.in_shard else local.narrow(0, 0, 0)
+            for shard in flat._shard_param_infos
+        ]
+
+    def _param_views(self) -> list[torch.Tensor]:
+        ptrs = [self._local_shard(flat).data_ptr() for flat in self._flat_params]
+        if ptrs != self._shard_ptrs:  # FSDP moved a local shard (e.g. to another device): slice again
+            self._views = [view for flat in self._flat_params for view in self._slices(flat)]
+            self._shard_ptrs = ptrs
+        return self._views
+
+    def release_gathered(self) -> None:
+        from torch.distributed.fsdp._runtime_utils import _reshard
+
+        for _, unit in self._units():
+            handle = unit._handle
+            # The root unit (and SHARD_GRAD_OP units) keep their unsharded copy after a forward,
+            # and FSDP reuses it as long as it is allocated: free it.
+            if handle.uses_sharded_strategy and not handle.needs_unshard():
+                _reshard(unit, handle, True)

@@ -1,0 +1,325 @@
+"""Shared pieces of the torchrun scenarios: the test model, one builder per engine, the engines'
+own gathers (the independent reference), a collective counter and plain-torch reference averages.
+
+Scenarios import this module from their own directory (torchrun puts it on ``sys.path``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import json
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+VOCAB, DIM, HIDDEN = 11, 6, 10  # VOCAB rows: not divisible by 2 or 4
+
+
+class Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.up = nn.Linear(DIM, HIDDEN)
+        self.norm = nn.BatchNorm1d(HIDDEN)
+        self.down = nn.Linear(HIDDEN, DIM)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return self.down(torch.relu(self.norm(self.up(h))))
+
+
+class Frozen(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(DIM, DIM)
+        self.proj.requires_grad_(False)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return h + self.proj(h)
+
+
+class TiedNet(nn.Module):
+    """Every awkward case at once: an odd dim 0, a one-element parameter, BatchNorm buffers,
+    a frozen submodule and tied input/output embeddings."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, DIM)
+        self.block = Block()
+        self.gain = nn.Parameter(torch.ones(1))
+        self.frozen = Frozen()
+        self.head = nn.Linear(DIM, VOCAB, bias=False)
+        self.head.weight = self.embed.weight
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        h = self.embed(tokens).mean(1)
+        h = h + self.gain * self.block(h)
+        return self.head(self.frozen(h))
+
+
+def init_distributed(deepspeed: bool = False) -> None:
+    """gloo on CPU with a short timeout, so a stuck collective fails instead of hanging."""
+    timeout = datetime.timedelta(seconds=120)
+    if deepspeed:
+        import deepspeed as ds
+
+        ds.init_distributed(dist_backend="gloo", timeout=timeout)
+    else:
+        dist.init_process_group("gloo", timeout=timeout)
+
+
+def batch(step: int, size: int = 8) -> tuple[torch.Tensor, torch.Tensor]:
+    """This rank's batch for ``step``: each rank sees its own data, as in data-parallel training."""
+    generator = torch.Generator().manual_seed(1000 * step + dist.get_rank())
+    tokens = torch.randint(0, VOCAB, (size, 5), generator=generator)
+    return tokens, torch.randint(0, VOCAB, (size,), generator=generator)
+
+
+def probe_tokens() -> torch.Tensor:
+    return torch.randint(0, VOCAB, (4, 5), generator=torch.Generator().manual_seed(7))
+
+
+# ----------------------------------------------------------------------------- engines
+
+
+@dataclass
+class Engine:
+    """A wrapped model, how to train it one step, and how to gather its live weights (its own API)."""
+
+    name: str
+    model: nn.Module  # what the user hands to WeightAverager
+    step: Callable[[int], None]
+    gather_live: Callable[[], dict[str, torch.Tensor]]  # full live params and buffers, every rank
+    local_param_numels: Callable[[], dict[str, int]]  # elements of each trainable param's local shard
+    forward: Callable[[torch.Tensor], torch.Tensor]
+    dtype: torch.dtype
+    extra: dict = field(default_factory=dict)
+
+
+def _buffers(module: nn.Module) -> dict[str, torch.Tensor]:
+    from shardavg.strategies.base import canonical_name
+
+    return {canonical_name(n): b.detach().clone() for n, b in module.named_buffers()}
+
+
+def _sgd_step(model: nn.Module, optimizer: torch.optim.Optimizer, step: int, forward=None) -> None:
+    tokens, targets = batch(step)
+    loss = nn.functional.cross_entropy((forward or model)(tokens).float(), targets)
+    optimizer.zero_grad()
+    loss.backward()
+    optimizer.step()
+
+
+def _optimizer(params) -> torch.optim.Optimizer:
+    return torch.optim.SGD([p for p in params if p.requires_grad], lr=0.2, momentum=0.9)
+
+
+def build_ddp(dtype: torch.dtype) -> Engine:
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    torch.manual_seed(0)
+    plain = TiedNet().to(dtype)
+    model = DDP(plain, broadcast_buffers=False)  # each rank keeps its own BatchNorm statistics
+    optimizer = _optimizer(model.parameters())
+    return Engine(
+        name=f"ddp-{str(dtype)[6:]}",
+        model=model,
+        step=lambda step: _sgd_step(model, optimizer, step),
+        gather_live=lambda: {n: p.detach().clone() for n, p in plain.named_parameters()} | _buffers(plain),
+        local_param_numels=lambda: {n: p.numel() for n, p in plain.named_parameters() if p.requires_grad},
+        forward=model,
+        dtype=dtype,
+    )
+
+
+def build_fsdp2(dtype: torch.dtype) -> Engine:
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(0)
+    model = TiedNet().to(dtype)
+    fully_shard(model.block)
+    fully_shard(model.frozen)
+    fully_shard(model)
+    optimizer = _optimizer(model.parameters())
+
+    def gather_live() -> dict[str, torch.Tensor]:
+        model.reshard()  # after a forward the root keeps unsharded parameters registered
+        return {n: p.full_tensor().detach().clone() for n, p in model.named_parameters()} | _buffers(model)
+
+    return Engine(
+        name=f"fsdp2-{str(dtype)[6:]}",
+        model=model,
+        step=lambda step: _sgd_step(model, optimizer, step),
+        gather_live=gather_live,
+        local_param_numels=lambda: {n: p.to_local().numel() for n, p in model.named_parameters() if p.requires_grad},
+        forward=model,
+        dtype=dtype,
+    )
+
+
+def build_fsdp1(dtype: torch.dtype, use_orig_params: bool) -> Engine:
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+    from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+
+    from shardavg.strategies.base import canonical_name
+
+    torch.manual_seed(0)
+    model = FSDP(
+        TiedNet().to(dtype),
+        auto_wrap_policy=ModuleWrapPolicy({Block, Frozen}),
+        use_orig_params=use_orig_params,
+        device_id=torch.device("cpu"),
+    )
+    optimizer = _optimizer(model.parameters())
+
+    def gather_live() -> dict[str, torch.Tensor]:
+        with FSDP.summon_full_params(model, writeback=False):
+            params = {canonical_name(n): p.detach().clone() for n, p in model.named_parameters()}
+        return params | _buffers(model)
+
+    def local_param_numels() -> dict[str, int]:
+        if use_orig_params:  # outside forward the original parameters are this rank's 1-D slices
+            return {canonical_name(n): p.numel() for n, p in model.named_parameters() if p.requires_grad}
+        return {  # one flat parameter per unit; its padding is not a parameter's
+            canonical_name(n): p._local_shard.numel() - p._shard_numel_padded
+            for n, p in model.named_parameters()
+            if p.requires_grad
+        }
+
+    return Engine(
+        name=f"fsdp1-{'orig' if use_orig_params else 'flat'}-{str(dtype)[6:]}",
+        model=model,
+        step=lambda step: _sgd_step(model, optimizer, step),
+        gather_live=gather_live,
+        local_param_numels=local_param_numels,
+        forward=model,
+        dtype=dtype,
+    )
+
+
+def build_zero3(dtype: torch.dtype, persistence_threshold: int | None, via_zero_init: bool) -> Engine:
+    """A ZeRO-3 engine; with ``via_zero_init`` the averager gets the bare module partitioned by zero.Init."""
+    import deepspeed
+
+    zero: dict = {"stage": 3}
+    if persistence_threshold is not None:
+        zero["stage3_param_persistence_threshold"] = persistence_threshold
+    config = {
+        "train_micro_batch_size_per_gpu": 8,
+        "gradient_accumulation_steps": 1,
+        "zero_optimization": zero,
+        "zero_allow_untested_optimizer": True,
+        "bf16": {"enabled": dtype == torch.bfloat16},
+    }
+    torch.manual_seed(0)
+    if via_zero_init:
+        with deepspeed.zero.Init(config_dict_or_path=config, dtype=dtype):
+            module = TiedNet()
+    else:
+        module = TiedNet().to(dtype)  # buffers too: DeepSpeed's bf16 mode casts parameters only
+    optimizer = _optimizer(module.parameters())
+    engine, _, _, _ = deepspeed.initialize(model=module, optimizer=optimizer, config=config)
+
+    def step(index: int) -> None:
+        tokens, targets = batch(index)
+        loss = nn.functional.cross_entropy(engine(tokens).float(), targets)
+        engine.backward(loss)
+        engine.step()
+
+    def gather_live() -> dict[str, torch.Tensor]:
+        params = dict(engine.module.named_parameters())
+        with deepspeed.zero.GatheredParameters(list(params.values())):
+            gathered = {n: p.detach().clone() for n, p in params.items()}
+        return gathered | _buffers(engine.module)
+
+    threshold = "default" if persistence_threshold is None else persistence_threshold
+    return Engine(
+        name=f"zero3-{'init' if via_zero_init else 'engine'}-persist{threshold}-{str(dtype)[6:]}",
+        model=module if via_zero_init else engine,
+        step=step,
+        gather_live=gather_live,
+        local_param_numels=lambda: {
+            n: p.ds_tensor.numel() for n, p in engine.module.named_parameters() if p.requires_grad
+        },
+        forward=engine,
+        dtype=dtype,
+    )
+
+
+# ----------------------------------------------------------------------------- checks
+
+
+class CollectiveCount:
+    """Counts the c10d collectives and point-to-point ops issued inside ``with counter:``."""
+
+    def __enter__(self) -> CollectiveCount:
+        self._profile = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU])
+        self._profile.__enter__()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._profile.__exit__(*exc)
+        self.names = [e.name for e in self._profile.events() if e.name.startswith(("c10d::", "gloo:"))]
+
+    @property
+    def count(self) -> int:
+        return len(self.names)
+
+
+@contextlib.contextmanager
+def expect_raises(kind: type[BaseException], *fragments: str) -> Iterator[None]:
+    """Like pytest.raises(match=...) for scenario scripts: the message must hold every fragment."""
+    try:
+        yield
+    except kind as error:
+        message = str(error)
+        missing = [f for f in fragments if f not in message]
+        assert not missing, f"{kind.__name__} message {message!r} lacks {missing}"
+    else:
+        raise AssertionError(f"expected {kind.__name__} mentioning {fragments}")
+
+
+class PlainAverage:
+    """The same rule in plain torch: a dict of fp32 tensors, lerped one by one."""
+
+    def __init__(
+        self,
+        weight: Callable[[int], float],
+        *,
+        every_n_steps: int = 1,
+        start_step: int = 0,
+        average_buffers: bool = False,
+        include_frozen: bool = False,
+    ) -> None:
+        self.weight, self.every, self.start = weight, every_n_steps, start_step
+        self.average_buffers, self.include_frozen = average_buffers, include_frozen
+        self.state: dict[str, torch.Tensor] = {}
+        self.num_updates = 0
+
+    def update(self, step: int, live: dict[str, torch.Tensor], frozen: set[str], buffers: set[str]) -> None:
+        if step < self.start or (step - self.start) % self.every:
+            return
+        for name, value in live.items():
+            averaged = (name not in buffers and (name not in frozen or self.include_frozen)) or (
+                name in buffers and self.average_buffers and value.is_floating_point()
+            )
+            if self.num_updates == 0 or not averaged:
+                self.state[name] = value.clone()
+            else:
+                self.state[name].lerp_(value, self.weight(self.num_updates))
+        self.num_updates += 1
+
+
+def edm2_gamma(sigma_rel: float) -> float:
+    """EDM2's own conversion (``std_to_exp``), written independently of shardavg."""
+    import numpy as np
+
+    tmp = sigma_rel**-2
+    return float(np.roots([1, 7, 16 - tmp, 12 - tmp]).real.max())
+
+
+def report(kind: str, payload: dict) -> None:
+    """One machine-readable line the pytest driver collects."""
+    print(f"SHARDAVG_{kind} {json.dumps(payload, sort_keys=True)}", flush=True)

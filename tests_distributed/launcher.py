@@ -1,0 +1,42 @@
+"""Run a scenario under torchrun with a hard timeout, and read back what it reported."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+
+
+@dataclass
+class Launch:
+    returncode: int
+    output: str
+
+    def reports(self, kind: str) -> list[dict]:
+        prefix = f"SHARDAVG_{kind} "
+        return [json.loads(line[len(prefix) :]) for line in self.output.splitlines() if line.startswith(prefix)]
+
+
+def torchrun(script: str, nproc: int, *args: str, timeout: float = 300) -> Launch:
+    """Launch ``script`` on ``nproc`` CPU ranks; on timeout kill the whole process group and fail."""
+    command = [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+        str(HERE / script), *args,
+    ]  # fmt: skip
+    env = os.environ | {"OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu", "PYTHONUNBUFFERED": "1"}
+    process = subprocess.Popen(
+        command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, start_new_session=True
+    )
+    try:
+        output, _ = process.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        output, _ = process.communicate()
+        raise AssertionError(f"{script} on {nproc} ranks timed out after {timeout}s:\n{output[-20000:]}") from None
+    return Launch(process.returncode, output)

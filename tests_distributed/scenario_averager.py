@@ -1,0 +1,251 @@
+"""torchrun scenario: every rule and policy of WeightAverager on one engine, against references.
+
+    torchrun --standalone --nproc_per_node N tests_distributed/scenario_averager.py ENGINE
+
+ENGINE is replicated (DDP), fsdp2, fsdp1 or zero3. For each configuration of that engine
+(dtypes, FSDP1's use_orig_params, ZeRO-3's persistence threshold and zero.Init) it trains
+the model for real, keeps several averagers at once and, after the run, checks each against
+a reference average computed in the same run from the live weights gathered by the engine's
+own API: bitwise for fp32, within fp32 rounding for bf16 live weights.
+"""
+
+from __future__ import annotations
+
+import copy
+import sys
+import warnings
+
+import harness
+import torch
+import torch.distributed as dist
+from harness import Engine, PlainAverage, TiedNet, expect_raises
+from torch.distributed.elastic.multiprocessing.errors import record
+from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
+
+import shardavg
+from shardavg import EMA, SWA, InverseGammaWarmup, PowerEMA, RatioWarmup, StrategyError, WeightAverager
+
+STEPS, SWAP_AT = 24, 12
+
+
+def configurations(engine: str) -> list:
+    bf16, fp32 = torch.bfloat16, torch.float32
+    if engine == "replicated":
+        return [lambda: harness.build_ddp(fp32), lambda: harness.build_ddp(bf16)]
+    if engine == "fsdp2":
+        return [lambda: harness.build_fsdp2(fp32), lambda: harness.build_fsdp2(bf16)]
+    if engine == "fsdp1":
+        return [lambda d=d, o=o: harness.build_fsdp1(d, o) for d in (fp32, bf16) for o in (True, False)]
+    if engine == "zero3":
+        return [
+            lambda: harness.build_zero3(fp32, None, via_zero_init=False),  # small params persist whole
+            lambda: harness.build_zero3(fp32, 0, via_zero_init=False),  # everything partitioned
+            lambda: harness.build_zero3(bf16, 0, via_zero_init=False),
+            lambda: harness.build_zero3(fp32, 0, via_zero_init=True),
+        ]
+    raise SystemExit(f"unknown engine {engine!r}")
+
+
+def variants() -> dict[str, tuple[dict, object]]:
+    """name -> (WeightAverager kwargs, reference): AveragedModel multi_avg_fn or a PlainAverage."""
+    gamma = harness.edm2_gamma(0.1)
+    half_life_decay = 0.5 ** (1 / 4)
+    return {
+        "ema": ({"rule": EMA(decay=0.9)}, get_ema_multi_avg_fn(0.9)),
+        "ema_inverse_gamma": (
+            {"rule": EMA(decay=0.95, warmup=InverseGammaWarmup(inv_gamma=1.0, power=0.75))},
+            PlainAverage(lambda n: 1 - min(0.95, 1 - (1 + n / 1.0) ** -0.75)),
+        ),
+        "ema_half_life_ratio": (
+            {"rule": EMA(half_life=4, warmup=RatioWarmup())},
+            PlainAverage(lambda n: 1 - min(half_life_decay, (1 + n) / (10 + n))),
+        ),
+        "swa_every3_from5": (
+            {"rule": SWA(), "every_n_steps": 3, "start_step": 5},
+            PlainAverage(lambda n: 1 / (n + 1), every_n_steps=3, start_step=5),
+        ),
+        "power_ema": ({"rule": PowerEMA(sigma_rel=0.1)}, PlainAverage(lambda n: 1 - (1 - 1 / (n + 1)) ** (gamma + 1))),
+        "custom_multi_avg_fn": ({"rule": get_ema_multi_avg_fn(0.8)}, get_ema_multi_avg_fn(0.8)),
+        "average_buffers_and_frozen": (
+            {"rule": EMA(decay=0.9), "buffers": "average", "include_frozen": True},
+            PlainAverage(lambda n: 1 - 0.9, average_buffers=True, include_frozen=True),
+        ),
+    }
+
+
+def load_live(module: torch.nn.Module, live: dict[str, torch.Tensor]) -> None:
+    with torch.no_grad():
+        for name, tensor in list(module.named_parameters()) + list(module.named_buffers()):
+            tensor.copy_(live[name])
+
+
+def reference_state(reference: object) -> dict[str, torch.Tensor]:
+    if isinstance(reference, AveragedModel):
+        return {k: v.clone() for k, v in reference.module.state_dict().items()}
+    state = dict(reference.state)
+    state["head.weight"] = state["embed.weight"]  # tied: the plain state_dict has both names
+    return state
+
+
+def check_average(label: str, got: dict, want: dict, averaged: set[str], live_dtype: torch.dtype, exact: bool) -> None:
+    plain_names = set(TiedNet().state_dict())
+    assert set(got) == plain_names, f"{label}: names differ from the plain model: {set(got) ^ plain_names}"
+    for name, expected in want.items():
+        value = got[name]
+        if name in averaged:
+            assert value.dtype == torch.float32, f"{label}: {name} is {value.dtype}, expected an fp32 average"
+            if exact:
+                assert torch.equal(value, expected), f"{label}: {name} differs: max {(value - expected).abs().max()}"
+            else:
+                torch.testing.assert_close(value, expected, rtol=1e-5, atol=1e-6, msg=lambda m: f"{label}: {name}: {m}")
+        else:  # live values (frozen parameters, copied buffers) keep the live dtype and are exact
+            if value.is_floating_point():
+                assert value.dtype == live_dtype, f"{label}: {name} is {value.dtype}, expected live {live_dtype}"
+            assert torch.equal(value.float(), expected.float()), f"{label}: {name} is not the live value"
+    TiedNet().load_state_dict(got, strict=True)
+
+
+class _Boom(Exception):
+    pass
+
+
+def check_swapped(engine: Engine, averager: WeightAverager, averaged: dict[str, torch.Tensor]) -> None:
+    """The forward inside swapped() is the reference average's; the live weights come back bit for bit."""
+    tokens = harness.probe_tokens()
+    engine.model.eval()
+    before = engine.gather_live()
+    with torch.no_grad(), averager.swapped():
+        out = engine.forward(tokens)
+    reference = TiedNet()
+    reference.load_state_dict(averaged)
+    want = reference.to(engine.dtype).eval()(tokens)
+    tolerance = {"rtol": 1e-6, "atol": 1e-6} if engine.dtype == torch.float32 else {"rtol": 2e-2, "atol": 2e-2}
+    torch.testing.assert_close(out, want, **tolerance, msg=lambda m: f"{engine.name}: swapped forward: {m}")
+    with torch.no_grad():
+        assert not torch.equal(out, engine.forward(tokens)), "the swapped forward used the live weights"
+    after = engine.gather_live()
+    for name in before:
+        assert torch.equal(before[name], after[name]), f"{engine.name}: {name} not restored after swapped()"
+    try:
+        with torch.no_grad(), averager.swapped():
+            engine.forward(tokens)
+            raise _Boom
+    except _Boom:
+        pass
+    after_error = engine.gather_live()
+    for name in before:
+        assert torch.equal(before[name], after_error[name]), f"{engine.name}: {name} not restored after an error"
+    engine.model.train()
+
+
+def check_bad_strategies(engine: Engine, expected: str) -> None:
+    for other in shardavg.strategies.STRATEGIES:
+        if other != expected:
+            with expect_raises(StrategyError, f"strategy {other!r} does not fit", repr(expected)):
+                WeightAverager(engine.model, strategy=other)
+    with expect_raises(StrategyError, "unknown strategy 'fsdp3'"):
+        WeightAverager(engine.model, strategy="fsdp3")
+
+
+def check_nonfinite_on_one_rank(engine: Engine) -> None:
+    """A NaN in rank 1's shard: 'raise' names it there, 'skip' skips there, and the export refuses to mix."""
+    averagers = {policy: WeightAverager(engine.model, EMA(decay=0.9), on_nonfinite=policy) for policy in ("raise", "skip")}
+    for averager in averagers.values():
+        averager.update()
+    with torch.no_grad():
+        local = engine.model.block.up.weight.to_local()
+    saved = local.clone()
+    if dist.get_rank() == 1:
+        local.view(-1)[0] = float("nan")
+        with expect_raises(shardavg.NonFiniteError, "block.up.weight", "rank 1"):
+            averagers["raise"].update()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            assert averagers["skip"].update() is False
+        assert any("block.up.weight" in str(w.message) for w in caught), [str(w.message) for w in caught]
+        local.copy_(saved)
+    else:
+        assert averagers["skip"].update() is True
+    with expect_raises(RuntimeError, "ranks disagree on the number of updates"):
+        averagers["skip"].full_state_dict()
+
+
+@record
+def main() -> None:
+    engine_kind = sys.argv[1]
+    harness.init_distributed(deepspeed=engine_kind == "zero3")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    with harness.CollectiveCount() as sanity:
+        dist.all_reduce(torch.ones(1))
+    assert sanity.count >= 1, "the collective counter does not see collectives"
+
+    for build in configurations(engine_kind):
+        engine = build()
+        check_bad_strategies(engine, engine_kind)
+        live = engine.gather_live()
+        frozen = {n for n, p in TiedNet().named_parameters() if not p.requires_grad}
+        buffer_names = {n for n, _ in TiedNet().named_buffers()}
+        plain = TiedNet()
+        averagers, references = {}, {}
+        for name, (kwargs, reference) in variants().items():
+            averagers[name] = WeightAverager(engine.model, **kwargs)
+            assert averagers[name].strategy.name == engine_kind, averagers[name].strategy.name
+            references[name] = AveragedModel(plain, multi_avg_fn=reference) if callable(reference) else reference
+        collectives: list[str] = []
+        for step in range(1, STEPS + 1):
+            engine.step(step)
+            with harness.CollectiveCount() as count:
+                for averager in averagers.values():
+                    averager.update()
+            collectives += count.names
+            live = {n: t.float() if t.is_floating_point() else t for n, t in engine.gather_live().items()}
+            load_live(plain, live)
+            for reference in references.values():
+                if isinstance(reference, AveragedModel):
+                    reference.update_parameters(plain)
+                else:
+                    reference.update(step, live, frozen, buffer_names)
+            if step == SWAP_AT:
+                check_swapped(engine, averagers["ema"], reference_state(references["ema"]))
+        assert not collectives, f"{engine.name}: update() issued collectives: {collectives}"
+
+        for name, averager in averagers.items():
+            got = averager.full_state_dict()
+            assert (got == {}) == (rank != 0), f"{name}: full_state_dict() on rank {rank} has {len(got)} entries"
+            reference = references[name]
+            want_updates = reference.n_averaged.item() if isinstance(reference, AveragedModel) else reference.num_updates
+            assert averager.num_updates == want_updates, f"{name}: {averager.num_updates} updates, want {want_updates}"
+            if rank == 0:
+                kwargs = variants()[name][0]
+                averaged = {n for n in TiedNet().state_dict() if n not in buffer_names and n not in frozen}
+                if kwargs.get("include_frozen"):
+                    averaged |= frozen
+                if kwargs.get("buffers") == "average":
+                    averaged |= {n for n, b in TiedNet().named_buffers() if b.is_floating_point()}
+                exact = engine.dtype == torch.float32 or name == "custom_multi_avg_fn"
+                check_average(f"{engine.name}/{name}", got, reference_state(references[name]), averaged, engine.dtype, exact)
+
+        ema = averagers["ema"]
+        buffers_bytes = sum(b.nbytes for n, b in engine.gather_live().items() if n in buffer_names)
+        local_numel = sum(engine.local_param_numels().values())
+        expected = local_numel * 4 + buffers_bytes
+        assert ema.shadow_bytes() == expected, f"{engine.name}: shadow bytes {ema.shadow_bytes()} != {expected}"
+        full = engine.gather_live()
+        model_bytes = sum(t.nbytes for n, t in full.items())
+        per_rank = [None] * world
+        dist.all_gather_object(per_rank, ema.shadow_bytes())
+        if rank == 0:
+            harness.report(
+                "BYTES",
+                {"config": engine.name, "world_size": world, "shadow_bytes_per_rank": per_rank, "model_bytes": model_bytes},
+            )
+        if engine_kind == "fsdp2" and world > 1 and engine.dtype == torch.float32:
+            check_nonfinite_on_one_rank(engine)
+        dist.barrier()
+    if rank == 0:
+        harness.report("DONE", {"engine": engine_kind, "world_size": world})
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
