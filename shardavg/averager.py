@@ -387,10 +387,9 @@ class WeightAverager:
             self._rebind(live)
 
     def _piece(self, index: int) -> torch.Tensor:
-        """This rank's part of tensor ``index``: averaged, or live for tensors not stored."""
-        info = self._infos[index]
+        """This rank's part of tensor ``index``, flat: averaged, or live for tensors not stored."""
         source = self._shadows[index] if self._shadows[index] is not None else self._live[index]
-        return source.detach().reshape(-1)[: info.end - info.start]
+        return source.detach().reshape(-1)
 
     def _check_ranks_agree(self) -> None:
         if not distributed():

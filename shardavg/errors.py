@@ -17,3 +17,7 @@ class NonFiniteError(FloatingPointError):
 
 class LayoutError(RuntimeError):
     """Ranks disagree on the tracked tensors, or their shards do not tile a tensor."""
+
+
+class CheckpointError(ValueError):
+    """A checkpoint is missing, never committed, corrupt, not ours or of another model; the message names it."""

@@ -240,8 +240,10 @@ def build_zero3(dtype: torch.dtype, persistence_threshold: int | None, via_zero_
         model=module if via_zero_init else engine,
         step=step,
         gather_live=gather_live,
-        local_param_numels=lambda: {
-            n: p.ds_tensor.numel() for n, p in engine.module.named_parameters() if p.requires_grad
+        local_param_numels=lambda: {  # the partition without its padding
+            n: max(0, min(p.ds_tensor.numel(), p.ds_numel - dist.get_rank() * p.ds_tensor.numel()))
+            for n, p in engine.module.named_parameters()
+            if p.requires_grad
         },
         forward=engine,
         dtype=dtype,

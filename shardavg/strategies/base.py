@@ -3,8 +3,8 @@
 An adapter lists each tensor of the plain (unwrapped) model once, as a ``TensorInfo``: its
 canonical name and aliases, global shape and dtype, and the part ``[start, end)`` of the
 flattened global tensor that this rank's *local view* covers. The local view is a tensor the
-engine already owns (a DTensor's local shard, a ZeRO-3 partition, a slice of an FSDP1 flat
-parameter, or the tensor itself); its first ``end - start`` flattened elements are that part.
+engine already owns (a DTensor's local shard, the real part of a ZeRO-3 partition, a slice of
+an FSDP1 flat parameter, or the tensor itself) with exactly ``end - start`` elements.
 Everything else (averaging, swapping, gathering, checkpoints) is built on these two answers.
 """
 

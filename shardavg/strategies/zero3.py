@@ -2,8 +2,8 @@
 
 ZeRO-3 flattens a parameter, pads it to a multiple of the partition count and gives rank
 ``r`` elements ``[r * p, (r + 1) * p)`` of it (``p`` = the partition size). The local view is
-``ds_tensor`` itself, padding included: its first ``end - start`` elements are real. Works for
-a ``DeepSpeedEngine`` and for a module partitioned by ``deepspeed.zero.Init``.
+the real (unpadded) head of ``ds_tensor``: the padding is uninitialised memory. Works for a
+``DeepSpeedEngine`` and for a module partitioned by ``deepspeed.zero.Init``.
 """
 
 from __future__ import annotations
@@ -50,10 +50,19 @@ class Zero3(Strategy):
     def _scan_params(self) -> list[TensorInfo]:
         groups = grouped_by_identity(self.module.named_parameters(remove_duplicate=False))
         self._params = [tensor for _, tensor in groups]
-        return [_partition_info(names, tensor) for names, tensor in groups]
+        infos = [_partition_info(names, tensor) for names, tensor in groups]
+        self._lengths = [info.end - info.start for info in infos]
+        self._slice()
+        return infos
+
+    def _slice(self) -> None:
+        self._partition_ptrs = [p.ds_tensor.data_ptr() for p in self._params]
+        self._views = [p.ds_tensor.detach().narrow(0, 0, n) for p, n in zip(self._params, self._lengths)]
 
     def _param_views(self) -> list[torch.Tensor]:
-        return [p.ds_tensor for p in self._params]
+        if [p.ds_tensor.data_ptr() for p in self._params] != self._partition_ptrs:
+            self._slice()  # DeepSpeed re-allocated partitions (e.g. when building its optimizer)
+        return self._views
 
     def release_gathered(self) -> None:
         from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
