@@ -1,7 +1,7 @@
 """shardavg: shard-local weight averaging (EMA, SWA, power-function EMA) for distributed training."""
 
 from .averager import WeightAverager
-from .errors import LayoutError, ModelChangedError, NonFiniteError, StrategyError
+from .errors import CheckpointError, LayoutError, ModelChangedError, NonFiniteError, StrategyError
 from .rules import (
     EMA,
     SWA,
@@ -19,6 +19,7 @@ __version__ = "0.1.0"
 __all__ = [
     "EMA",
     "SWA",
+    "CheckpointError",
     "CustomRule",
     "InverseGammaWarmup",
     "LayoutError",

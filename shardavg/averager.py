@@ -11,74 +11,30 @@ from __future__ import annotations
 
 import contextlib
 import operator
+import os
 import warnings
 import weakref
 from collections.abc import Iterator
-from dataclasses import dataclass, field
-from typing import Literal
+from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
+from . import checkpoint, stateful
 from ._logging import log
 from .errors import ModelChangedError, NonFiniteError
-from .layout import ShardLayout, distributed, iter_gathered, rank
+from .export import export as export_model
+from .layout import DEFAULT_BUCKET_BYTES, ShardLayout, distributed, iter_gathered, rank
 from .rules import EMA, LerpRule, MultiAvgFn, Rule, as_rule
 from .strategies import make_strategy
 from .strategies.base import TensorInfo
+from .update import Role, UpdateGroup, apply_custom, copy, group_tensors, groups_current, lerp, nonfinite
 
-Role = Literal["average", "copy", "live"]  # averaged; copied at each update; not stored (live value exported)
 BUFFER_POLICIES = ("copy", "average", "ignore")
 NONFINITE_POLICIES = ("raise", "skip")
-STAGING_BYTES = 64 * 2**20  # bound on temporary copies of live shards (offload, dtype casts)
-
-
-_DTYPE_DEVICE = operator.attrgetter("dtype", "device")
-
-
-@dataclass
-class _Group:
-    """Tensors updated by the same fused calls: one role, shadow device and dtype, live dtype and device."""
-
-    role: Role
-    live_key: tuple[torch.dtype, torch.device]
-    indices: list[int] = field(default_factory=list)
-    shadows: list[torch.Tensor] = field(default_factory=list)
-    lives: list[torch.Tensor] = field(default_factory=list)
-
-    @property
-    def converts_device(self) -> bool:
-        return self.shadows[0].device != self.lives[0].device
-
-
-def _any_nonfinite(tensors: list[torch.Tensor]) -> torch.Tensor:
-    """0-d bool on the tensors' device: does any element hold NaN or infinity?
-
-    One fused norm per group: any NaN or infinity makes it non-finite. Finite tensors only
-    do so by overflow (values above ~1e19), which the exact check after a positive answer clears.
-    """
-    accumulate = torch.promote_types(tensors[0].dtype, torch.float32)
-    norms = torch._foreach_norm(tensors, 2, dtype=accumulate)
-    return ~torch.stack(norms).isfinite().all()
-
-
-def _staged(group: _Group, dtype: torch.dtype | None) -> Iterator[tuple[list[torch.Tensor], list[torch.Tensor]]]:
-    """(shadows, lives) pairs with the lives on the shadows' device (and ``dtype``), in bounded buckets."""
-    if not group.converts_device and dtype in (None, group.lives[0].dtype):
-        yield group.shadows, group.lives
-        return
-    device = group.shadows[0].device
-    start = 0
-    while start < len(group.lives):
-        stop, size = start, 0
-        while stop < len(group.lives) and (stop == start or size + group.lives[stop].nbytes <= STAGING_BYTES):
-            size += group.lives[stop].nbytes
-            stop += 1
-        lives = [live.to(device=device, dtype=dtype) for live in group.lives[start:stop]]
-        yield group.shadows[start:stop], lives
-        start = stop
-
+DEFAULT_RULE = EMA(decay=0.999)
 
 # Parameter, buffer and submodule registrations on a watched model mark its averagers for a
 # full structure check at their next update (replacing `model.fc` or `model.fc.weight`).
@@ -124,12 +80,17 @@ class WeightAverager:
             are exported with their live values).
         on_nonfinite: ``"raise"`` (default) or ``"skip"`` (warn and leave the average
             untouched) when a live weight holds NaN or infinity.
+
+    ``gather_bucket_bytes`` bounds what a gather (``full_state_dict``, ``copy_to``,
+    ``export``) holds at once on a receiving rank, beyond the largest single tensor.
     """
+
+    gather_bucket_bytes: int = DEFAULT_BUCKET_BYTES
 
     def __init__(
         self,
         model: nn.Module,
-        rule: Rule | MultiAvgFn = EMA(decay=0.999),
+        rule: Rule | MultiAvgFn = DEFAULT_RULE,
         *,
         strategy: str = "auto",
         every_n_steps: int = 1,
@@ -165,16 +126,21 @@ class WeightAverager:
         self.num_skipped = 0  # updates skipped for non-finite live weights
         self._counters: dict[torch.device, torch.Tensor] = {}  # num_updates on each device, for custom rules
         self._swapped = False
+        self._meshes: dict[str, Any] = {}  # device type -> DeviceMesh over all ranks, for state_dict()
 
         self._infos = self.strategy.tensors()
         self._live = self.strategy.local_views()
         self._roles = [self._role(info) for info in self._infos]
         self.layout = ShardLayout.build(self._infos)
         self._shadows = [self._allocate(index) for index in range(len(self._infos))]
-        narrowed = [i.name for i, s, v in zip(self._infos, self._shadows, self._live) if s is not None and s.dtype.itemsize < v.dtype.itemsize]
+        narrowed = [
+            i.name
+            for i, s, v in zip(self._infos, self._shadows, self._live)
+            if s is not None and s.dtype.itemsize < v.dtype.itemsize
+        ]
         if narrowed:
             warnings.warn(f"{len(narrowed)} shadows are {self.dtype}, below their live dtype: {narrowed}", stacklevel=2)
-        self._groups = self._group()
+        self._groups = group_tensors(self._roles, self._shadows, self._live)
         self._module_ids = {id(module) for module in self.strategy.model.modules()}
         self._structure_dirty = False
         _watch(self)
@@ -208,18 +174,6 @@ class WeightAverager:
         pin = device.type == "cpu" and live.device.type == "cuda"
         return torch.empty(live.shape, dtype=dtype, device=device, pin_memory=pin)
 
-    def _group(self) -> list[_Group]:
-        groups: dict[tuple, _Group] = {}
-        for index, (role, shadow) in enumerate(zip(self._roles, self._shadows)):
-            if shadow is None:
-                continue
-            live = self._live[index]
-            group = groups.setdefault((role, shadow.device, shadow.dtype, live.dtype, live.device), _Group(role, _DTYPE_DEVICE(live)))
-            group.indices.append(index)
-            group.shadows.append(shadow)
-            group.lives.append(live)
-        return list(groups.values())
-
     # ------------------------------------------------------------------ live views
 
     def _rebind(self, live: list[torch.Tensor]) -> None:
@@ -237,7 +191,7 @@ class WeightAverager:
                 if shadow is not None and shadow.device != live[index].device:
                     self._shadows[index] = shadow.to(live[index].device)
         self._live = live
-        self._groups = self._group()
+        self._groups = group_tensors(self._roles, self._shadows, self._live)
 
     def _verify_structure(self) -> None:
         """Rescan the model; raise ``ModelChangedError`` naming what differs from construction time."""
@@ -272,8 +226,7 @@ class WeightAverager:
             self._verify_structure()
             return
         live = self.strategy.local_views()
-        same_views = all(map(operator.is_, live, self._live))
-        if not same_views or any(set(map(_DTYPE_DEVICE, g.lives)) != {g.live_key} for g in self._groups):
+        if not all(map(operator.is_, live, self._live)) or not groups_current(self._groups):
             self._rebind(live)
 
     # ------------------------------------------------------------------ update
@@ -303,41 +256,23 @@ class WeightAverager:
     def _apply(self) -> None:
         for group in self._groups:
             if self.num_updates == 0 or group.role == "copy":
-                torch._foreach_copy_(group.shadows, group.lives)
+                copy(group)
             elif isinstance(self.rule, LerpRule):
-                self._lerp(group, self.rule.weight(self.num_updates))
+                lerp(group, self.rule.weight(self.num_updates))
             else:
-                self._custom(group)
+                apply_custom(group, self.rule.fn, self._counter(group))  # type: ignore[attr-defined]
 
-    @staticmethod
-    def _lerp(group: _Group, weight: float) -> None:
-        for shadows, lives in _staged(group, dtype=None):
-            if shadows[0].dtype == lives[0].dtype:  # bitwise as AveragedModel's EMA
-                torch._foreach_lerp_(shadows, lives, weight)
-            else:  # lerp refuses mixed dtypes; this is 4x faster than casting the lives first
-                torch._foreach_mul_(shadows, 1.0 - weight)
-                torch._foreach_add_(shadows, lives, alpha=weight)
-
-    def _custom(self, group: _Group) -> None:
+    def _counter(self, group: UpdateGroup) -> torch.Tensor:
+        """``num_updates`` as a tensor on the group's device, kept there and incremented in place."""
         device = group.shadows[0].device
         if device not in self._counters:
             self._counters[device] = torch.tensor(self.num_updates, device=device)
-        fn = self.rule.fn  # type: ignore[attr-defined]
-        for shadows, lives in _staged(group, dtype=group.shadows[0].dtype):
-            fn(shadows, lives, self._counters[device])
+        return self._counters[device]
 
     def _skip_nonfinite(self) -> bool:
         """Check every live shard the update reads; raise, or warn and return True to skip."""
-        flags = [_any_nonfinite(g.lives) for g in self._groups if g.lives[0].dtype.is_floating_point]
-        if not any(bool(flag) for flag in flags):
-            return False
-        bad = [
-            self._infos[index].name
-            for group in self._groups
-            for index, live in zip(group.indices, group.lives)
-            if live.dtype.is_floating_point and not bool(torch.isfinite(live).all())
-        ]
-        if not bad:  # the screen overflowed on large finite values
+        bad = [self._infos[index].name for index in nonfinite(self._groups)]
+        if not bad:
             return False
         where = f"at step {self.step} on rank {rank()}"
         if self.on_nonfinite == "raise":
@@ -404,12 +339,21 @@ class WeightAverager:
             )
 
     def _gathered(self, dst: int | None) -> Iterator[tuple[TensorInfo, torch.Tensor | None]]:
+        """Collective: check the averager now, then gather full tensors as the iterator is consumed."""
         self._require_updates("gathering the average")
         self._verify_structure()
         self._check_ranks_agree()
         indices = list(range(len(self._infos)))
-        for index, full in iter_gathered(self.layout, self._infos, self._piece, indices, dst=dst):
-            yield self._infos[index], full
+        gathered = iter_gathered(
+            self.layout, self._infos, self._piece, indices, dst=dst, bucket_bytes=self.gather_bucket_bytes
+        )
+
+        def named() -> Iterator[tuple[TensorInfo, torch.Tensor | None]]:
+            for index, full in gathered:
+                yield self._infos[index], full
+                del full  # hold nothing while the next bucket is gathered
+
+        return named()
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Collective: rank 0 gets ``{name: full tensor}`` on CPU, every name of the plain model; others ``{}``.
@@ -446,9 +390,54 @@ class WeightAverager:
                 for name in info.names:
                     target[name].copy_(full)
 
+    # ------------------------------------------------------------------ checkpoints and export
+
+    def state_dict(self) -> dict[str, Any]:
+        """DCP Stateful: put the averager in ``dcp.save({..., "ema": avg})``; collective there.
+
+        Every tensor is the flattened global tensor of which this rank holds its range (a
+        DTensor over ``LocalShardsWrapper``), so ``dcp.load`` reshards to any world size or
+        strategy; ``meta`` is a JSON description (counters, rule, names, shapes).
+        """
+        return stateful.state_dict(self)
+
+    def load_state_dict(self, state_dict: dict[str, Any], strict: bool = True) -> None:
+        """Restore from ``state_dict()`` as filled by ``dcp.load``.
+
+        Names and shapes must match (missing, unexpected and mis-shaped tensors are listed);
+        a different rule raises unless ``strict=False``, which warns. The tensors are read by
+        DCP before this check, straight into the shadows.
+        """
+        stateful.load_state_dict(self, state_dict, strict)
+
+    def save(self, directory: str | os.PathLike, keep_last: int | None = None) -> Path:
+        """Collective: an atomic sharded checkpoint of the averager alone (safetensors + JSON).
+
+        With ``keep_last=K``, saves to ``directory/step-NNNNNNNNN`` and keeps the K newest.
+        """
+        return checkpoint.save(self, directory, keep_last)
+
+    def load(self, directory: str | os.PathLike, strict: bool = True) -> Path:
+        """Collective: restore from ``save``'s checkpoint (or the newest in a ``keep_last`` directory),
+        at any world size and strategy. Returns the checkpoint loaded."""
+        return checkpoint.load(self, directory, strict)
+
+    def export(
+        self, path: str | os.PathLike, max_shard_size: int | str = "5GB", dtype: torch.dtype | None = None
+    ) -> Path:
+        """Collective: write the full average to the directory ``path`` as safetensors (rank 0 writes).
+
+        Gathered a bounded bucket at a time; above ``max_shard_size`` it is split into
+        ``model-0000k-of-0000N.safetensors`` files with ``model.safetensors.index.json``.
+        ``dtype`` casts floating tensors (e.g. ``torch.bfloat16`` for deployment).
+        """
+        return export_model(self, path, max_shard_size, dtype)
+
     def shadow_bytes(self) -> int:
         """Bytes of shadow storage on this rank."""
-        storages = {s.untyped_storage().data_ptr(): s.untyped_storage().nbytes() for s in self._shadows if s is not None}
+        storages = {
+            s.untyped_storage().data_ptr(): s.untyped_storage().nbytes() for s in self._shadows if s is not None
+        }
         return sum(storages.values())
 
     def __repr__(self) -> str:
@@ -456,4 +445,3 @@ class WeightAverager:
             f"WeightAverager(rule={self.rule!r}, strategy={self.strategy.name!r}, tensors={len(self._infos)}, "
             f"num_updates={self.num_updates}, step={self.step})"
         )
-

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from .errors import LayoutError
+from .errors import CheckpointError, LayoutError
 from .strategies.base import TensorInfo
 
 Chunk = tuple[int, int, int]  # (owner rank, start, end) in the flattened global tensor
@@ -38,6 +38,17 @@ def rank() -> int:
 
 def world_size() -> int:
     return dist.get_world_size() if distributed() else 1
+
+
+def agree_or_raise(error: BaseException | None, what: str) -> None:
+    """Collective: raise everywhere if any rank failed, naming the ranks and their errors."""
+    errors = [None if error is None else f"{type(error).__name__}: {error}"]
+    if distributed():
+        errors = [None] * dist.get_world_size()
+        dist.all_gather_object(errors, None if error is None else f"{type(error).__name__}: {error}")
+    failed = "; ".join(f"rank {r}: {e}" for r, e in enumerate(errors) if e is not None)
+    if failed:
+        raise CheckpointError(f"{what} failed: {failed}") from error
 
 
 def _tiling(name: str, numel: int, ranges: Sequence[tuple[int, int]]) -> tuple[Chunk, ...]:
@@ -117,7 +128,9 @@ def _buckets(indices: Sequence[int], nbytes: Callable[[int], int], limit: int) -
         yield bucket
 
 
-def _gather_one(layout: ShardLayout, index: int, local: torch.Tensor, dst: int | None, pending: list) -> torch.Tensor | None:
+def _gather_one(
+    layout: ShardLayout, index: int, local: torch.Tensor, dst: int | None, pending: list
+) -> torch.Tensor | None:
     """Gather flat tensor ``index`` on rank ``dst`` (every rank if None); point-to-point sends go to ``pending``.
 
     Every rank takes the same branches: they depend on the shared layout only.
@@ -175,8 +188,9 @@ def iter_gathered(
         pending: list = []
         pieces = {index: piece(index) for index in bucket}
         outputs = {index: _gather_one(layout, index, pieces[index], dst, pending) for index in bucket}
-        for work, _ in pending:
-            work.wait()
+        while pending:  # (no loop variable may keep the last buffer alive)
+            pending.pop()[0].wait()
         for index in bucket:
-            out = outputs[index]
+            out = outputs.pop(index)  # released here, so at most one bucket is held at a time
             yield index, None if out is None else out.to(pieces[index].device).view(infos[index].shape)
+        del out

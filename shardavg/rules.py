@@ -135,9 +135,7 @@ class EMA(LerpRule):
             if _check_number("EMA", "half_life", self.half_life) <= 0:
                 raise ValueError(f"EMA half_life must be > 0 updates, got {self.half_life!r}")
         if self.warmup is not None and not isinstance(self.warmup, Warmup):
-            raise TypeError(
-                f"EMA warmup must be InverseGammaWarmup(...), RatioWarmup() or None, got {self.warmup!r}"
-            )
+            raise TypeError(f"EMA warmup must be InverseGammaWarmup(...), RatioWarmup() or None, got {self.warmup!r}")
 
     @property
     def target_decay(self) -> float:
@@ -283,9 +281,7 @@ def as_rule(rule: Rule | MultiAvgFn) -> Rule:
         raise TypeError(f"{rule!r} is a warm-up, not a rule: pass EMA(decay=..., warmup={rule!r})")
     if callable(rule):
         return CustomRule(rule)
-    raise TypeError(
-        f"rule must be EMA(...), SWA(), PowerEMA(...) or a multi_avg_fn callable, got {rule!r}"
-    )
+    raise TypeError(f"rule must be EMA(...), SWA(), PowerEMA(...) or a multi_avg_fn callable, got {rule!r}")
 
 
 def rule_from_config(config: Mapping[str, Any]) -> Rule:

@@ -12,7 +12,7 @@ from harness import TiedNet
 from torch import nn
 from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 
-import shardavg.averager
+import shardavg.update
 from shardavg import (
     EMA,
     SWA,
@@ -90,9 +90,7 @@ def test_bf16_weights_get_an_fp32_shadow(model, trainer) -> None:
     assert got["frozen.proj.weight"].dtype == torch.bfloat16  # not averaged: the live value
     for name in want:
         torch.testing.assert_close(got[name].float(), want[name].float(), rtol=1e-5, atol=1e-6)
-    assert averager.shadow_bytes() == 2 * kept.shadow_bytes() - sum(
-        b.nbytes for n, b in model.named_buffers()
-    )
+    assert averager.shadow_bytes() == 2 * kept.shadow_bytes() - sum(b.nbytes for n, b in model.named_buffers())
     for name, value in kept.full_state_dict().items():  # dtype=None: bf16 shadow, lerp like AveragedModel
         assert torch.equal(value, same_dtype.module.state_dict()[name]), name
 
@@ -117,7 +115,7 @@ def test_custom_rule_gets_num_updates_like_averaged_model(model, trainer, monkey
     def record(shadows, lives, num_updates):
         seen.append((num_updates.item(), num_updates.dtype))
 
-    monkeypatch.setattr(shardavg.averager, "STAGING_BYTES", 64)  # cast the bf16 lives in many buckets
+    monkeypatch.setattr(shardavg.update, "STAGING_BYTES", 64)  # cast the bf16 lives in many buckets
     model.to(torch.bfloat16)
     averager = WeightAverager(model, record)
     for _ in range(4):
@@ -160,7 +158,9 @@ def test_averaged_buffers_average_floats_and_copy_integers(model, trainer) -> No
     averager.update()
     second = live_state(model)
     got = averager.full_state_dict()
-    assert torch.equal(got["block.norm.running_mean"], first["block.norm.running_mean"].lerp(second["block.norm.running_mean"], 0.5))
+    assert torch.equal(
+        got["block.norm.running_mean"], first["block.norm.running_mean"].lerp(second["block.norm.running_mean"], 0.5)
+    )
     assert got["block.norm.num_batches_tracked"].item() == 2
 
 
@@ -276,7 +276,9 @@ def test_nonfinite_live_weights_can_be_skipped_with_a_warning(model, trainer) ->
     averager.update()
     with torch.no_grad():
         model.gain[0] = float("nan")
-    with pytest.warns(RuntimeWarning, match=r"skipping the update at step 2 on rank 0: non-finite live values in \['gain'\]"):
+    with pytest.warns(
+        RuntimeWarning, match=r"skipping the update at step 2 on rank 0: non-finite live values in \['gain'\]"
+    ):
         assert averager.update() is False
     assert averager.num_updates == 1 and averager.num_skipped == 1
 
@@ -293,7 +295,10 @@ def test_a_changed_model_is_named(model, trainer) -> None:
     trainer.step()
     averager.update()
     model.block.up = nn.Linear(6, 12)
-    with pytest.raises(ModelChangedError, match=r"changed \[block.up.weight \(shape \(10, 6\) -> \(12, 6\), range on this rank \[0, 60\) -> \[0, 72\)\)"):
+    with pytest.raises(
+        ModelChangedError,
+        match=r"changed \[block.up.weight \(shape \(10, 6\) -> \(12, 6\), range on this rank \[0, 60\) -> \[0, 72\)\)",
+    ):
         averager.update()
     model = TiedNet()
     averager = WeightAverager(model, EMA(decay=0.9))
@@ -333,7 +338,11 @@ def test_bad_arguments_are_refused_with_clear_messages(model) -> None:
         ({"start_step": -1}, ValueError, "start_step must be an int >= 0"),
         ({"dtype": torch.int32}, ValueError, "dtype must be a floating torch.dtype"),
         ({"strategy": "fsdp3"}, StrategyError, "unknown strategy 'fsdp3'"),
-        ({"strategy": "fsdp2"}, StrategyError, "strategy 'fsdp2' does not fit this TiedNet: its parameters are held the 'replicated' way"),
+        (
+            {"strategy": "fsdp2"},
+            StrategyError,
+            "strategy 'fsdp2' does not fit this TiedNet: its parameters are held the 'replicated' way",
+        ),
         ({"strategy": "zero3"}, StrategyError, "strategy 'zero3' does not fit"),
         ({"strategy": "fsdp1"}, StrategyError, "strategy 'fsdp1' does not fit"),
         ({"rule": 0.999}, TypeError, "rule must be EMA"),
@@ -345,7 +354,9 @@ def test_bad_arguments_are_refused_with_clear_messages(model) -> None:
 
 def test_lower_precision_shadow_warns(model) -> None:
     model.double()
-    with pytest.warns(UserWarning, match=r"8 shadows are torch.float32, below their live dtype: \['gain', 'embed.weight', "):
+    with pytest.warns(
+        UserWarning, match=r"8 shadows are torch.float32, below their live dtype: \['gain', 'embed.weight', "
+    ):
         WeightAverager(model, EMA(decay=0.9))
 
 

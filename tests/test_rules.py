@@ -131,7 +131,10 @@ def test_any_multi_avg_fn_callable_is_a_rule() -> None:
     fn = get_ema_multi_avg_fn(0.9)
     rule = as_rule(fn)
     assert isinstance(rule, CustomRule) and rule.fn is fn
-    assert rule.to_config() == {"kind": "custom", "name": "torch.optim.swa_utils.get_ema_multi_avg_fn.<locals>.ema_update"}
+    assert rule.to_config() == {
+        "kind": "custom",
+        "name": "torch.optim.swa_utils.get_ema_multi_avg_fn.<locals>.ema_update",
+    }
     with pytest.raises(TypeError, match="rule must be EMA"):
         as_rule(0.999)
     with pytest.raises(TypeError, match="is a warm-up, not a rule"):

@@ -10,7 +10,7 @@ import contextlib
 import datetime
 import json
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -70,9 +70,12 @@ def init_distributed(deepspeed: bool = False) -> None:
         dist.init_process_group("gloo", timeout=timeout)
 
 
+SAME_DATA_ON_EVERY_RANK = False  # set by scenarios that need BatchNorm statistics equal on all ranks
+
+
 def batch(step: int, size: int = 8) -> tuple[torch.Tensor, torch.Tensor]:
     """This rank's batch for ``step``: each rank sees its own data, as in data-parallel training."""
-    generator = torch.Generator().manual_seed(1000 * step + dist.get_rank())
+    generator = torch.Generator().manual_seed(1000 * step + (0 if SAME_DATA_ON_EVERY_RANK else dist.get_rank()))
     tokens = torch.randint(0, VOCAB, (size, 5), generator=generator)
     return tokens, torch.randint(0, VOCAB, (size,), generator=generator)
 
@@ -95,7 +98,8 @@ class Engine:
     local_param_numels: Callable[[], dict[str, int]]  # elements of each trainable param's local shard
     forward: Callable[[torch.Tensor], torch.Tensor]
     dtype: torch.dtype
-    extra: dict = field(default_factory=dict)
+    optimizer: torch.optim.Optimizer | None = None
+    deepspeed_engine: object = None
 
 
 def _buffers(module: nn.Module) -> dict[str, torch.Tensor]:
@@ -131,6 +135,7 @@ def build_ddp(dtype: torch.dtype) -> Engine:
         local_param_numels=lambda: {n: p.numel() for n, p in plain.named_parameters() if p.requires_grad},
         forward=model,
         dtype=dtype,
+        optimizer=optimizer,
     )
 
 
@@ -156,6 +161,7 @@ def build_fsdp2(dtype: torch.dtype) -> Engine:
         local_param_numels=lambda: {n: p.to_local().numel() for n, p in model.named_parameters() if p.requires_grad},
         forward=model,
         dtype=dtype,
+        optimizer=optimizer,
     )
 
 
@@ -196,6 +202,7 @@ def build_fsdp1(dtype: torch.dtype, use_orig_params: bool) -> Engine:
         local_param_numels=local_param_numels,
         forward=model,
         dtype=dtype,
+        optimizer=optimizer,
     )
 
 
@@ -247,6 +254,7 @@ def build_zero3(dtype: torch.dtype, persistence_threshold: int | None, via_zero_
         },
         forward=engine,
         dtype=dtype,
+        deepspeed_engine=engine,
     )
 
 

@@ -19,8 +19,13 @@ class Launch:
     output: str
 
     def reports(self, kind: str) -> list[dict]:
-        prefix = f"SHARDAVG_{kind} "
-        return [json.loads(line[len(prefix) :]) for line in self.output.splitlines() if line.startswith(prefix)]
+        """The JSON payloads of ``SHARDAVG_<kind>`` lines (other ranks' output may share the line)."""
+        marker, decoder, found = f"SHARDAVG_{kind} ", json.JSONDecoder(), []
+        for line in self.output.splitlines():
+            start = line.find(marker)
+            if start >= 0:
+                found.append(decoder.raw_decode(line, start + len(marker))[0])
+        return found
 
 
 def torchrun(script: str, nproc: int, *args: str, timeout: float = 300) -> Launch:

@@ -11,7 +11,6 @@ own API: bitwise for fp32, within fp32 rounding for bf16 live weights.
 
 from __future__ import annotations
 
-import copy
 import sys
 import warnings
 
@@ -97,7 +96,9 @@ def check_average(label: str, got: dict, want: dict, averaged: set[str], live_dt
             if exact:
                 assert torch.equal(value, expected), f"{label}: {name} differs: max {(value - expected).abs().max()}"
             else:
-                torch.testing.assert_close(value, expected, rtol=1e-5, atol=1e-6, msg=lambda m: f"{label}: {name}: {m}")
+                torch.testing.assert_close(
+                    value, expected, rtol=1e-5, atol=1e-6, msg=lambda m, name=name: f"{label}: {name}: {m}"
+                )
         else:  # live values (frozen parameters, copied buffers) keep the live dtype and are exact
             if value.is_floating_point():
                 assert value.dtype == live_dtype, f"{label}: {name} is {value.dtype}, expected live {live_dtype}"
@@ -149,7 +150,9 @@ def check_bad_strategies(engine: Engine, expected: str) -> None:
 
 def check_nonfinite_on_one_rank(engine: Engine) -> None:
     """A NaN in rank 1's shard: 'raise' names it there, 'skip' skips there, and the export refuses to mix."""
-    averagers = {policy: WeightAverager(engine.model, EMA(decay=0.9), on_nonfinite=policy) for policy in ("raise", "skip")}
+    averagers = {
+        policy: WeightAverager(engine.model, EMA(decay=0.9), on_nonfinite=policy) for policy in ("raise", "skip")
+    }
     for averager in averagers.values():
         averager.update()
     with torch.no_grad():
@@ -213,7 +216,9 @@ def main() -> None:
             got = averager.full_state_dict()
             assert (got == {}) == (rank != 0), f"{name}: full_state_dict() on rank {rank} has {len(got)} entries"
             reference = references[name]
-            want_updates = reference.n_averaged.item() if isinstance(reference, AveragedModel) else reference.num_updates
+            want_updates = (
+                reference.n_averaged.item() if isinstance(reference, AveragedModel) else reference.num_updates
+            )
             assert averager.num_updates == want_updates, f"{name}: {averager.num_updates} updates, want {want_updates}"
             if rank == 0:
                 kwargs = variants()[name][0]
@@ -223,7 +228,9 @@ def main() -> None:
                 if kwargs.get("buffers") == "average":
                     averaged |= {n for n, b in TiedNet().named_buffers() if b.is_floating_point()}
                 exact = engine.dtype == torch.float32 or name == "custom_multi_avg_fn"
-                check_average(f"{engine.name}/{name}", got, reference_state(references[name]), averaged, engine.dtype, exact)
+                check_average(
+                    f"{engine.name}/{name}", got, reference_state(references[name]), averaged, engine.dtype, exact
+                )
 
         ema = averagers["ema"]
         buffers_bytes = sum(b.nbytes for n, b in engine.gather_live().items() if n in buffer_names)
@@ -237,7 +244,12 @@ def main() -> None:
         if rank == 0:
             harness.report(
                 "BYTES",
-                {"config": engine.name, "world_size": world, "shadow_bytes_per_rank": per_rank, "model_bytes": model_bytes},
+                {
+                    "config": engine.name,
+                    "world_size": world,
+                    "shadow_bytes_per_rank": per_rank,
+                    "model_bytes": model_bytes,
+                },
             )
         if engine_kind == "fsdp2" and world > 1 and engine.dtype == torch.float32:
             check_nonfinite_on_one_rank(engine)

@@ -12,7 +12,8 @@ from .replicated import Replicated
 from .zero3 import Zero3
 
 STRATEGIES: dict[str, type[Strategy]] = {
-    cls.name: cls for cls in (Zero3, FSDP1, FSDP2, Replicated)  # detection order
+    cls.name: cls
+    for cls in (Zero3, FSDP1, FSDP2, Replicated)  # detection order
 }
 
 
@@ -36,4 +37,13 @@ def make_strategy(model: nn.Module, strategy: str = "auto") -> Strategy:
     return cls(model)
 
 
-__all__ = ["STRATEGIES", "Strategy", "StrategyError", "TensorInfo", "canonical_name", "detect", "make_strategy", "unwrap"]
+__all__ = [
+    "STRATEGIES",
+    "Strategy",
+    "StrategyError",
+    "TensorInfo",
+    "canonical_name",
+    "detect",
+    "make_strategy",
+    "unwrap",
+]

@@ -20,7 +20,9 @@ def _partition_info(names: list[str], param: torch.Tensor) -> TensorInfo:
     if getattr(param, "ds_tensor", None) is None:
         raise StrategyError(f"parameter {names[0]!r} is not partitioned by ZeRO-3 (it has no ds_tensor)")
     if getattr(param, "ds_secondary_tensor", None) is not None:
-        raise StrategyError(f"parameter {names[0]!r} has a ZeRO++ secondary partition (hpZ), which shardavg does not support")
+        raise StrategyError(
+            f"parameter {names[0]!r} has a ZeRO++ secondary partition (hpZ), which shardavg does not support"
+        )
     location = getattr(param.ds_tensor, "final_location", None)
     if location is not None and "nvme" in str(location).lower():
         raise StrategyError(f"parameter {names[0]!r} is offloaded to NVMe, which shardavg does not support")

@@ -1,4 +1,4 @@
-"""Streaming safetensors files: write tensors one at a time, commit atomically, read safely.
+"""Files on disk: streaming safetensors, and files and directories that appear atomically.
 
 ``safetensors.torch.save_file`` serialises a whole dict in memory; an export or a checkpoint
 shard must instead hold one tensor at a time. The format is simple (an 8-byte header length,
@@ -12,6 +12,7 @@ from __future__ import annotations
 import ctypes
 import json
 import os
+import shutil
 import struct
 from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
@@ -73,6 +74,31 @@ def atomic_file(path: Path) -> Iterator[BinaryIO]:
     fsync_dir(path.parent)
 
 
+def commit_directory(staging: Path, target: Path) -> None:
+    """Move a complete staging directory into place; an existing ``target`` is replaced.
+
+    A crash between the two renames of a replacement leaves the previous version complete
+    under ``.<name>.replaced``, where ``checkpoint.resolve`` finds it.
+    """
+    if target.exists():
+        replaced = target.with_name(f".{target.name}.replaced")
+        shutil.rmtree(replaced, ignore_errors=True)
+        os.replace(target, replaced)
+        os.replace(staging, target)
+        shutil.rmtree(replaced)
+    else:
+        os.replace(staging, target)
+    fsync_dir(target.parent)
+
+
+def fresh_staging(target: Path) -> Path:
+    """An empty ``.<name>.incomplete`` directory beside ``target``."""
+    staging = target.with_name(f".{target.name}.incomplete")
+    shutil.rmtree(staging, ignore_errors=True)
+    staging.mkdir(parents=True)
+    return staging
+
+
 def _header(entries: Sequence[Entry], metadata: dict[str, str] | None) -> bytes:
     header: dict[str, object] = {}
     if metadata:
@@ -81,7 +107,11 @@ def _header(entries: Sequence[Entry], metadata: dict[str, str] | None) -> bytes:
     for entry in entries:
         if entry.dtype not in DTYPE_CODES:
             raise TypeError(f"{entry.key!r}: safetensors cannot hold {entry.dtype}")
-        header[entry.key] = {"dtype": DTYPE_CODES[entry.dtype], "shape": list(entry.shape), "data_offsets": [offset, offset + entry.nbytes]}
+        header[entry.key] = {
+            "dtype": DTYPE_CODES[entry.dtype],
+            "shape": list(entry.shape),
+            "data_offsets": [offset, offset + entry.nbytes],
+        }
         offset += entry.nbytes
     encoded = json.dumps(header, separators=(",", ":")).encode()
     encoded += b" " * (-len(encoded) % 8)  # safetensors aligns the data to 8 bytes
@@ -103,10 +133,15 @@ def write_safetensors(
     """Write ``tensors`` (one per entry, in order, produced lazily) to ``path`` atomically."""
     with atomic_file(path) as handle:
         handle.write(_header(entries, metadata))
-        for entry, tensor in zip(entries, tensors, strict=True):
+        stream = iter(tensors)
+        for entry in entries:
+            tensor = next(stream)
             if tensor.dtype != entry.dtype or tuple(tensor.shape) != entry.shape:
-                raise ValueError(f"{entry.key!r}: got {tensor.dtype} {tuple(tensor.shape)}, planned {entry.dtype} {entry.shape}")
+                raise ValueError(
+                    f"{entry.key!r}: got {tensor.dtype} {tuple(tensor.shape)}, planned {entry.dtype} {entry.shape}"
+                )
             _write_tensor(handle, tensor)
+            del tensor  # let it go before the next one is produced
 
 
 def open_safetensors(path: Path):

@@ -1,0 +1,113 @@
+"""``shardavg export | inspect``: consolidate or describe an averager checkpoint offline.
+
+Runs in one process without a process group, reading one tensor at a time, on checkpoints
+written by ``avg.save`` or on the averager entry of a ``torch.distributed.checkpoint``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections import Counter
+
+from .checkpoint import DTYPES
+from .errors import CheckpointError
+from .export import export_entries, export_metadata, parse_size, write_model
+from .offline import SavedAverage
+
+EXPORT_DTYPES = ("float32", "bfloat16", "float16")
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="shardavg",
+        description="Work with shardavg checkpoints offline: one process, no process group, "
+        "one tensor in memory at a time.",
+        epilog="CKPT_DIR is a directory written by avg.save() (a checkpoint, or the parent of step-* "
+        "checkpoints, of which the newest committed one is used), or a torch.distributed.checkpoint "
+        "directory holding an averager under --key.",
+    )
+    commands = parser.add_subparsers(dest="command", required=True)
+    export = commands.add_parser(
+        "export",
+        help="write the full averaged model as safetensors",
+        description="Consolidate the averaged weights into OUT (a directory): model.safetensors, or "
+        "model-0000k-of-0000N.safetensors files with model.safetensors.index.json above --max-shard-size. "
+        "Keys are the plain model's parameter and buffer names, so the result loads with strict=True.",
+    )
+    export.add_argument("checkpoint", metavar="CKPT_DIR")
+    export.add_argument("out", metavar="OUT")
+    export.add_argument(
+        "--max-shard-size", default="5GB", help="largest file before splitting, e.g. 5GB or 500MiB (default 5GB)"
+    )
+    export.add_argument(
+        "--dtype", choices=EXPORT_DTYPES, help="cast floating tensors (default: as saved, fp32 averages)"
+    )
+    export.add_argument("--key", default="ema", help="the averager's key in a DCP checkpoint (default ema)")
+    inspect = commands.add_parser(
+        "inspect",
+        help="print what a checkpoint holds",
+        description="Print step, num_updates, rule, source strategy and world size, tensor count and bytes.",
+    )
+    inspect.add_argument("checkpoint", metavar="CKPT_DIR")
+    inspect.add_argument("--key", default="ema", help="the averager's key in a DCP checkpoint (default ema)")
+    return parser
+
+
+def _inspect(saved: SavedAverage) -> str:
+    meta = saved.description
+    tensors = meta["tensors"]
+    size = sum(DTYPES[t["dtype"]].itemsize * _numel(t["shape"]) for t in tensors)
+    roles = Counter(t["role"] for t in tensors)
+    where = f"{saved.path}" + (" (torch.distributed.checkpoint)" if saved.kind == "dcp" else "")
+    rows = [
+        ("checkpoint", where),
+        ("step", meta["step"]),
+        ("num_updates", f"{meta['num_updates']} ({meta.get('num_skipped', 0)} skipped for non-finite weights)"),
+        ("rule", json.dumps(meta["rule"])),
+        ("strategy", f"{meta.get('strategy')} on {meta.get('world_size')} rank(s)"),
+        ("tensors", f"{len(tensors)}: " + ", ".join(f"{n} {role}" for role, n in sorted(roles.items()))),
+        ("bytes", f"{size} ({size / 2**20:.1f} MiB)"),
+    ]
+    return "\n".join(f"{label:<12} {value}" for label, value in rows)
+
+
+def _numel(shape: list[int]) -> int:
+    total = 1
+    for dim in shape:
+        total *= dim
+    return total
+
+
+def _export(saved: SavedAverage, out: str, max_shard_size: str, dtype_name: str | None) -> str:
+    dtype = None if dtype_name is None else DTYPES[dtype_name]
+    tensors = saved.description["tensors"]
+    entries = export_entries(
+        (([t["name"], *t["aliases"]], DTYPES[t["dtype"]], tuple(t["shape"])) for t in tensors), dtype
+    )
+
+    def stream():
+        for t in tensors:
+            full = saved.read(t["name"])
+            full = full.to(dtype) if dtype is not None and full.is_floating_point() else full
+            for _ in (t["name"], *t["aliases"]):
+                yield full
+            del full  # before the next tensor is read
+
+    path = write_model(out, entries, stream(), export_metadata(saved.description), parse_size(max_shard_size))
+    return f"wrote {len(entries)} tensors to {path}"
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    try:
+        saved = SavedAverage(args.checkpoint, key=args.key)
+        if args.command == "inspect":
+            print(_inspect(saved))
+        else:
+            print(_export(saved, args.out, args.max_shard_size, args.dtype))
+    except (CheckpointError, ValueError, OSError) as error:
+        print(f"shardavg: error: {error}", file=sys.stderr)
+        return 2
+    return 0

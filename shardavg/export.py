@@ -1,0 +1,148 @@
+"""Consolidated export: the full averaged model as safetensors, in the Hugging Face layout.
+
+Tensors arrive one at a time (gathered by the averager, or read from a checkpoint by the
+offline CLI) and are streamed to disk as they come, so the writer holds one tensor at a time.
+A model above ``max_shard_size`` is split into ``model-00001-of-0000N.safetensors`` files
+with a ``model.safetensors.index.json``; otherwise it is one ``model.safetensors``. The
+directory appears atomically.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import re
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+
+from .checkpoint import describe
+from .layout import agree_or_raise, rank
+from .storage import Entry, atomic_file, commit_directory, fresh_staging, write_safetensors
+
+if TYPE_CHECKING:
+    from .averager import WeightAverager
+
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+_UNITS = {
+    "": 1,
+    "B": 1,
+    "KB": 10**3,
+    "MB": 10**6,
+    "GB": 10**9,
+    "TB": 10**12,
+    "KIB": 2**10,
+    "MIB": 2**20,
+    "GIB": 2**30,
+    "TIB": 2**40,
+}
+
+
+def parse_size(size: int | str) -> int:
+    """Bytes in ``5GB`` (10**9, as Hugging Face counts), ``500MiB`` (2**20) or a plain int."""
+    if isinstance(size, int) and not isinstance(size, bool) and size > 0:
+        return size
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B|B)?\s*", str(size), flags=re.IGNORECASE)
+    if not match or float(match.group(1)) <= 0:
+        raise ValueError(f"max_shard_size must be a positive size like 5GB or 500MiB, got {size!r}")
+    return int(float(match.group(1)) * _UNITS[(match.group(2) or "").upper()])
+
+
+def plan_files(entries: list[Entry], max_bytes: int) -> list[list[Entry]]:
+    """Split entries, in order, into files of at most ``max_bytes`` (a larger tensor gets a file alone)."""
+    files: list[list[Entry]] = [[]]
+    size = 0
+    for entry in entries:
+        if files[-1] and size + entry.nbytes > max_bytes:
+            files.append([])
+            size = 0
+        files[-1].append(entry)
+        size += entry.nbytes
+    return files
+
+
+def write_model(
+    directory: str | os.PathLike,
+    entries: list[Entry],
+    tensors: Iterable[torch.Tensor],
+    metadata: dict[str, str],
+    max_shard_size: int | str = "5GB",
+) -> Path:
+    """Write ``tensors`` (one per entry, in order) as a safetensors model directory."""
+    directory = Path(directory)
+    files = plan_files(entries, parse_size(max_shard_size))
+    names = (
+        [SINGLE_FILE]
+        if len(files) == 1
+        else [f"model-{k:05d}-of-{len(files):05d}.safetensors" for k in range(1, len(files) + 1)]
+    )
+    staging = fresh_staging(directory)
+    stream: Iterator[torch.Tensor] = iter(tensors)
+    for name, planned in zip(names, files):
+        write_safetensors(staging / name, planned, itertools.islice(stream, len(planned)), metadata)
+    if len(files) > 1:
+        index = {
+            "metadata": {"total_size": sum(entry.nbytes for entry in entries)},
+            "weight_map": {entry.key: name for name, planned in zip(names, files) for entry in planned},
+        }
+        with atomic_file(staging / INDEX_FILE) as handle:
+            handle.write(json.dumps(index, indent=1).encode())
+    commit_directory(staging, directory)
+    return directory
+
+
+def export_metadata(description: dict) -> dict[str, str]:
+    """What goes into every file's ``__metadata__`` (safetensors wants strings)."""
+    keep = ("rule", "step", "num_updates", "strategy", "world_size")
+    return {"format": "pt", "shardavg": json.dumps({key: description.get(key) for key in keep})}
+
+
+def export_entries(
+    tensors: Iterable[tuple[list[str], torch.dtype, tuple[int, ...]]], dtype: torch.dtype | None
+) -> list[Entry]:
+    """One entry per name (tied weights are written under each of their names), cast to ``dtype``."""
+    return [Entry(name, cast_dtype(saved, dtype), shape) for names, saved, shape in tensors for name in names]
+
+
+def cast_dtype(saved: torch.dtype, dtype: torch.dtype | None) -> torch.dtype:
+    """Floating tensors take the export dtype; integer ones keep theirs."""
+    return dtype if dtype is not None and saved.is_floating_point else saved
+
+
+def export(
+    avg: WeightAverager, path: str | os.PathLike, max_shard_size: int | str = "5GB", dtype: torch.dtype | None = None
+) -> Path:
+    """Collective: gather the average tensor by tensor and write it on rank 0 (see ``write_model``)."""
+    max_bytes = parse_size(max_shard_size)
+    if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
+        raise ValueError(f"dtype must be a floating torch.dtype or None, got {dtype!r}")
+    gathered = avg._gathered(dst=0)  # checks the averager before anything is written
+    entries = export_entries(
+        ((list(info.names), avg._piece(i).dtype, tuple(info.shape)) for i, info in enumerate(avg._infos)), dtype
+    )
+    error: BaseException | None = None
+    if rank() == 0:
+
+        def tensors() -> Iterator[torch.Tensor]:
+            for info, full in gathered:
+                full = full.to("cpu", dtype=cast_dtype(full.dtype, dtype))  # type: ignore[union-attr]
+                for _ in info.names:
+                    yield full
+                del full  # before the next tensor is gathered
+
+        stream = tensors()
+        try:
+            write_model(path, entries, stream, export_metadata(describe(avg)), max_bytes)
+        except Exception as caught:
+            error = caught
+        for _ in stream:  # finish the collective gather even if writing failed
+            pass
+    else:
+        for _ in gathered:
+            pass
+    agree_or_raise(error, f"exporting to {path}")
+    return Path(path)

@@ -1,0 +1,376 @@
+"""Checkpoints, exports and the offline CLI in one process: round trips, atomicity and bad input."""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from harness import TiedNet
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
+from torch import nn
+
+import shardavg.checkpoint
+from shardavg import EMA, SWA, CheckpointError, WeightAverager
+from shardavg.export import parse_size
+
+MARKER_NAME = "pwned"
+
+
+def trained(trainer, steps: int = 5, **kwargs) -> WeightAverager:
+    averager = WeightAverager(trainer.model, kwargs.pop("rule", EMA(decay=0.9)), **kwargs)
+    for _ in range(steps):
+        trainer.step()
+        averager.update()
+    return averager
+
+
+def fresh(rule=None, **kwargs) -> WeightAverager:
+    """An averager on an untrained model: whatever it holds after a load came from the checkpoint."""
+    torch.manual_seed(0)
+    return WeightAverager(TiedNet(), rule or EMA(decay=0.9), **kwargs)
+
+
+def assert_same_average(a: WeightAverager, b: WeightAverager) -> None:
+    got, want = a.full_state_dict(), b.full_state_dict()
+    assert set(got) == set(want)
+    for name in want:
+        assert torch.equal(got[name], want[name]), name
+
+
+class Pwn:
+    """A pickle that, when loaded, leaves a marker file: loading must never run it."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",))
+
+
+# ----------------------------------------------------------------------------- save / load
+
+
+def test_save_load_round_trip_and_resume(trainer, tmp_path) -> None:
+    averager = trained(trainer)
+    path = averager.save(tmp_path / "ckpt")
+    assert sorted(os.listdir(path)) == ["rank-00000-of-00001.safetensors", "shardavg.json"]
+    restored = fresh()
+    assert restored.load(path) == path
+    assert (restored.step, restored.num_updates) == (5, 5)
+    assert_same_average(restored, averager)
+
+    restored_model = restored.strategy.model
+    restored_model.load_state_dict(trainer.model.state_dict())
+    for _ in range(3):  # both continue from the same live weights
+        trainer.step()
+        averager.update()
+        restored_model.load_state_dict(trainer.model.state_dict())
+        restored.update()
+    assert_same_average(restored, averager)
+
+
+def test_keep_last_keeps_the_newest_committed_checkpoints(trainer, tmp_path) -> None:
+    averager = WeightAverager(trainer.model, EMA(decay=0.9))
+    for _ in range(5):
+        trainer.step()
+        averager.update()
+        averager.save(tmp_path, keep_last=2)
+    assert sorted(os.listdir(tmp_path)) == ["step-000000004", "step-000000005"]
+    restored = fresh()
+    assert restored.load(tmp_path) == tmp_path / "step-000000005"
+    assert restored.step == 5
+    with pytest.raises(ValueError, match="keep_last must be an int >= 1"):
+        averager.save(tmp_path, keep_last=0)
+
+
+def test_a_failed_save_keeps_the_previous_checkpoint(trainer, tmp_path, monkeypatch) -> None:
+    averager = trained(trainer, steps=2)
+    averager.save(tmp_path / "ckpt")
+    before = fresh()
+    before.load(tmp_path / "ckpt")
+    trainer.step()
+    averager.update()
+
+    real_write = shardavg.checkpoint.write_safetensors
+
+    def write_then_fail(path, entries, tensors, metadata=None):
+        def first_then_fail():
+            yield next(iter(tensors))
+            raise OSError("disk full")
+
+        real_write(path, entries, first_then_fail(), metadata)
+
+    monkeypatch.setattr(shardavg.checkpoint, "write_safetensors", write_then_fail)
+    with pytest.raises(
+        CheckpointError, match=r"writing shards to .*ckpt.incomplete failed: rank 0: OSError: disk full"
+    ):
+        averager.save(tmp_path / "ckpt")
+    after = fresh()
+    after.load(tmp_path / "ckpt")
+    assert after.step == 2
+    assert_same_average(after, before)
+    with pytest.raises(CheckpointError, match=r"lack shardavg.json, so their save never completed"):
+        fresh().load(tmp_path / ".ckpt.incomplete")
+
+
+def test_saving_over_a_checkpoint_replaces_it_and_survives_a_crash_between_renames(trainer, tmp_path) -> None:
+    averager = trained(trainer, steps=2)
+    averager.save(tmp_path / "ckpt")
+    trainer.step()
+    averager.update()
+    averager.save(tmp_path / "ckpt")
+    restored = fresh()
+    restored.load(tmp_path / "ckpt")
+    assert restored.step == 3
+    os.replace(tmp_path / "ckpt", tmp_path / ".ckpt.replaced")  # as if killed between the two renames
+    recovered = fresh()
+    assert recovered.load(tmp_path / "ckpt") == tmp_path / ".ckpt.replaced"
+    assert recovered.step == 3
+
+
+def test_no_checkpoint_at_all(tmp_path) -> None:
+    with pytest.raises(CheckpointError, match="no checkpoint at"):
+        fresh().load(tmp_path / "nowhere")
+
+
+def test_truncated_and_foreign_files_are_named(trainer, tmp_path) -> None:
+    path = trained(trainer).save(tmp_path / "ckpt")
+    shard = path / "rank-00000-of-00001.safetensors"
+    data = shard.read_bytes()
+    shard.write_bytes(data[: len(data) // 2])
+    with pytest.raises(
+        CheckpointError, match=rf"{shard} is not a readable safetensors file \(truncated or foreign\?\)"
+    ):
+        fresh().load(path)
+    save_file({"something.else": torch.zeros(3)}, str(shard))
+    with pytest.raises(CheckpointError, match=rf"{shard} lacks tensor 'gain'"):
+        fresh().load(path)
+    (path / "shardavg.json").write_text("{not json")
+    with pytest.raises(CheckpointError, match=rf"cannot read {path / 'shardavg.json'}"):
+        fresh().load(path)
+    (path / "shardavg.json").write_text(json.dumps({"format": "shardavg", "version": 99}))
+    with pytest.raises(CheckpointError, match="format version 99; this shardavg reads up to 1"):
+        fresh().load(path)
+    (path / "shardavg.json").write_text(json.dumps({"hello": "world"}))
+    with pytest.raises(CheckpointError, match="is not a shardavg checkpoint description"):
+        fresh().load(path)
+
+
+def test_a_checkpoint_of_another_model_lists_what_differs(trainer, tmp_path) -> None:
+    path = trained(trainer).save(tmp_path / "ckpt")
+    other = TiedNet()
+    other.block.up = nn.Linear(6, 12)  # mis-shaped (and down no longer fits either)
+    other.block.down = nn.Linear(12, 6)
+    other.extra = nn.Parameter(torch.zeros(2))  # missing from the checkpoint
+    del other.gain  # unexpected in the checkpoint
+    averager = WeightAverager(other, EMA(decay=0.9))
+    with pytest.raises(CheckpointError) as caught:
+        averager.load(path)
+    message = str(caught.value)
+    assert "missing ['extra']" in message and "unexpected ['gain']" in message
+    assert "block.up.weight: checkpoint (10, 6) vs model (12, 6)" in message
+
+
+def test_missing_and_unexpected_tensors_only_warn_when_not_strict(trainer, tmp_path) -> None:
+    path = trained(trainer).save(tmp_path / "ckpt")
+    model = TiedNet()
+    model.extra = nn.Parameter(torch.zeros(2))
+    averager = WeightAverager(model, EMA(decay=0.9))
+    with pytest.warns(UserWarning, match=r"missing \['extra'\] \(averaged from the live weights on\), unexpected \[\]"):
+        averager.load(path, strict=False)
+    assert averager.num_updates == 5
+    assert torch.equal(averager.full_state_dict()["extra"], torch.zeros(2))  # started from the live value
+
+
+def test_a_different_rule_raises_unless_not_strict(trainer, tmp_path) -> None:
+    path = trained(trainer, rule=EMA(decay=0.999)).save(tmp_path / "ckpt")
+    averager = fresh(EMA(decay=0.9999))
+    with pytest.raises(
+        CheckpointError,
+        match=r"averaged with rule \{'kind': 'ema', 'decay': 0.999, 'warmup': None\}, "
+        r"this averager has .*0.9999.*pass strict=False",
+    ):
+        averager.load(path)
+    assert averager.num_updates == 0  # nothing was loaded
+    with pytest.warns(UserWarning, match="averaged with rule"):
+        averager.load(path, strict=False)
+    assert averager.num_updates == 5
+
+
+def test_tensors_stored_differently_are_refused(trainer, tmp_path) -> None:
+    path = trained(trainer).save(tmp_path / "ckpt")
+    with pytest.raises(
+        CheckpointError, match=r"stores tensors differently.*frozen.proj.bias \(averaged here, live in the checkpoint\)"
+    ):
+        fresh(include_frozen=True).load(path)
+
+
+def test_a_pickle_in_place_of_a_shard_is_refused_and_never_run(trainer, tmp_path) -> None:
+    path = trained(trainer).save(tmp_path / "ckpt")
+    marker = tmp_path / MARKER_NAME
+    (path / "rank-00000-of-00001.safetensors").write_bytes(pickle.dumps(Pwn(marker)))
+    with pytest.raises(CheckpointError, match="is not a readable safetensors file"):
+        fresh().load(path)
+    result = subprocess.run(
+        [sys.executable, "-m", "shardavg", "export", str(path), str(tmp_path / "out")], capture_output=True, text=True
+    )
+    assert result.returncode == 2 and "not a readable safetensors file" in result.stderr
+    assert not marker.exists()
+
+
+# ----------------------------------------------------------------------------- DCP
+
+
+def test_dcp_round_trip_and_state_dict_checks(trainer, tmp_path) -> None:
+    averager = trained(trainer, rule=SWA())
+    dcp.save({"ema": averager}, checkpoint_id=str(tmp_path / "dcp"), no_dist=True)
+    restored = fresh(SWA())
+    dcp.load({"ema": restored}, checkpoint_id=str(tmp_path / "dcp"), no_dist=True)
+    assert (restored.step, restored.num_updates) == (5, 5)
+    assert_same_average(restored, averager)
+
+    state = {"ema": fresh(EMA(decay=0.9)).state_dict()}
+    dcp.load(state, checkpoint_id=str(tmp_path / "dcp"), no_dist=True)
+    other_rule = fresh(EMA(decay=0.9))
+    with pytest.raises(CheckpointError, match=r"averaged with rule \{'kind': 'swa'\}"):
+        other_rule.load_state_dict(state["ema"])
+    with pytest.warns(UserWarning, match="averaged with rule"):
+        other_rule.load_state_dict(state["ema"], strict=False)
+    with pytest.raises(CheckpointError, match="needs 'meta' and 'tensors'"):
+        other_rule.load_state_dict({"weights": 1})
+
+
+def test_dcp_metadata_that_asks_for_code_is_refused(trainer, tmp_path) -> None:
+    averager = trained(trainer)
+    dcp.save({"ema": averager}, checkpoint_id=str(tmp_path / "dcp"), no_dist=True)
+    marker = tmp_path / MARKER_NAME
+    (tmp_path / "dcp" / ".metadata").write_bytes(pickle.dumps(Pwn(marker)))
+    result = subprocess.run(
+        [sys.executable, "-m", "shardavg", "inspect", str(tmp_path / "dcp")], capture_output=True, text=True
+    )
+    assert result.returncode == 2
+    assert "asks to load posix.system" in result.stderr and "refused" in result.stderr
+    assert not marker.exists()
+
+
+def test_a_dcp_entry_holding_a_pickled_object_is_refused(tmp_path) -> None:
+    marker = tmp_path / MARKER_NAME
+    dcp.save(
+        {"ema": {"meta": Pwn(marker), "tensors": {"w": torch.zeros(2)}}},
+        checkpoint_id=str(tmp_path / "dcp"),
+        no_dist=True,
+    )
+    result = subprocess.run(
+        [sys.executable, "-m", "shardavg", "inspect", str(tmp_path / "dcp")], capture_output=True, text=True
+    )
+    assert result.returncode == 2 and "cannot read ema.meta" in result.stderr
+    assert not marker.exists()
+
+
+# ----------------------------------------------------------------------------- export
+
+
+def test_export_single_file_with_metadata(trainer, tmp_path) -> None:
+    averager = trained(trainer)
+    out = averager.export(tmp_path / "export")
+    assert sorted(os.listdir(out)) == ["model.safetensors"]
+    state = load_file(str(out / "model.safetensors"))
+    TiedNet().load_state_dict(state, strict=True)
+    reference = averager.full_state_dict()
+    assert all(torch.equal(state[k], reference[k]) for k in reference)
+    with safe_open(str(out / "model.safetensors"), "pt") as handle:
+        metadata = json.loads(handle.metadata()["shardavg"])
+    assert metadata["rule"] == {"kind": "ema", "decay": 0.9, "warmup": None} and metadata["num_updates"] == 5
+
+
+def test_export_shards_with_an_index_and_casts(trainer, tmp_path) -> None:
+    averager = trained(trainer)
+    out = averager.export(tmp_path / "export", max_shard_size=300, dtype=torch.bfloat16)
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    files = sorted(set(index["weight_map"].values()))
+    assert len(files) > 2 and files == sorted(f for f in os.listdir(out) if f.endswith(".safetensors"))
+    assert files[0] == f"model-00001-of-{len(files):05d}.safetensors"
+    state = {}
+    for name in files:
+        part = load_file(str(out / name))
+        assert sum(t.nbytes for t in part.values()) <= 300 or len(part) == 1
+        state.update(part)
+    assert set(state) == set(index["weight_map"]) == set(TiedNet().state_dict())
+    assert index["metadata"]["total_size"] == sum(t.nbytes for t in state.values())
+    assert state["embed.weight"].dtype == torch.bfloat16
+    assert state["block.norm.num_batches_tracked"].dtype == torch.int64
+    assert torch.equal(state["head.weight"], state["embed.weight"])
+    reference = averager.full_state_dict()
+    assert torch.equal(state["block.up.weight"], reference["block.up.weight"].bfloat16())
+    TiedNet().load_state_dict(state, strict=True)
+
+
+def test_export_refuses_bad_arguments(trainer, tmp_path) -> None:
+    averager = trained(trainer, steps=1)
+    with pytest.raises(ValueError, match="max_shard_size must be a positive size"):
+        averager.export(tmp_path / "x", max_shard_size="lots")
+    with pytest.raises(ValueError, match="dtype must be a floating torch.dtype"):
+        averager.export(tmp_path / "x", dtype=torch.int8)
+    with pytest.raises(RuntimeError, match="no update has been applied yet"):
+        fresh().export(tmp_path / "x")
+    assert not (tmp_path / "x").exists()
+
+
+def test_parse_size() -> None:
+    assert parse_size("5GB") == 5 * 10**9
+    assert parse_size("500MiB") == 500 * 2**20
+    assert parse_size("1.5 kb") == 1500
+    assert parse_size(1024) == 1024
+    for bad in ("", "0GB", "-1MB", "5 parsecs", 0, True):
+        with pytest.raises(ValueError):
+            parse_size(bad)
+
+
+# ----------------------------------------------------------------------------- CLI
+
+
+def cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "shardavg", *args], capture_output=True, text=True, timeout=120)
+
+
+def test_cli_inspect_and_export_both_layouts(trainer, tmp_path) -> None:
+    averager = trained(trainer)
+    averager.save(tmp_path / "runs", keep_last=3)
+    dcp.save({"ema": averager}, checkpoint_id=str(tmp_path / "dcp"), no_dist=True)
+    reference = averager.full_state_dict()
+    for source in (tmp_path / "runs", tmp_path / "dcp"):
+        shown = cli("inspect", str(source))
+        assert shown.returncode == 0, shown.stderr
+        assert "step         5" in shown.stdout and "num_updates  5 (0 skipped" in shown.stdout
+        assert '"decay": 0.9' in shown.stdout and "replicated on 1 rank(s)" in shown.stdout
+        assert "tensors      13: 8 average, 3 copy, 2 live" in shown.stdout
+        assert "bytes        1148" in shown.stdout
+        out = tmp_path / f"out-{source.name}"
+        written = cli("export", str(source), str(out), "--max-shard-size", "400B")
+        assert written.returncode == 0, written.stderr
+        index = json.loads((out / "model.safetensors.index.json").read_text())
+        state = {}
+        for name in set(index["weight_map"].values()):
+            state.update(load_file(str(out / name)))
+        TiedNet().load_state_dict(state, strict=True)
+        assert all(torch.equal(state[k], reference[k]) for k in reference)
+
+
+def test_cli_help_and_errors(tmp_path) -> None:
+    shown = cli("--help")
+    assert shown.returncode == 0 and "export" in shown.stdout and "inspect" in shown.stdout
+    assert "export" in cli("export", "--help").stdout and "--max-shard-size" in cli("export", "--help").stdout
+    missing = cli("inspect", str(tmp_path / "nothing"))
+    assert missing.returncode == 2
+    assert missing.stderr.startswith("shardavg: error:") and "neither a shardavg checkpoint" in missing.stderr
+    dcp.save({"model": {"w": torch.zeros(2)}}, checkpoint_id=str(tmp_path / "dcp"), no_dist=True)
+    wrong_key = cli("inspect", str(tmp_path / "dcp"))
+    assert wrong_key.returncode == 2 and "no averager under key 'ema' (top-level keys: ['model'])" in wrong_key.stderr

@@ -1,0 +1,283 @@
+"""torchrun scenarios for checkpoints and exports.
+
+    torchrun --standalone --nproc_per_node N tests_distributed/scenario_checkpoint.py MODE ENGINES ROOT
+
+ENGINES is a comma-separated list of replicated, fsdp2, fsdp1, zero3 (or "all"); MODE is one of
+  save           train, then write avg.save, a DCP checkpoint, two exports and the reference
+  load           load every checkpoint under ROOT/saved (any engine, any world size) both ways
+  kill           save once, then SIGKILL rank 1 in the middle of the next save
+  resume-first   train k steps, checkpoint model + optimizer + average, go on to 2k: the reference
+  resume-second  restore from that checkpoint, train to 2k, compare with the uninterrupted run
+  export-memory  export a model of many equal tensors, tracking rank 0's allocations
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+from pathlib import Path
+
+import harness
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from safetensors.torch import load_file, save_file
+from torch import nn
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.elastic.multiprocessing.errors import record
+from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+from torch.distributed.fsdp import StateDictType
+
+import shardavg.checkpoint
+from shardavg import EMA, WeightAverager
+
+STEPS, RESUME_AT = 10, 6
+
+
+def build(kind: str, use_orig_params: bool | None = None) -> harness.Engine:
+    """fp32 engines; FSDP1 alternates use_orig_params with the world size unless told."""
+    fp32 = torch.float32
+    if use_orig_params is None:
+        use_orig_params = dist.get_world_size() % 4 == 0
+    return {
+        "replicated": lambda: harness.build_ddp(fp32),
+        "fsdp2": lambda: harness.build_fsdp2(fp32),
+        "fsdp1": lambda: harness.build_fsdp1(fp32, use_orig_params=use_orig_params),
+        "zero3": lambda: harness.build_zero3(fp32, 0, via_zero_init=False),
+    }[kind]()
+
+
+def averager(engine: harness.Engine) -> WeightAverager:
+    return WeightAverager(engine.model, EMA(decay=0.9))
+
+
+def write_reference(path: Path, state: dict[str, torch.Tensor], **counters: int) -> None:
+    if dist.get_rank() == 0:
+        save_file({name: tensor.clone() for name, tensor in state.items()}, str(path / "reference.safetensors"))
+        (path / "counters.json").write_text(json.dumps(counters))
+
+
+def assert_equal_state(label: str, got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> None:
+    if dist.get_rank() != 0:
+        assert got == {}, f"{label}: rank {dist.get_rank()} got a state dict"
+        return
+    assert set(got) == set(want), f"{label}: names differ: {set(got) ^ set(want)}"
+    for name, value in want.items():
+        assert got[name].dtype == value.dtype and torch.equal(got[name], value), f"{label}: {name} differs"
+
+
+def save(kind: str, root: Path) -> None:
+    engine = build(kind)
+    avg = averager(engine)
+    for step in range(1, STEPS + 1):
+        engine.step(step)
+        avg.update()
+    out = root / "saved" / f"{kind}-ws{dist.get_world_size()}"
+    avg.save(out / "avg")
+    dcp.save({"ema": avg}, checkpoint_id=str(out / "dcp"))
+    avg.export(out / "export")
+    avg.export(out / "export-sharded", max_shard_size=400)
+    write_reference(out, avg.full_state_dict(), step=avg.step, num_updates=avg.num_updates)
+
+
+def assert_local_shards(label: str, avg: WeightAverager, want: dict[str, torch.Tensor]) -> None:
+    """Every rank's stored shard, replicas included, is its range of the reference."""
+    for info, shadow in zip(avg._infos, avg._shadows):
+        if shadow is not None:
+            expected = want[info.name].reshape(-1)[info.start : info.end]
+            assert torch.equal(shadow.reshape(-1), expected), f"{label}: rank {dist.get_rank()}'s {info.name}"
+
+
+def load(kind: str, root: Path) -> None:
+    engine = build(kind)  # untrained: every averaged value must come from the checkpoint
+    for source in sorted((root / "saved").iterdir()):
+        reference = load_file(str(source / "reference.safetensors"))
+        want = reference if dist.get_rank() == 0 else {}
+        counters = json.loads((source / "counters.json").read_text())
+        for how in ("avg", "dcp"):
+            avg = averager(engine)
+            if how == "avg":
+                avg.load(source / "avg")
+            else:
+                dcp.load({"ema": avg}, checkpoint_id=str(source / "dcp"))
+            assert (avg.step, avg.num_updates) == (counters["step"], counters["num_updates"]), source
+            label = f"{source.name} via {how} into {kind}"
+            assert_local_shards(label, avg, reference)
+            assert_equal_state(label, avg.full_state_dict(), want)
+            harness.report(
+                "LOADED", {"source": source.name, "how": how, "into": kind, "world_size": dist.get_world_size()}
+            )
+
+
+def kill(kind: str, root: Path) -> None:
+    engine = build(kind)
+    avg = averager(engine)
+    for step in range(1, STEPS + 1):
+        engine.step(step)
+        avg.update()
+        if step == 4:
+            avg.save(root / "killed", keep_last=3)
+            write_reference(root / "killed", avg.full_state_dict(), step=avg.step, num_updates=avg.num_updates)
+    if dist.get_rank() == 1:
+        real_write = shardavg.checkpoint.write_safetensors
+
+        def write_then_die(path, entries, tensors, metadata=None):
+            def first_tensor_then_sigkill():
+                yield next(iter(tensors))
+                os.kill(os.getpid(), signal.SIGKILL)
+
+            real_write(path, entries, first_tensor_then_sigkill(), metadata)
+
+        shardavg.checkpoint.write_safetensors = write_then_die
+    avg.save(root / "killed", keep_last=3)
+    raise AssertionError("rank 1 should have been killed during the save")
+
+
+def _save_everything(engine: harness.Engine, avg: WeightAverager, path: Path) -> None:
+    """The model and optimizer through the engine's own checkpointing, the average beside them.
+
+    (DCP keeps one arbitrary replica of a buffer that differs between ranks, so the resume
+    scenarios give every rank the same data: BatchNorm statistics then agree everywhere.)
+    """
+    if engine.deepspeed_engine is not None:
+        engine.deepspeed_engine.save_checkpoint(str(path), tag="resume")
+        avg.save(path / "ema")
+    elif isinstance(engine.model, FSDP):  # FSDP1's own sharded state dicts (its DCP recipe)
+        with FSDP.state_dict_type(engine.model, StateDictType.SHARDED_STATE_DICT):
+            optim_state = FSDP.optim_state_dict(engine.model, engine.optimizer)
+            dcp.save({"model": engine.model.state_dict(), "optim": optim_state, "ema": avg}, checkpoint_id=str(path))
+    else:
+        model_state, optim_state = get_state_dict(engine.model, engine.optimizer)
+        dcp.save({"model": model_state, "optim": optim_state, "ema": avg}, checkpoint_id=str(path))
+
+
+def _load_everything(engine: harness.Engine, avg: WeightAverager, path: Path) -> None:
+    if engine.deepspeed_engine is not None:
+        engine.deepspeed_engine.load_checkpoint(str(path), tag="resume")
+        avg.load(path / "ema")
+    elif isinstance(engine.model, FSDP):
+        from torch.distributed.checkpoint.optimizer import load_sharded_optimizer_state_dict
+
+        with FSDP.state_dict_type(engine.model, StateDictType.SHARDED_STATE_DICT):
+            state = {"model": engine.model.state_dict(), "ema": avg}
+            dcp.load(state, checkpoint_id=str(path))
+            engine.model.load_state_dict(state["model"])
+            optim_state = load_sharded_optimizer_state_dict(state["model"], "optim", dcp.FileSystemReader(str(path)))
+            engine.optimizer.load_state_dict(
+                FSDP.optim_state_dict_to_load(engine.model, engine.optimizer, optim_state["optim"])
+            )
+    else:
+        model_state, optim_state = get_state_dict(engine.model, engine.optimizer)
+        state = {"model": model_state, "optim": optim_state, "ema": avg}
+        dcp.load(state, checkpoint_id=str(path))
+        set_state_dict(engine.model, engine.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+
+
+def resume_first(kind: str, root: Path) -> None:
+    engine = build(kind, use_orig_params=True)
+    avg = averager(engine)
+    out = root / "resume" / f"{kind}-ws{dist.get_world_size()}"
+    for step in range(1, 2 * RESUME_AT + 1):
+        engine.step(step)
+        avg.update()
+        if step == RESUME_AT:
+            _save_everything(engine, avg, out / "checkpoint")
+    write_reference(out, avg.full_state_dict(), step=avg.step, num_updates=avg.num_updates)
+
+
+def resume_second(kind: str, root: Path) -> None:
+    engine = build(kind, use_orig_params=True)
+    avg = averager(engine)
+    out = root / "resume" / f"{kind}-ws{dist.get_world_size()}"
+    _load_everything(engine, avg, out / "checkpoint")
+    assert (avg.step, avg.num_updates) == (RESUME_AT, RESUME_AT), (avg.step, avg.num_updates)
+    for step in range(RESUME_AT + 1, 2 * RESUME_AT + 1):
+        engine.step(step)
+        avg.update()
+    want = load_file(str(out / "reference.safetensors")) if dist.get_rank() == 0 else {}
+    assert_equal_state(f"{kind} resumed at step {RESUME_AT}", avg.full_state_dict(), want)
+    harness.report("RESUMED", {"engine": kind, "world_size": dist.get_world_size()})
+
+
+class ManyTensors(nn.Module):
+    """48 equal 256 KiB tensors: 12 MiB in all, far above the export's gather bound."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ParameterList(nn.Parameter(torch.randn(64, 1024)) for _ in range(48))
+
+
+def allocated_peak(run) -> int:
+    """Peak bytes held by torch's CPU allocator above the starting point while ``run()`` runs."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as profile:
+        run()
+    held = peak = 0
+    events = [e for e in profile.profiler.kineto_results.events() if e.name() == "[memory]"]
+    for event in sorted(events, key=lambda e: e.start_ns()):
+        held += event.nbytes()
+        peak = max(peak, held)
+    return peak
+
+
+def export_memory(kind: str, root: Path) -> None:
+    """Rank 0 holds at most one gather bucket (or the largest tensor, if larger), never the model."""
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(0)
+    model = ManyTensors()
+    if kind == "fsdp2":
+        fully_shard(model)
+    avg = WeightAverager(model, EMA(decay=0.9))
+    avg.update()
+    largest, model_bytes = 64 * 1024 * 4, 48 * 64 * 1024 * 4
+    bookkeeping = 4096  # a few small tensors (gloo's, the profiler's)
+    for bucket in (2**20, 1):  # four tensors per gather, or one
+        avg.gather_bucket_bytes = bucket
+        peak = allocated_peak(lambda: avg.export(root / "big-export"))
+        if dist.get_rank() == 0:
+            harness.report(
+                "EXPORT_PEAK",
+                {
+                    "engine": kind,
+                    "world_size": dist.get_world_size(),
+                    "peak_bytes": peak,
+                    "model_bytes": model_bytes,
+                    "largest_tensor_bytes": largest,
+                    "bucket_bytes": bucket,
+                },
+            )
+            bound = max(bucket, largest) + bookkeeping
+            assert peak <= bound, f"rank 0 held {peak} bytes exporting a {model_bytes}-byte model (bound {bound})"
+            written = load_file(str(root / "big-export" / "model.safetensors"))
+            assert sorted(written) == sorted(f"blocks.{i}" for i in range(48))
+
+
+ENGINES = ("replicated", "fsdp2", "fsdp1", "zero3")
+
+
+@record
+def main() -> None:
+    mode, kinds, root = sys.argv[1], sys.argv[2], Path(sys.argv[3])
+    kinds = ENGINES if kinds == "all" else tuple(kinds.split(","))
+    harness.SAME_DATA_ON_EVERY_RANK = mode.startswith("resume")
+    harness.init_distributed(deepspeed="zero3" in kinds)
+    run = {
+        "save": save,
+        "load": load,
+        "kill": kill,
+        "resume-first": resume_first,
+        "resume-second": resume_second,
+        "export-memory": export_memory,
+    }[mode]
+    for kind in kinds:
+        run(kind, root)
+        dist.barrier()
+        if dist.get_rank() == 0:
+            harness.report("DONE", {"mode": mode, "engine": kind, "world_size": dist.get_world_size()})
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

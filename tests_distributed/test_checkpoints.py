@@ -1,0 +1,125 @@
+"""Checkpoints, resharding, resume, export and faults under torchrun (CPU, gloo).
+
+Each launch runs every engine in turn, so a world size costs one launch per phase.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from launcher import HERE, torchrun
+from safetensors.torch import load_file
+
+ENGINES = ["replicated", "fsdp2", "fsdp1", "zero3"]
+SCRIPT = "scenario_checkpoint.py"
+
+
+def run_ok(mode: str, world_size: int, root: Path, engines: str = "all", timeout: float = 420):
+    launch = torchrun(SCRIPT, world_size, mode, engines, str(root), timeout=timeout)
+    assert launch.returncode == 0, launch.output[-20000:]
+    done = {(r["mode"], r["engine"]) for r in launch.reports("DONE")}
+    expected = ENGINES if engines == "all" else engines.split(",")
+    assert done == {(mode, e) for e in expected}, launch.output[-5000:]
+    return launch
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory) -> Path:
+    """Checkpoints of every engine at world sizes 2 and 4 (both forms), with exports and references."""
+    root = tmp_path_factory.mktemp("checkpoints")
+    for world_size in (2, 4):
+        run_ok("save", world_size, root)
+    assert len(list((root / "saved").iterdir())) == 2 * len(ENGINES)
+    return root
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 4])
+def test_every_checkpoint_loads_at_any_world_size_under_any_strategy(saved: Path, world_size: int) -> None:
+    launch = run_ok("load", world_size, saved)
+    loaded = {(r["source"], r["how"], r["into"]) for r in launch.reports("LOADED")}
+    sources = [p.name for p in (saved / "saved").iterdir()]
+    assert loaded == {(s, how, e) for s in sources for how in ("avg", "dcp") for e in ENGINES}
+
+
+VERIFY_EXPORT = """
+import json, sys
+from pathlib import Path
+import torch
+from safetensors.torch import load_file
+sys.path.insert(0, {harness!r})
+from harness import TiedNet
+
+source = Path({source!r})
+for export in ("export", "export-sharded"):
+    folder = source / export
+    index = folder / "model.safetensors.index.json"
+    files = ["model.safetensors"]
+    if index.exists():
+        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+    state = {{}}
+    for name in files:
+        state.update(load_file(str(folder / name)))
+    model = TiedNet()
+    model.load_state_dict(state, strict=True)
+    reference = load_file(str(source / "reference.safetensors"))
+    assert set(state) == set(reference), set(state) ^ set(reference)
+    assert all(torch.equal(state[k], reference[k]) for k in reference), export
+    print(export, len(files), "file(s)")
+assert not any(m.startswith("shardavg") for m in sys.modules), "shardavg was imported"
+"""
+
+
+def test_exports_load_strictly_in_a_process_without_shardavg(saved: Path) -> None:
+    for source in sorted((saved / "saved").iterdir()):
+        script = VERIFY_EXPORT.format(harness=str(HERE), source=str(source))
+        result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+        assert result.returncode == 0, f"{source.name}: {result.stderr[-3000:]}"
+        assert "export 1 file(s)" in result.stdout and "export-sharded" in result.stdout, result.stdout
+        files = int(result.stdout.split("export-sharded ")[1].split()[0])
+        assert files > 1, f"{source.name}: the sharded export has {files} file"
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 4])
+def test_resume_is_bitwise_an_uninterrupted_run(tmp_path: Path, world_size: int) -> None:
+    run_ok("resume-first", world_size, tmp_path)
+    launch = run_ok("resume-second", world_size, tmp_path)
+    assert {r["engine"] for r in launch.reports("RESUMED")} == set(ENGINES)
+
+
+def test_a_rank_killed_during_save_leaves_the_previous_checkpoint(tmp_path: Path) -> None:
+    from harness import TiedNet
+
+    from shardavg import EMA, CheckpointError, WeightAverager
+
+    launch = torchrun(SCRIPT, 2, "kill", "fsdp2", str(tmp_path), timeout=180)
+    assert launch.returncode != 0
+    assert f"Signal {int(signal.SIGKILL)} (SIGKILL)" in launch.output, launch.output[-5000:]
+    parent = tmp_path / "killed"
+    assert sorted(p.name for p in parent.iterdir() if p.is_dir()) == [".step-000000010.incomplete", "step-000000004"]
+
+    torch.manual_seed(0)
+    averager = WeightAverager(TiedNet(), EMA(decay=0.9))
+    assert averager.load(parent) == parent / "step-000000004"
+    counters = json.loads((parent / "counters.json").read_text())
+    assert (averager.step, averager.num_updates) == (counters["step"], counters["num_updates"])
+    reference = load_file(str(parent / "reference.safetensors"))
+    got = averager.full_state_dict()
+    assert all(torch.equal(got[k], reference[k]) for k in reference)
+    with pytest.raises(CheckpointError, match=r"save never completed"):
+        averager.load(parent / ".step-000000010.incomplete")
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 4])
+def test_export_holds_one_bucket_on_rank_zero(tmp_path: Path, world_size: int) -> None:
+    launch = run_ok("export-memory", world_size, tmp_path, engines="replicated,fsdp2")
+    peaks = launch.reports("EXPORT_PEAK")
+    assert len(peaks) == 4
+    for peak in peaks:
+        assert peak["peak_bytes"] <= max(peak["bucket_bytes"], peak["largest_tensor_bytes"]) + 4096, peak
+        assert peak["model_bytes"] >= 10 * peak["peak_bytes"], peak
