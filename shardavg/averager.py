@@ -30,7 +30,7 @@ from .layout import DEFAULT_BUCKET_BYTES, ShardLayout, distributed, iter_gathere
 from .rules import EMA, LerpRule, MultiAvgFn, Rule, as_rule
 from .strategies import make_strategy
 from .strategies.base import TensorInfo
-from .update import Role, UpdateGroup, apply_custom, copy, group_tensors, groups_current, lerp, nonfinite
+from .update import Role, UpdateGroup, apply_custom, copy_live, group_tensors, groups_current, lerp, nonfinite
 
 BUFFER_POLICIES = ("copy", "average", "ignore")
 NONFINITE_POLICIES = ("raise", "skip")
@@ -256,7 +256,7 @@ class WeightAverager:
     def _apply(self) -> None:
         for group in self._groups:
             if self.num_updates == 0 or group.role == "copy":
-                copy(group)
+                copy_live(group)
             elif isinstance(self.rule, LerpRule):
                 lerp(group, self.rule.weight(self.num_updates))
             else:

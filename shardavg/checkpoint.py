@@ -32,6 +32,7 @@ from .storage import (
     commit_directory,
     fresh_staging,
     open_safetensors,
+    staging_path,
     write_safetensors,
 )
 
@@ -186,7 +187,7 @@ def save(avg: WeightAverager, directory: str | os.PathLike, keep_last: int | Non
     avg._check_ranks_agree()
     directory = Path(directory)
     target = directory / f"step-{avg.step:09d}" if keep_last else directory
-    staging = target.with_name(f".{target.name}.incomplete")
+    staging = staging_path(target)
     me, ranks = rank(), world_size()
     files = [f"rank-{r:05d}-of-{ranks:05d}.safetensors" for r in range(ranks)]
     error: BaseException | None = None

@@ -2,7 +2,7 @@
 
 ``ShardLayout.build`` runs one collective when the averager is built: every rank reports the
 range ``[start, end)`` of each flattened tensor it holds. Identical ranges on several ranks
-are replicas (DDP, HSDP, small ZeRO-3 parameters...); the lowest such rank *owns* the range.
+are replicas (DDP, HSDP, every buffer); the lowest such rank *owns* the range.
 The owned ranges of a tensor must tile it exactly, which is checked here, so a mistake in an
 adapter becomes a clear error instead of a wrong export.
 
@@ -42,10 +42,11 @@ def world_size() -> int:
 
 def agree_or_raise(error: BaseException | None, what: str) -> None:
     """Collective: raise everywhere if any rank failed, naming the ranks and their errors."""
-    errors = [None if error is None else f"{type(error).__name__}: {error}"]
+    mine = None if error is None else f"{type(error).__name__}: {error}"
+    errors = [mine]
     if distributed():
         errors = [None] * dist.get_world_size()
-        dist.all_gather_object(errors, None if error is None else f"{type(error).__name__}: {error}")
+        dist.all_gather_object(errors, mine)
     failed = "; ".join(f"rank {r}: {e}" for r, e in enumerate(errors) if e is not None)
     if failed:
         raise CheckpointError(f"{what} failed: {failed}") from error

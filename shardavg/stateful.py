@@ -47,7 +47,11 @@ def _dcp_value(avg: WeightAverager, index: int) -> torch.Tensor:
     the chunk it owns. Replicas offer nothing (DCP would keep an arbitrary replica's copy of,
     say, a BatchNorm buffer); ``load_state_dict`` sends them the owner's chunk."""
     info = avg._infos[index]
-    piece = avg._piece(index) if avg._shadows[index] is not None else avg._piece(index).clone()
+    piece, offset = avg._piece(index), info.start
+    if not _owns(avg, index):  # an empty chunk at the end can never be mistaken for another rank's
+        piece, offset = piece[:0], info.numel
+    elif avg._shadows[index] is None:
+        piece = piece.clone()  # a live value: loading must not write into the model
     if not distributed():
         return piece
     from torch.distributed.device_mesh import DeviceMesh
@@ -57,9 +61,6 @@ def _dcp_value(avg: WeightAverager, index: int) -> torch.Tensor:
     mesh = avg._meshes.get(piece.device.type)
     if mesh is None:
         mesh = avg._meshes[piece.device.type] = DeviceMesh.from_group(dist.group.WORLD, piece.device.type)
-    offset = info.start
-    if not _owns(avg, index):  # an empty chunk at the end can never be mistaken for another rank's
-        piece, offset = piece[:0], info.numel
     shards = LocalShardsWrapper([piece], [(offset,)])
     return DTensor.from_local(shards, mesh, [Shard(0)], run_check=False, shape=torch.Size([info.numel]), stride=(1,))
 
@@ -76,8 +77,10 @@ def _fill_replicas(avg: WeightAverager, indices: list[int]) -> None:
             if not holders:
                 continue
             shadow = avg._shadows[index].view(-1)
-            buffer = shadow if me == owner or me in holders else torch.empty_like(shadow[: end - start])
-            dist.broadcast(buffer, src=owner)
+            if me == owner or me in holders:
+                dist.broadcast(shadow, src=owner)
+            else:  # takes part without a copy of its own
+                dist.broadcast(shadow.new_empty(end - start), src=owner)
 
 
 def state_dict(avg: WeightAverager) -> dict[str, Any]:

@@ -91,9 +91,14 @@ def commit_directory(staging: Path, target: Path) -> None:
     fsync_dir(target.parent)
 
 
+def staging_path(target: Path) -> Path:
+    """Where ``target`` is written before it is committed: ``.<name>.incomplete`` beside it."""
+    return target.with_name(f".{target.name}.incomplete")
+
+
 def fresh_staging(target: Path) -> Path:
-    """An empty ``.<name>.incomplete`` directory beside ``target``."""
-    staging = target.with_name(f".{target.name}.incomplete")
+    """An empty staging directory for ``target``."""
+    staging = staging_path(target)
     shutil.rmtree(staging, ignore_errors=True)
     staging.mkdir(parents=True)
     return staging

@@ -89,7 +89,7 @@ def _staged(group: UpdateGroup, dtype: torch.dtype | None) -> Iterator[tuple[lis
         start = stop
 
 
-def copy(group: UpdateGroup) -> None:
+def copy_live(group: UpdateGroup) -> None:
     torch._foreach_copy_(group.shadows, group.lives)
 
 

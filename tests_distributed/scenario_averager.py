@@ -256,7 +256,7 @@ def main() -> None:
         dist.barrier()
     if rank == 0:
         harness.report("DONE", {"engine": engine_kind, "world_size": world})
-    dist.destroy_process_group()
+    harness.finish()
 
 
 if __name__ == "__main__":

@@ -276,7 +276,7 @@ def main() -> None:
         dist.barrier()
         if dist.get_rank() == 0:
             harness.report("DONE", {"mode": mode, "engine": kind, "world_size": dist.get_world_size()})
-    dist.destroy_process_group()
+    harness.finish()
 
 
 if __name__ == "__main__":
