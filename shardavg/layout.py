@@ -59,12 +59,8 @@ def _tiling(name: str, numel: int, ranges: Sequence[tuple[int, int]]) -> tuple[C
         if end > start:
             owned.setdefault((start, end), holder)
     chunks = sorted(((owner, start, end) for (start, end), owner in owned.items()), key=lambda chunk: chunk[1])
-    covered = 0
-    for _, start, end in chunks:
-        if start != covered:
-            break
-        covered = end
-    if covered != numel:
+    ends = [0] + [end for _, _, end in chunks]  # each chunk must start where the previous one ended
+    if ends[-1] != numel or any(start != end for (_, start, _), end in zip(chunks, ends)):
         raise LayoutError(
             f"the shards of {name!r} ({numel} elements) do not tile it: "
             + ", ".join(f"rank {holder} holds [{start}, {end})" for holder, (start, end) in enumerate(ranges))
