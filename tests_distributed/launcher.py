@@ -35,6 +35,9 @@ def torchrun(script: str, nproc: int, *args: str, timeout: float = 300) -> Launc
         str(HERE / script), *args,
     ]  # fmt: skip
     env = os.environ | {"OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu", "PYTHONUNBUFFERED": "1"}
+    # DeepSpeed compiles a small op on first use; build it inside this environment, where no
+    # other environment's half-finished build (and its lock file) can stall the launch.
+    env.setdefault("TORCH_EXTENSIONS_DIR", str(Path(sys.prefix) / "torch_extensions"))
     process = subprocess.Popen(
         command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, start_new_session=True
     )
