@@ -377,7 +377,7 @@ def test_construction_logs_on_rank_zero(model, caplog) -> None:
     assert "replicated strategy, 13 tensors (8 averaged)" in caplog.text
 
 
-def test_update_issues_no_collective_and_no_warning(model, trainer) -> None:
+def test_a_healthy_update_warns_nothing(model, trainer) -> None:
     averager = WeightAverager(model, EMA(decay=0.9))
     trainer.step()
     with warnings.catch_warnings():

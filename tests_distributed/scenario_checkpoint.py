@@ -53,10 +53,19 @@ def averager(engine: harness.Engine) -> WeightAverager:
     return WeightAverager(engine.model, EMA(decay=0.9))
 
 
-def write_reference(path: Path, state: dict[str, torch.Tensor], **counters: int) -> None:
+def train(engine: harness.Engine, avg: WeightAverager, steps: range) -> None:
+    """Real optimizer steps, each followed by an update."""
+    for step in steps:
+        engine.step(step)
+        avg.update()
+
+
+def write_reference(path: Path, avg: WeightAverager) -> None:
+    """Collective: the full average (rank 0 writes it) and its counters, to compare loads with."""
+    state = avg.full_state_dict()
     if dist.get_rank() == 0:
         save_file({name: tensor.clone() for name, tensor in state.items()}, str(path / "reference.safetensors"))
-        (path / "counters.json").write_text(json.dumps(counters))
+        (path / "counters.json").write_text(json.dumps({"step": avg.step, "num_updates": avg.num_updates}))
 
 
 def assert_equal_state(label: str, got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> None:
@@ -71,15 +80,13 @@ def assert_equal_state(label: str, got: dict[str, torch.Tensor], want: dict[str,
 def save(kind: str, root: Path) -> None:
     engine = build(kind)
     avg = averager(engine)
-    for step in range(1, STEPS + 1):
-        engine.step(step)
-        avg.update()
+    train(engine, avg, range(1, STEPS + 1))
     out = root / "saved" / f"{kind}-ws{dist.get_world_size()}"
     avg.save(out / "avg")
     dcp.save({"ema": avg}, checkpoint_id=str(out / "dcp"))
     avg.export(out / "export")
     avg.export(out / "export-sharded", max_shard_size=400)
-    write_reference(out, avg.full_state_dict(), step=avg.step, num_updates=avg.num_updates)
+    write_reference(out, avg)
 
 
 def assert_local_shards(label: str, avg: WeightAverager, want: dict[str, torch.Tensor]) -> None:
@@ -114,12 +121,10 @@ def load(kind: str, root: Path) -> None:
 def kill(kind: str, root: Path) -> None:
     engine = build(kind)
     avg = averager(engine)
-    for step in range(1, STEPS + 1):
-        engine.step(step)
-        avg.update()
-        if step == 4:
-            avg.save(root / "killed", keep_last=3)
-            write_reference(root / "killed", avg.full_state_dict(), step=avg.step, num_updates=avg.num_updates)
+    train(engine, avg, range(1, 5))
+    avg.save(root / "killed", keep_last=3)
+    write_reference(root / "killed", avg)
+    train(engine, avg, range(5, STEPS + 1))
     if dist.get_rank() == 1:
         real_write = shardavg.checkpoint.write_safetensors
 
@@ -179,12 +184,10 @@ def resume_first(kind: str, root: Path) -> None:
     engine = build(kind, use_orig_params=True)
     avg = averager(engine)
     out = root / "resume" / f"{kind}-ws{dist.get_world_size()}"
-    for step in range(1, 2 * RESUME_AT + 1):
-        engine.step(step)
-        avg.update()
-        if step == RESUME_AT:
-            _save_everything(engine, avg, out / "checkpoint")
-    write_reference(out, avg.full_state_dict(), step=avg.step, num_updates=avg.num_updates)
+    train(engine, avg, range(1, RESUME_AT + 1))
+    _save_everything(engine, avg, out / "checkpoint")
+    train(engine, avg, range(RESUME_AT + 1, 2 * RESUME_AT + 1))
+    write_reference(out, avg)
 
 
 def resume_second(kind: str, root: Path) -> None:
@@ -193,9 +196,7 @@ def resume_second(kind: str, root: Path) -> None:
     out = root / "resume" / f"{kind}-ws{dist.get_world_size()}"
     _load_everything(engine, avg, out / "checkpoint")
     assert (avg.step, avg.num_updates) == (RESUME_AT, RESUME_AT), (avg.step, avg.num_updates)
-    for step in range(RESUME_AT + 1, 2 * RESUME_AT + 1):
-        engine.step(step)
-        avg.update()
+    train(engine, avg, range(RESUME_AT + 1, 2 * RESUME_AT + 1))
     want = load_file(str(out / "reference.safetensors")) if dist.get_rank() == 0 else {}
     assert_equal_state(f"{kind} resumed at step {RESUME_AT}", avg.full_state_dict(), want)
     harness.report("RESUMED", {"engine": kind, "world_size": dist.get_world_size()})
