@@ -1,7 +1,7 @@
 """Sharded checkpoints of a ``WeightAverager``: ``save``/``load`` and DCP's Stateful protocol.
 
 Both forms store every tensor *flattened*, as the chunks the ranks own (see ``layout.py``),
-next to a JSON description of the averager (``describe``). Because a chunk is a range of the
+next to a JSON description of the averager (``AverageState.describe``). Because a chunk is a range of the
 flattened tensor, a checkpoint loads at any world size and under any strategy: each rank
 reads the parts of the saved chunks that overlap its own range.
 
@@ -19,14 +19,16 @@ import re
 import shutil
 import warnings
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 
 from .errors import CheckpointError
 from .layout import agree_or_raise, rank, world_size
+from .state import FORMAT, VERSION, AverageState
 from .storage import (
     DTYPE_CODES,
+    DTYPES,
     Entry,
     atomic_file,
     commit_directory,
@@ -36,51 +38,8 @@ from .storage import (
     write_safetensors,
 )
 
-if TYPE_CHECKING:
-    from .averager import WeightAverager
-
-FORMAT, VERSION = "shardavg", 1
 MANIFEST = "shardavg.json"
 STEP_DIR = re.compile(r"^step-(\d+)$")
-
-
-def dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
-
-
-DTYPES = {dtype_name(dtype): dtype for dtype in DTYPE_CODES}
-
-
-def describe(avg: WeightAverager) -> dict[str, Any]:
-    """Everything but the tensors' values, as JSON-able data."""
-    return {
-        "format": FORMAT,
-        "version": VERSION,
-        "step": avg.step,
-        "num_updates": avg.num_updates,
-        "num_skipped": avg.num_skipped,
-        "rule": avg.rule.to_config(),
-        "strategy": avg.strategy.name,
-        "world_size": world_size(),
-        "options": {
-            "every_n_steps": avg.every_n_steps,
-            "start_step": avg.start_step,
-            "dtype": None if avg.dtype is None else dtype_name(avg.dtype),
-            "buffers": avg.buffers,
-            "include_frozen": avg.include_frozen,
-        },
-        "tensors": [
-            {
-                "name": info.name,
-                "aliases": list(info.aliases),
-                "kind": info.kind,
-                "role": role,
-                "shape": list(info.shape),
-                "dtype": dtype_name(avg._piece(index).dtype),
-            }
-            for index, (info, role) in enumerate(zip(avg._infos, avg._roles))
-        ],
-    }
 
 
 def check_description(meta: Any, where: str) -> dict[str, Any]:
@@ -96,7 +55,7 @@ def check_description(meta: Any, where: str) -> dict[str, Any]:
     return meta
 
 
-def check_compatible(avg: WeightAverager, meta: dict[str, Any], where: str, strict: bool) -> dict[str, dict]:
+def check_compatible(state: AverageState, meta: dict[str, Any], where: str, strict: bool) -> dict[str, dict]:
     """Compare a checkpoint with the averager; return the saved tensors by name.
 
     Names and shapes must match (the error lists missing, unexpected and mis-shaped
@@ -104,7 +63,7 @@ def check_compatible(avg: WeightAverager, meta: dict[str, Any], where: str, stri
     only warn.
     """
     saved = {entry["name"]: entry for entry in meta["tensors"]}
-    mine = {info.name: info for info in avg._infos}
+    mine = {info.name: info for info in state.infos}
     missing = sorted(set(mine) - set(saved))
     unexpected = sorted(set(saved) - set(mine))
     misshaped = sorted(
@@ -121,7 +80,7 @@ def check_compatible(avg: WeightAverager, meta: dict[str, Any], where: str, stri
             f"{where}: missing {missing} (averaged from the live weights on), unexpected {unexpected} (ignored)",
             stacklevel=3,
         )
-    stored = {info.name: role != "live" for info, role in zip(avg._infos, avg._roles)}
+    stored = {info.name: role != "live" for info, role in zip(state.infos, state.roles)}
     restored = sorted(
         f"{name} ({'averaged' if stored[name] else 'live'} here, {saved[name]['role']} in the checkpoint)"
         for name in set(stored) & set(saved)
@@ -132,7 +91,7 @@ def check_compatible(avg: WeightAverager, meta: dict[str, Any], where: str, stri
         if strict:
             raise CheckpointError(message)
         warnings.warn(message, stacklevel=3)
-    rule = avg.rule.to_config()
+    rule = state.rule.to_config()
     if meta["rule"] != rule:
         message = f"{where} was averaged with rule {meta['rule']}, this averager has {rule}"
         if strict:
@@ -141,23 +100,11 @@ def check_compatible(avg: WeightAverager, meta: dict[str, Any], where: str, stri
     return saved
 
 
-def restore_counters(avg: WeightAverager, meta: dict[str, Any], saved: dict[str, dict]) -> None:
-    """Take the checkpoint's counters; shadows it lacks (a non-strict load) restart from the live weights."""
-    with torch.no_grad():
-        for info, shadow, live in zip(avg._infos, avg._shadows, avg._live):
-            if shadow is not None and info.name not in saved:
-                shadow.copy_(live)
-    avg.step = int(meta["step"])
-    avg.num_updates = int(meta["num_updates"])
-    avg.num_skipped = int(meta.get("num_skipped", 0))
-    avg._counters.clear()
-
-
-def _loadable(avg: WeightAverager, saved: dict[str, dict]) -> list[int]:
+def loadable(state: AverageState, saved: dict[str, dict]) -> list[int]:
     """Indices of tensors to fill from a checkpoint: stored by the averager and saved as such."""
     return [
         index
-        for index, (info, shadow) in enumerate(zip(avg._infos, avg._shadows))
+        for index, (info, shadow) in enumerate(zip(state.infos, state.shadows))
         if shadow is not None and info.name in saved and saved[info.name]["role"] != "live"
     ]
 
@@ -175,7 +122,7 @@ def _prune(parent: Path, keep_last: int) -> None:
         shutil.rmtree(stale, ignore_errors=True)
 
 
-def save(avg: WeightAverager, directory: str | os.PathLike, keep_last: int | None = None) -> Path:
+def save(state: AverageState, directory: str | os.PathLike, keep_last: int | None = None) -> Path:
     """Collective: write the averager's shards and manifest to ``directory``, atomically.
 
     With ``keep_last=K`` the checkpoint goes to ``directory/step-NNNNNNNNN`` and only the K
@@ -183,10 +130,9 @@ def save(avg: WeightAverager, directory: str | os.PathLike, keep_last: int | Non
     """
     if keep_last is not None and (isinstance(keep_last, bool) or not isinstance(keep_last, int) or keep_last < 1):
         raise ValueError(f"keep_last must be an int >= 1 or None, got {keep_last!r}")
-    avg._verify_structure()
-    avg._check_ranks_agree()
+    state.check_current()
     directory = Path(directory)
-    target = directory / f"step-{avg.step:09d}" if keep_last else directory
+    target = directory / f"step-{state.step:09d}" if keep_last else directory
     staging = staging_path(target)
     me, ranks = rank(), world_size()
     files = [f"rank-{r:05d}-of-{ranks:05d}.safetensors" for r in range(ranks)]
@@ -200,21 +146,21 @@ def save(avg: WeightAverager, directory: str | os.PathLike, keep_last: int | Non
 
     owned = [
         (index, start, end)
-        for index, chunks in enumerate(avg.layout.chunks)
+        for index, chunks in enumerate(state.layout.chunks)
         for owner, start, end in chunks
         if owner == me
     ]
     try:
-        entries = [Entry(avg._infos[i].name, avg._piece(i).dtype, (end - start,)) for i, start, end in owned]
-        write_safetensors(staging / files[me], entries, (avg._piece(i) for i, _, _ in owned))
+        entries = [Entry(state.infos[i].name, state.piece(i).dtype, (end - start,)) for i, start, end in owned]
+        write_safetensors(staging / files[me], entries, (state.piece(i) for i, _, _ in owned))
     except Exception as caught:  # report it to every rank rather than leave them waiting
         error = caught
     agree_or_raise(error, f"writing shards to {staging}")
 
     if me == 0:
         try:
-            manifest = describe(avg) | {"files": files}
-            for entry, chunks in zip(manifest["tensors"], avg.layout.chunks):
+            manifest = state.describe() | {"files": files}
+            for entry, chunks in zip(manifest["tensors"], state.layout.chunks):
                 entry["chunks"] = [{"file": owner, "start": start, "end": end} for owner, start, end in chunks]
             with atomic_file(staging / MANIFEST) as handle:
                 handle.write(json.dumps(manifest, indent=1).encode())
@@ -270,11 +216,11 @@ class _Read(NamedTuple):
     target_start: int
 
 
-def _plan_reads(avg: WeightAverager, path: Path, meta: dict, saved: dict[str, dict], handles: dict) -> list[_Read]:
+def _plan_reads(state: AverageState, path: Path, meta: dict, saved: dict[str, dict], handles: dict) -> list[_Read]:
     """Every read this rank needs, each checked against the file it comes from."""
     reads = []
-    for index in _loadable(avg, saved):
-        info, entry = avg._infos[index], saved[avg._infos[index].name]
+    for index in loadable(state, saved):
+        info, entry = state.infos[index], saved[state.infos[index].name]
         for chunk in entry["chunks"]:
             low, high = max(chunk["start"], info.start), min(chunk["end"], info.end)
             if low >= high:
@@ -294,25 +240,25 @@ def _plan_reads(avg: WeightAverager, path: Path, meta: dict, saved: dict[str, di
     return reads
 
 
-def load(avg: WeightAverager, directory: str | os.PathLike, strict: bool = True) -> Path:
+def load(state: AverageState, directory: str | os.PathLike, strict: bool = True) -> Path:
     """Collective: restore the averager from a checkpoint written by ``save``, at any world size
     or strategy. Everything is checked on every rank before any shadow changes."""
-    avg._verify_structure()
+    state.verify_structure()
     error: BaseException | None = None
     path = Path(directory)
     try:
         path = resolve(directory)
         meta = read_manifest(path)
-        saved = check_compatible(avg, meta, str(path), strict)
-        reads = _plan_reads(avg, path, meta, saved, handles={})
+        saved = check_compatible(state, meta, str(path), strict)
+        reads = _plan_reads(state, path, meta, saved, handles={})
     except Exception as caught:
         error = caught
     agree_or_raise(error, f"loading {path}")
     with torch.no_grad():
         for read in reads:
-            target = avg._shadows[read.index].view(-1)
+            target = state.shadows[read.index].view(-1)
             target[read.target_start : read.target_start + read.source_end - read.source_start].copy_(
                 read.piece[read.source_start : read.source_end]
             )
-    restore_counters(avg, meta, saved)
+    state.restore(meta, set(saved))
     return path

@@ -11,10 +11,10 @@ import json
 import sys
 from collections import Counter
 
-from .checkpoint import DTYPES
 from .errors import CheckpointError
 from .export import export_entries, export_metadata, parse_size, write_model
 from .offline import SavedAverage
+from .storage import DTYPES
 
 EXPORT_DTYPES = ("float32", "bfloat16", "float16")
 

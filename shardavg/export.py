@@ -15,16 +15,12 @@ import os
 import re
 from collections.abc import Iterable, Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import torch
 
-from .checkpoint import describe
 from .layout import agree_or_raise, rank
+from .state import AverageState
 from .storage import Entry, atomic_file, commit_directory, fresh_staging, write_safetensors
-
-if TYPE_CHECKING:
-    from .averager import WeightAverager
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -114,15 +110,15 @@ def cast_dtype(saved: torch.dtype, dtype: torch.dtype | None) -> torch.dtype:
 
 
 def export(
-    avg: WeightAverager, path: str | os.PathLike, max_shard_size: int | str = "5GB", dtype: torch.dtype | None = None
+    state: AverageState, path: str | os.PathLike, max_shard_size: int | str = "5GB", dtype: torch.dtype | None = None
 ) -> Path:
     """Collective: gather the average tensor by tensor and write it on rank 0 (see ``write_model``)."""
     max_bytes = parse_size(max_shard_size)
     if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
         raise ValueError(f"dtype must be a floating torch.dtype or None, got {dtype!r}")
-    gathered = avg._gathered(dst=0)  # checks the averager before anything is written
+    gathered = state.gathered(dst=0)  # checks the averager before anything is written
     entries = export_entries(
-        ((list(info.names), avg._piece(i).dtype, tuple(info.shape)) for i, info in enumerate(avg._infos)), dtype
+        ((list(info.names), state.piece(i).dtype, tuple(info.shape)) for i, info in enumerate(state.infos)), dtype
     )
     error: BaseException | None = None
     if rank() == 0:
@@ -136,7 +132,7 @@ def export(
 
         stream = tensors()
         try:
-            write_model(path, entries, stream, export_metadata(describe(avg)), max_bytes)
+            write_model(path, entries, stream, export_metadata(state.describe()), max_bytes)
         except Exception as caught:
             error = caught
         for _ in stream:  # finish the collective gather even if writing failed

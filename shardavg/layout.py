@@ -130,30 +130,25 @@ def _gather_one(
 ) -> torch.Tensor | None:
     """Gather flat tensor ``index`` on rank ``dst`` (every rank if None); point-to-point sends go to ``pending``.
 
+    Every chunk comes from its owner: a rank holding its own copy of a replicated tensor
+    (BatchNorm statistics without SyncBatchNorm) receives the owner's value like the others.
     Every rank takes the same branches: they depend on the shared layout only.
     """
     me = rank()
-    holders = range(len(layout.ranges[index]))
+    if not distributed():  # one process holds everything
+        return local.clone()
     if dst is not None and layout.holds_whole(index, dst):
         return local.clone() if me == dst else None
-    if dst is None and all(layout.holds_whole(index, holder) for holder in holders):
-        return local.clone()
     device = _comm_device(local.device)
     numel = sum(end - start for _, start, end in layout.chunks[index])
-    receives = dst in (None, me) and not layout.holds_whole(index, me)
-    out = torch.empty(numel, dtype=local.dtype, device=device) if receives else None
     if dst is None:  # each owner broadcasts its chunk to all
+        out = torch.empty(numel, dtype=local.dtype, device=device)
         for owner, start, end in layout.chunks[index]:
             if owner == me:
-                buffer = local.to(device)
-            elif receives:
-                buffer = out[start:end]  # type: ignore[index]
-            else:  # this rank holds the whole tensor already and only takes part
-                buffer = torch.empty(end - start, dtype=local.dtype, device=device)
-            dist.broadcast(buffer, src=owner)
-            if owner == me and receives:
-                out[start:end].copy_(local)  # type: ignore[index]
-        return out if receives else local.clone()
+                out[start:end].copy_(local)
+            dist.broadcast(out[start:end], src=owner)
+        return out
+    out = torch.empty(numel, dtype=local.dtype, device=device) if me == dst else None
     for owner, start, end in layout.chunks[index]:
         if owner == me == dst:
             out[start:end].copy_(local)  # type: ignore[index]

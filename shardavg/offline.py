@@ -16,10 +16,10 @@ from typing import Any
 
 import torch
 
-from .checkpoint import DTYPES, MANIFEST, STEP_DIR, read_manifest, resolve
+from .checkpoint import MANIFEST, STEP_DIR, read_manifest, resolve
 from .errors import CheckpointError
 from .stateful import decode_description
-from .storage import open_safetensors
+from .storage import DTYPES, open_safetensors
 
 _DCP_GLOBALS = {
     "torch.distributed.checkpoint.metadata": {

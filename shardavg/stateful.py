@@ -9,17 +9,15 @@ shards), so ``dcp.load`` reshards it to any world size or strategy, the same way
 from __future__ import annotations
 
 import json
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from .checkpoint import _loadable, check_compatible, check_description, describe, restore_counters
+from .checkpoint import check_compatible, check_description, loadable
 from .errors import CheckpointError
 from .layout import distributed, rank
-
-if TYPE_CHECKING:
-    from .averager import WeightAverager
+from .state import AverageState
 
 
 def encode_description(meta: dict[str, Any]) -> str:
@@ -38,19 +36,19 @@ def decode_description(value: Any, where: str) -> dict[str, Any]:
     return check_description(meta, where)
 
 
-def _owns(avg: WeightAverager, index: int) -> bool:
-    return any(owner == rank() for owner, _, _ in avg.layout.chunks[index])
+def _owns(state: AverageState, index: int) -> bool:
+    return any(owner == rank() for owner, _, _ in state.layout.chunks[index])
 
 
-def _dcp_value(avg: WeightAverager, index: int) -> torch.Tensor:
+def _dcp_value(state: AverageState, index: int, meshes: dict[str, Any]) -> torch.Tensor:
     """Tensor ``index`` as DCP sees it: the flattened global tensor, of which this rank offers
     the chunk it owns. Replicas offer nothing (DCP would keep an arbitrary replica's copy of,
     say, a BatchNorm buffer); ``load_state_dict`` sends them the owner's chunk."""
-    info = avg._infos[index]
-    piece, offset = avg._piece(index), info.start
-    if not _owns(avg, index):  # an empty chunk at the end can never be mistaken for another rank's
+    info = state.infos[index]
+    piece, offset = state.piece(index), info.start
+    if not _owns(state, index):  # an empty chunk at the end can never be mistaken for another rank's
         piece, offset = piece[:0], info.numel
-    elif avg._shadows[index] is None:
+    elif state.shadows[index] is None:
         piece = piece.clone()  # a live value: loading must not write into the model
     if not distributed():
         return piece
@@ -58,36 +56,37 @@ def _dcp_value(avg: WeightAverager, index: int) -> torch.Tensor:
     from torch.distributed.tensor import DTensor, Shard
     from torch.distributed.tensor._shards_wrapper import LocalShardsWrapper
 
-    mesh = avg._meshes.get(piece.device.type)
-    if mesh is None:
-        mesh = avg._meshes[piece.device.type] = DeviceMesh.from_group(dist.group.WORLD, piece.device.type)
+    if piece.device.type not in meshes:  # one mesh over all ranks per device type
+        meshes[piece.device.type] = DeviceMesh.from_group(dist.group.WORLD, piece.device.type)
+    mesh = meshes[piece.device.type]
     shards = LocalShardsWrapper([piece], [(offset,)])
     return DTensor.from_local(shards, mesh, [Shard(0)], run_check=False, shape=torch.Size([info.numel]), stride=(1,))
 
 
-def _fill_replicas(avg: WeightAverager, indices: list[int]) -> None:
+def _fill_replicas(state: AverageState, indices: list[int]) -> None:
     """Collective: every rank holding a copy of a chunk it does not own receives the owner's."""
     if not distributed():
         return
     me = rank()
     for index in indices:
-        ranges = avg.layout.ranges[index]
-        for owner, start, end in avg.layout.chunks[index]:
+        ranges = state.layout.ranges[index]
+        for owner, start, end in state.layout.chunks[index]:
             holders = [r for r, held in enumerate(ranges) if held == (start, end) and r != owner]
             if not holders:
                 continue
-            shadow = avg._shadows[index].view(-1)
+            shadow = state.shadows[index].view(-1)
             if me == owner or me in holders:
                 dist.broadcast(shadow, src=owner)
             else:  # takes part without a copy of its own
                 dist.broadcast(shadow.new_empty(end - start), src=owner)
 
 
-def state_dict(avg: WeightAverager) -> dict[str, Any]:
-    avg._verify_structure()
+def state_dict(state: AverageState) -> dict[str, Any]:
+    state.verify_structure()
+    meshes: dict[str, Any] = {}
     return {
-        "meta": encode_description(describe(avg)),
-        "tensors": {info.name: _dcp_value(avg, index) for index, info in enumerate(avg._infos)},
+        "meta": encode_description(state.describe()),
+        "tensors": {info.name: _dcp_value(state, index, meshes) for index, info in enumerate(state.infos)},
     }
 
 
@@ -101,19 +100,19 @@ def _local_part(value: torch.Tensor) -> torch.Tensor:
     return value
 
 
-def load_state_dict(avg: WeightAverager, state: dict[str, Any], strict: bool = True) -> None:
-    if not isinstance(state, dict) or "meta" not in state or "tensors" not in state:
+def load_state_dict(state: AverageState, state_dict: dict[str, Any], strict: bool = True) -> None:
+    if not isinstance(state_dict, dict) or "meta" not in state_dict or "tensors" not in state_dict:
         raise CheckpointError("not a shardavg state dict: it needs 'meta' and 'tensors'")
-    meta = decode_description(state["meta"], "state dict")
-    saved = check_compatible(avg, meta, "the state dict", strict)
-    indices = [i for i in _loadable(avg, saved) if avg._infos[i].name in state["tensors"]]
+    meta = decode_description(state_dict["meta"], "state dict")
+    saved = check_compatible(state, meta, "the state dict", strict)
+    indices = [i for i in loadable(state, saved) if state.infos[i].name in state_dict["tensors"]]
     with torch.no_grad():
         for index in indices:
-            if not _owns(avg, index):
+            if not _owns(state, index):
                 continue
-            name = avg._infos[index].name
-            local = _local_part(state["tensors"][name])
-            target = avg._shadows[index].view(-1)
+            name = state.infos[index].name
+            local = _local_part(state_dict["tensors"][name])
+            target = state.shadows[index].view(-1)
             if local.shape != target.shape:
                 raise CheckpointError(
                     f"{name!r}: the state dict holds {tuple(local.shape)} elements here, this rank holds "
@@ -121,5 +120,5 @@ def load_state_dict(avg: WeightAverager, state: dict[str, Any], strict: bool = T
                 )
             if local.data_ptr() != target.data_ptr():  # DCP loaded into the shadow itself otherwise
                 target.copy_(local)
-        _fill_replicas(avg, indices)
-    restore_counters(avg, meta, saved)
+        _fill_replicas(state, indices)
+    state.restore(meta, set(saved))

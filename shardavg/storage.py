@@ -40,6 +40,14 @@ DTYPE_CODES = {
 }
 
 
+def dtype_name(dtype: torch.dtype) -> str:
+    """``float32`` for ``torch.float32``: how descriptions and the CLI spell a dtype."""
+    return str(dtype).removeprefix("torch.")
+
+
+DTYPES = {dtype_name(dtype): dtype for dtype in DTYPE_CODES}
+
+
 @dataclass(frozen=True)
 class Entry:
     """A tensor to be written: its key, dtype and shape (its bytes come later)."""

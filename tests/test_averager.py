@@ -238,6 +238,20 @@ def test_swapped_refuses_misuse(model, trainer) -> None:
             averager.update()
 
 
+def test_update_refused_inside_swapped_changes_nothing(model, trainer) -> None:
+    averager = WeightAverager(model, EMA(decay=0.9), every_n_steps=2)
+    trainer.step()
+    averager.update(step=2)
+    kept = averager.full_state_dict()
+    with averager.swapped():
+        for step in (None, 3, 4):
+            with pytest.raises(RuntimeError, match="update\\(\\) inside swapped\\(\\)"):
+                averager.update(step)
+    assert (averager.step, averager.num_updates) == (2, 1)
+    assert all(torch.equal(v, kept[k]) for k, v in averager.full_state_dict().items())
+    assert averager.update() is False and averager.step == 3  # the step count goes on from 2
+
+
 def test_copy_to_writes_the_average_into_a_plain_module(model, trainer) -> None:
     averager = WeightAverager(model, EMA(decay=0.9))
     for _ in range(3):
@@ -369,6 +383,60 @@ def test_wrapper_prefixes_are_not_in_names(model, trainer) -> None:
     trainer.step()
     averager.update()
     assert set(averager.full_state_dict()) == set(TiedNet().state_dict())
+
+
+def test_names_lose_wrapper_segments_only_whole() -> None:
+    from shardavg.strategies import canonical_name
+
+    cases = {
+        "transformer.h.0._checkpoint_wrapped_module.ln_1.weight": "transformer.h.0.ln_1.weight",
+        "transformer.h.0._checkpoint_wrapped_module": "transformer.h.0",  # an FSDP unit's path
+        "h.1._orig_mod._fsdp_wrapped_module.attn.c_attn.weight": "h.1.attn.c_attn.weight",
+        "_orig_mod.embed.weight": "embed.weight",
+        "enc_orig_mod.weight": "enc_orig_mod.weight",
+        "my_checkpoint_wrapped_module.x._fsdp_wrapped_modules": "my_checkpoint_wrapped_module.x._fsdp_wrapped_modules",
+        "module.weight": "module.weight",  # a user's own submodule named "module" stays
+    }
+    assert {name: canonical_name(name) for name in cases} == cases
+
+
+def test_a_parameter_named_like_a_wrapper_keeps_its_name() -> None:
+    model = nn.Module()
+    model.enc_orig_mod = nn.Linear(2, 2)
+    model.add_module("x_checkpoint_wrapped_module", nn.Linear(2, 2))
+    averager = WeightAverager(model, EMA(decay=0.9))
+    averager.update()
+    assert set(averager.full_state_dict()) == set(model.state_dict())
+
+
+def test_local_views_before_a_scan_are_refused(model) -> None:
+    from shardavg.strategies import make_strategy
+
+    strategy = make_strategy(model)
+    with pytest.raises(RuntimeError, match=r"Replicated.local_views\(\) before tensors\(\)"):
+        strategy.local_views()
+    infos = strategy.tensors()
+    assert [tuple(v.shape) for v in strategy.local_views()] == [tuple(i.shape) for i in infos]
+
+
+def test_local_views_are_the_same_objects_until_the_engine_changes_them(model, trainer) -> None:
+    averager = WeightAverager(model, EMA(decay=0.9))
+    trainer.step()
+    averager.update()
+    views, groups = averager.strategy.local_views(), averager._state.groups
+    for _ in range(3):
+        trainer.step()
+        averager.update()
+        assert all(a is b for a, b in zip(averager.strategy.local_views(), views))
+        assert averager._state.groups is groups
+    model.double()  # buffers are replaced in their modules' dicts, parameters get new .data
+    with torch.no_grad():
+        model.block.norm.running_mean.add_(1.0)  # only the new buffer holds this
+    after = averager.strategy.local_views()
+    assert averager.update() and averager._state.groups is not groups
+    assert {v.dtype for v in after if v.is_floating_point()} == {torch.float64}
+    running_mean = averager.full_state_dict()["block.norm.running_mean"]  # copied into its fp32 shadow
+    assert torch.equal(running_mean, model.block.norm.running_mean.float())
 
 
 def test_construction_logs_on_rank_zero(model, caplog) -> None:

@@ -113,6 +113,7 @@ class Engine:
     dtype: torch.dtype
     optimizer: torch.optim.Optimizer | None = None
     deepspeed_engine: object = None
+    early_averager: object = None  # an averager built before the engine finished setting up
 
 
 def _buffers(module: nn.Module) -> dict[str, torch.Tensor]:
@@ -160,6 +161,10 @@ def build_fsdp2(dtype: torch.dtype) -> Engine:
     fully_shard(model.block)
     fully_shard(model.frozen)
     fully_shard(model)
+    return _fsdp2_engine(f"fsdp2-{str(dtype)[6:]}", model, dtype)
+
+
+def _fsdp2_engine(name: str, model: nn.Module, dtype: torch.dtype) -> Engine:
     optimizer = _optimizer(model.parameters())
 
     def gather_live() -> dict[str, torch.Tensor]:
@@ -167,7 +172,7 @@ def build_fsdp2(dtype: torch.dtype) -> Engine:
         return {n: p.full_tensor().detach().clone() for n, p in model.named_parameters()} | _buffers(model)
 
     return Engine(
-        name=f"fsdp2-{str(dtype)[6:]}",
+        name=name,
         model=model,
         step=lambda step: _sgd_step(model, optimizer, step),
         gather_live=gather_live,
@@ -176,6 +181,23 @@ def build_fsdp2(dtype: torch.dtype) -> Engine:
         dtype=dtype,
         optimizer=optimizer,
     )
+
+
+def build_hsdp(dtype: torch.dtype) -> Engine:
+    """FSDP2 on a 2-D mesh: replicated across the first dimension, sharded within the second."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    world = dist.get_world_size()
+    mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("replicate", "shard"))
+    torch.manual_seed(0)
+    model = TiedNet().to(dtype)
+    for module in (model.block, model.frozen, model):
+        fully_shard(module, mesh=mesh)
+    engine = _fsdp2_engine(f"hsdp-{str(dtype)[6:]}", model, dtype)
+    placements = {p.placements for p in model.parameters()}
+    assert len(placements) == 1 and len(next(iter(placements))) == 2, f"not a 2-D layout: {placements}"
+    return engine
 
 
 def build_fsdp1(dtype: torch.dtype, use_orig_params: bool) -> Engine:
@@ -219,8 +241,44 @@ def build_fsdp1(dtype: torch.dtype, use_orig_params: bool) -> Engine:
     )
 
 
-def build_zero3(dtype: torch.dtype, persistence_threshold: int | None, via_zero_init: bool) -> Engine:
-    """A ZeRO-3 engine; with ``via_zero_init`` the averager gets the bare module partitioned by zero.Init."""
+@contextlib.contextmanager
+def fp16_support(supported: bool) -> Iterator[None]:
+    """Make DeepSpeed's CPU accelerator report oneDNN fp16 support as ``supported``, whatever this CPU has.
+
+    ``zero.Init`` picks the partition dtype from it when given an explicit ``dtype``; forcing
+    both answers proves a scenario does not depend on the machine it runs on.
+    """
+    from deepspeed.accelerator import get_accelerator
+
+    accelerator = type(get_accelerator())
+    original = accelerator.is_fp16_supported
+    accelerator.is_fp16_supported = lambda self: supported
+    try:
+        yield
+    finally:
+        accelerator.is_fp16_supported = original
+
+
+def partition_dtypes(module: nn.Module) -> set[torch.dtype]:
+    return {p.ds_tensor.dtype for p in module.parameters()}
+
+
+def build_zero3(
+    dtype: torch.dtype,
+    persistence_threshold: int | None,
+    via_zero_init: bool,
+    init_dtype: torch.dtype | None = None,
+    average_before_initialize: bool = False,
+) -> Engine:
+    """A ZeRO-3 engine; with ``via_zero_init`` the averager gets the bare module partitioned by zero.Init.
+
+    ``zero.Init`` takes its dtype from the config (bf16 enabled or not), which means the same
+    on every CPU. ``init_dtype`` passes an explicit dtype instead, the way users do: on CPUs
+    without oneDNN fp16 DeepSpeed 0.19 then partitions in bf16 whatever was asked (a precedence
+    slip in ``Init._set_dtype``); the engine's dtype is then what it really holds.
+    ``average_before_initialize`` builds an EMA(0.9) averager on the zero.Init module before
+    ``deepspeed.initialize`` re-allocates most partitions (``Engine.early_averager``).
+    """
     import deepspeed
 
     zero: dict = {"stage": 3}
@@ -231,16 +289,26 @@ def build_zero3(dtype: torch.dtype, persistence_threshold: int | None, via_zero_
         "gradient_accumulation_steps": 1,
         "zero_optimization": zero,
         "zero_allow_untested_optimizer": True,
-        "bf16": {"enabled": dtype == torch.bfloat16},
+        "bf16": {"enabled": dtype == torch.bfloat16 and init_dtype is None},
     }
     torch.manual_seed(0)
     if via_zero_init:
-        with deepspeed.zero.Init(config_dict_or_path=config, dtype=dtype):
+        with deepspeed.zero.Init(config_dict_or_path=config, dtype=init_dtype):
             module = TiedNet()
     else:
         module = TiedNet().to(dtype)  # buffers too: DeepSpeed's bf16 mode casts parameters only
+    early_averager = None
+    if average_before_initialize:
+        from shardavg import EMA, WeightAverager
+
+        early_averager = WeightAverager(module, EMA(decay=0.9))
     optimizer = _optimizer(module.parameters())
     engine, _, _, _ = deepspeed.initialize(model=module, optimizer=optimizer, config=config)
+    held = partition_dtypes(engine.module)
+    if init_dtype is None:
+        assert held == {dtype}, f"the ZeRO-3 engine holds {held}, the scenario means {dtype}"
+    else:
+        (dtype,) = held
 
     def step(index: int) -> None:
         tokens, targets = batch(index)
@@ -255,8 +323,9 @@ def build_zero3(dtype: torch.dtype, persistence_threshold: int | None, via_zero_
         return gathered | _buffers(engine.module)
 
     threshold = "default" if persistence_threshold is None else persistence_threshold
+    init = "engine" if not via_zero_init else "init" if init_dtype is None else f"init-asked-{str(init_dtype)[6:]}"
     return Engine(
-        name=f"zero3-{'init' if via_zero_init else 'engine'}-persist{threshold}-{str(dtype)[6:]}",
+        name=f"zero3-{init}-persist{threshold}-{str(dtype)[6:]}",
         model=module if via_zero_init else engine,
         step=step,
         gather_live=gather_live,
@@ -268,6 +337,7 @@ def build_zero3(dtype: torch.dtype, persistence_threshold: int | None, via_zero_
         forward=engine,
         dtype=dtype,
         deepspeed_engine=engine,
+        early_averager=early_averager,
     )
 
 

@@ -11,6 +11,8 @@ own API: bitwise for fp32, within fp32 rounding for bf16 live weights.
 
 from __future__ import annotations
 
+import logging
+import os
 import sys
 import warnings
 
@@ -27,22 +29,51 @@ from shardavg import EMA, SWA, InverseGammaWarmup, PowerEMA, RatioWarmup, Strate
 STEPS, SWAP_AT = 24, 12
 
 
-def configurations(engine: str) -> list:
+def configurations(engine: str, world: int) -> list:
     bf16, fp32 = torch.bfloat16, torch.float32
     if engine == "replicated":
         return [lambda: harness.build_ddp(fp32), lambda: harness.build_ddp(bf16)]
     if engine == "fsdp2":
-        return [lambda: harness.build_fsdp2(fp32), lambda: harness.build_fsdp2(bf16)]
+        hsdp = [lambda: harness.build_hsdp(fp32)] if world == 4 else []  # 2 replicas x 2 shards
+        return [lambda: harness.build_fsdp2(fp32), lambda: harness.build_fsdp2(bf16), *hsdp]
     if engine == "fsdp1":
         return [lambda d=d, o=o: harness.build_fsdp1(d, o) for d in (fp32, bf16) for o in (True, False)]
     if engine == "zero3":
+
+        def without_fp16(build):  # as on a CPU without oneDNN fp16, whatever this one has
+            def built() -> Engine:
+                with harness.fp16_support(False):
+                    return build()
+
+            return built
+
         return [
             lambda: harness.build_zero3(fp32, None, via_zero_init=False),  # small params persist whole
             lambda: harness.build_zero3(fp32, 0, via_zero_init=False),  # everything partitioned
             lambda: harness.build_zero3(bf16, 0, via_zero_init=False),
-            lambda: harness.build_zero3(fp32, 0, via_zero_init=True),
+            without_fp16(lambda: harness.build_zero3(fp32, 0, via_zero_init=True, average_before_initialize=True)),
+            # A user's zero.Init(dtype=torch.float32) there: the engine holds bf16, the averager averages that.
+            without_fp16(lambda: harness.build_zero3(fp32, 0, via_zero_init=True, init_dtype=fp32)),
         ]
     raise SystemExit(f"unknown engine {engine!r}")
+
+
+def check_zero_init_dtype_does_not_depend_on_the_cpu() -> None:
+    """zero.Init as the scenarios build it holds the config's dtype whatever the CPU says of fp16;
+    asked for a dtype explicitly, DeepSpeed 0.19 holds bf16 on CPUs without oneDNN fp16."""
+    import deepspeed
+
+    for supported in (False, True):
+        for dtype in (torch.float32, torch.bfloat16):
+            config = {"train_micro_batch_size_per_gpu": 1, "bf16": {"enabled": dtype == torch.bfloat16}}
+            with harness.fp16_support(supported), deepspeed.zero.Init(config_dict_or_path=config):
+                module = TiedNet()
+            held = harness.partition_dtypes(module)
+            assert held == {dtype}, f"zero.Init from a config ({dtype}, fp16 support {supported}) holds {held}"
+    with harness.fp16_support(False), deepspeed.zero.Init(config_dict_or_path=config, dtype=torch.float32):
+        module = TiedNet()
+    held = harness.partition_dtypes(module)
+    harness.report("ZERO_INIT_ASKED_FLOAT32_WITHOUT_FP16", {"held": sorted(str(d) for d in held)})
 
 
 def variants() -> dict[str, tuple[dict, object]]:
@@ -69,6 +100,7 @@ def variants() -> dict[str, tuple[dict, object]]:
             {"rule": EMA(decay=0.9), "buffers": "average", "include_frozen": True},
             PlainAverage(lambda n: 1 - 0.9, average_buffers=True, include_frozen=True),
         ),
+        "ema_offloaded": ({"rule": EMA(decay=0.9), "device": "cpu"}, get_ema_multi_avg_fn(0.9)),
     }
 
 
@@ -173,6 +205,76 @@ def check_nonfinite_on_one_rank(engine: Engine) -> None:
         averagers["skip"].full_state_dict()
 
 
+def check_copy_to_gives_every_rank_the_same_average(averager: WeightAverager, full: dict) -> None:
+    """copy_to() writes rank 0's full_state_dict() on every rank, the owners' buffers included,
+    although each rank's own BatchNorm statistics differ (checked, so this cannot pass vacuously)."""
+    running = [None] * dist.get_world_size()
+    dist.all_gather_object(running, averager.strategy.module.block.norm.running_mean.clone())
+    assert dist.get_world_size() == 1 or any(not torch.equal(running[0], r) for r in running[1:]), (
+        "every rank has the same BatchNorm statistics: copy_to() would pass without the owner's value"
+    )
+    target = TiedNet()
+    averager.copy_to(target)
+    want = [full]
+    dist.broadcast_object_list(want, src=0)
+    got = target.state_dict()
+    assert set(got) == set(want[0])
+    for name, value in want[0].items():
+        assert torch.equal(got[name], value.to(got[name].dtype)), f"rank {dist.get_rank()}: copy_to() {name} differs"
+
+
+class StableViews:
+    """Records each averager's local views and update groups after an update, and checks at each
+    later update that the engine's views are the same objects and nothing was regrouped."""
+
+    def __init__(self) -> None:
+        self.seen: dict[str, tuple[list[torch.Tensor], object]] = {}
+
+    def check(self, label: str, averager: WeightAverager) -> None:
+        views, groups = averager.strategy.local_views(), averager._state.groups
+        if label in self.seen:
+            old_views, old_groups = self.seen[label]
+            changed = [i for i, (a, b) in enumerate(zip(old_views, views)) if a is not b]
+            assert not changed, f"{label}: local views {changed} are new objects although the engine kept them"
+            assert groups is old_groups, f"{label}: the update regrouped its tensors"
+        self.seen[label] = (views, groups)
+
+
+def check_a_cast_is_followed(engine: Engine, averager: WeightAverager) -> None:
+    """model.to(float64) gives DDP and FSDP2 new local storage: the next update reads it."""
+    before = averager.full_state_dict()
+    engine.model.to(torch.float64)
+    floating = [v for v in averager.strategy.local_views() if v.is_floating_point()]
+    assert {v.dtype for v in floating} == {torch.float64}, {v.dtype for v in floating}
+    assert averager.update()
+    live = engine.gather_live()
+    got = averager.full_state_dict()
+    if dist.get_rank() == 0:
+        for name in ("embed.weight", "block.up.weight", "gain"):
+            want = before[name].lerp(live[name].float(), 0.1)
+            torch.testing.assert_close(got[name], want, msg=lambda m, name=name: f"{engine.name}: cast, {name}: {m}")
+
+
+def check_logging_is_rank_zero_only(engine: Engine) -> None:
+    """The construction message reaches handlers on rank 0 only, unless SHARDAVG_LOG_ALL_RANKS=1."""
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler()
+    handler.emit = records.append  # type: ignore[method-assign]
+    logger = logging.getLogger("shardavg")
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    try:
+        WeightAverager(engine.model)
+        by_default = len(records)
+        os.environ["SHARDAVG_LOG_ALL_RANKS"] = "1"
+        WeightAverager(engine.model)
+    finally:
+        os.environ.pop("SHARDAVG_LOG_ALL_RANKS", None)
+        logger.removeHandler(handler)
+    assert by_default == (1 if dist.get_rank() == 0 else 0), f"rank {dist.get_rank()}: {by_default} records"
+    assert len(records) - by_default == 1, f"rank {dist.get_rank()}: all ranks asked, {len(records)} records"
+
+
 @record
 def main() -> None:
     engine_kind = sys.argv[1]
@@ -181,9 +283,13 @@ def main() -> None:
     with harness.CollectiveCount() as sanity:
         dist.all_reduce(torch.ones(1))
     assert sanity.count >= 1, "the collective counter does not see collectives"
+    if engine_kind == "zero3":
+        check_zero_init_dtype_does_not_depend_on_the_cpu()
 
-    for build in configurations(engine_kind):
+    for number, build in enumerate(configurations(engine_kind, world)):
         engine = build()
+        if number == 0:
+            check_logging_is_rank_zero_only(engine)
         check_bad_strategies(engine, engine_kind)
         live = engine.gather_live()
         frozen = {n for n, p in TiedNet().named_parameters() if not p.requires_grad}
@@ -192,15 +298,23 @@ def main() -> None:
         averagers, references = {}, {}
         for name, (kwargs, reference) in variants().items():
             averagers[name] = WeightAverager(engine.model, **kwargs)
-            assert averagers[name].strategy.name == engine_kind, averagers[name].strategy.name
             references[name] = AveragedModel(plain, multi_avg_fn=reference) if callable(reference) else reference
+        if engine.early_averager is not None:  # built before the engine re-allocated its partitions
+            averagers["ema_built_early"] = engine.early_averager
+            references["ema_built_early"] = AveragedModel(plain, multi_avg_fn=get_ema_multi_avg_fn(0.9))
+        for name, averager in averagers.items():
+            assert averager.strategy.name == engine_kind, f"{name}: {averager.strategy.name}"
         collectives: list[str] = []
+        stable = StableViews()
         for step in range(1, STEPS + 1):
             engine.step(step)
             with harness.CollectiveCount() as count:
                 for averager in averagers.values():
                     averager.update()
             collectives += count.names
+            if step > 1:  # the first forward may have set the engine up (FSDP's lazy init)
+                for name, averager in averagers.items():
+                    stable.check(f"{engine.name}/{name}", averager)
             live = {n: t.float() if t.is_floating_point() else t for n, t in engine.gather_live().items()}
             load_live(plain, live)
             for reference in references.values():
@@ -221,7 +335,7 @@ def main() -> None:
             )
             assert averager.num_updates == want_updates, f"{name}: {averager.num_updates} updates, want {want_updates}"
             if rank == 0:
-                kwargs = variants()[name][0]
+                kwargs = variants().get(name, ({},))[0]
                 averaged = {n for n in TiedNet().state_dict() if n not in buffer_names and n not in frozen}
                 if kwargs.get("include_frozen"):
                     averaged |= frozen
@@ -232,6 +346,7 @@ def main() -> None:
                     f"{engine.name}/{name}", got, reference_state(references[name]), averaged, engine.dtype, exact
                 )
 
+        check_copy_to_gives_every_rank_the_same_average(averagers["ema"], averagers["ema"].full_state_dict())
         ema = averagers["ema"]
         buffers_bytes = sum(b.nbytes for n, b in engine.gather_live().items() if n in buffer_names)
         local_numel = sum(engine.local_param_numels().values())
@@ -239,8 +354,9 @@ def main() -> None:
         assert ema.shadow_bytes() == expected, f"{engine.name}: shadow bytes {ema.shadow_bytes()} != {expected}"
         full = engine.gather_live()
         model_bytes = sum(t.nbytes for n, t in full.items())
-        per_rank = [None] * world
+        per_rank, local_bytes = [None] * world, [None] * world
         dist.all_gather_object(per_rank, ema.shadow_bytes())
+        dist.all_gather_object(local_bytes, expected)
         if rank == 0:
             harness.report(
                 "BYTES",
@@ -248,14 +364,17 @@ def main() -> None:
                     "config": engine.name,
                     "world_size": world,
                     "shadow_bytes_per_rank": per_rank,
+                    "local_shard_bytes_per_rank": local_bytes,
                     "model_bytes": model_bytes,
                 },
             )
         if engine_kind == "fsdp2" and world > 1 and engine.dtype == torch.float32:
             check_nonfinite_on_one_rank(engine)
+        if engine_kind in ("replicated", "fsdp2") and engine.dtype == torch.float32:
+            check_a_cast_is_followed(engine, ema)
         dist.barrier()
     if rank == 0:
-        harness.report("DONE", {"engine": engine_kind, "world_size": world})
+        harness.report("DONE", {"engine": engine_kind, "world_size": world, "configurations": number + 1})
     harness.finish()
 
 

@@ -91,7 +91,7 @@ def save(kind: str, root: Path) -> None:
 
 def assert_local_shards(label: str, avg: WeightAverager, want: dict[str, torch.Tensor]) -> None:
     """Every rank's stored shard, replicas included, is its range of the reference."""
-    for info, shadow in zip(avg._infos, avg._shadows):
+    for info, shadow in zip(avg._state.infos, avg._state.shadows):
         if shadow is not None:
             expected = want[info.name].reshape(-1)[info.start : info.end]
             assert torch.equal(shadow.reshape(-1), expected), f"{label}: rank {dist.get_rank()}'s {info.name}"

@@ -1,13 +1,53 @@
-"""Launch the torchrun scenarios at world sizes 1, 2 and 4 (CPU, gloo) and check their verdicts."""
+"""Every engine at world sizes 1, 2 and 4 against references, and a failing rank ending its launch."""
 
 from __future__ import annotations
 
+import re
 import time
+from pathlib import Path
 
 import pytest
 from launcher import torchrun
 
 ENGINES = ["replicated", "fsdp2", "fsdp1", "zero3"]
+README = Path(__file__).resolve().parents[1] / "README.md"
+
+# The rows of the README's shadow-memory table (measured at world size 2) and the configurations
+# of scenario_averager.py each one stands for.
+README_ROWS = {
+    "DDP fp32": ["ddp-float32"],
+    "DDP bf16": ["ddp-bfloat16"],
+    "FSDP2 fp32": ["fsdp2-float32"],
+    "FSDP2 bf16": ["fsdp2-bfloat16"],
+    "FSDP1 `use_orig_params=True` fp32": ["fsdp1-orig-float32"],
+    "FSDP1 `use_orig_params=False` fp32": ["fsdp1-flat-float32"],
+    "FSDP1 `use_orig_params=True` bf16": ["fsdp1-orig-bfloat16"],
+    "FSDP1 `use_orig_params=False` bf16": ["fsdp1-flat-bfloat16"],
+    "ZeRO-3 fp32 (default and zero persistence threshold, `zero.Init`)": [
+        "zero3-engine-persistdefault-float32",
+        "zero3-engine-persist0-float32",
+        "zero3-init-persist0-float32",
+    ],
+    "ZeRO-3 bf16": ["zero3-engine-persist0-bfloat16"],
+    "ZeRO-3 `zero.Init(dtype=torch.float32)` on a CPU without oneDNN fp16 (held in bf16)": [
+        "zero3-init-asked-float32-persist0-bfloat16"
+    ],
+}
+
+
+def readme_shadow_table() -> dict[str, tuple[list[int], int]]:
+    """README row label -> (shadow bytes per rank, full model bytes)."""
+    section = README.read_text().split("## Shadow memory, measured", 1)[1].split("\n## ", 1)[0]
+    rows = {}
+    for line in section.splitlines():
+        cells = [cell.strip() for cell in line.strip().strip("|").split("|")]
+        if len(cells) == 3 and re.fullmatch(r"\d+ / \d+", cells[1]):
+            rows[cells[0]] = ([int(n) for n in cells[1].split(" / ")], int(cells[2]))
+    return rows
+
+
+def test_the_readme_table_has_every_row() -> None:
+    assert set(readme_shadow_table()) == set(README_ROWS)
 
 
 @pytest.mark.parametrize("world_size", [1, 2, 4])
@@ -15,9 +55,22 @@ ENGINES = ["replicated", "fsdp2", "fsdp1", "zero3"]
 def test_averager_matches_reference(engine: str, world_size: int) -> None:
     launch = torchrun("scenario_averager.py", world_size, engine, timeout=420)
     assert launch.returncode == 0, launch.output[-20000:]
-    assert launch.reports("DONE") == [{"engine": engine, "world_size": world_size}], launch.output[-5000:]
-    for measured in launch.reports("BYTES"):
-        assert len(measured["shadow_bytes_per_rank"]) == world_size
+    (done,) = launch.reports("DONE")
+    assert done["engine"] == engine and done["world_size"] == world_size, done
+    measured = launch.reports("BYTES")
+    assert len(measured) == done["configurations"] >= 2, launch.output[-5000:]
+    for bytes_ in measured:
+        assert len(bytes_["shadow_bytes_per_rank"]) == world_size
+        assert bytes_["shadow_bytes_per_rank"] == bytes_["local_shard_bytes_per_rank"], bytes_
+    if world_size == 2:  # the README's table is this launch's measurement
+        table = readme_shadow_table()
+        for bytes_ in measured:
+            rows = [label for label, configs in README_ROWS.items() if bytes_["config"] in configs]
+            assert rows, f"{bytes_['config']} has no row in the README's shadow-memory table"
+            assert table[rows[0]] == (bytes_["shadow_bytes_per_rank"], bytes_["model_bytes"]), (rows[0], bytes_)
+    if engine == "zero3":
+        (asked,) = launch.reports("ZERO_INIT_ASKED_FLOAT32_WITHOUT_FP16")
+        assert asked["held"] == ["torch.bfloat16"], "DeepSpeed's zero.Init dtype slip is gone: revisit the notes"
 
 
 @pytest.mark.parametrize("world_size", [2, 4])

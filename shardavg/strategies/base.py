@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import sys
 from abc import ABC, abstractmethod
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import ClassVar, Literal
 
@@ -21,15 +21,18 @@ from torch import nn
 
 TensorKind = Literal["param", "buffer"]
 
-# Infixes that wrappers insert into parameter names; the plain model has none of them.
-_WRAPPER_TOKENS = ("_fsdp_wrapped_module.", "_checkpoint_wrapped_module.", "_orig_mod.")
+# Submodule names that wrappers insert into parameter paths (FSDP1, activation checkpointing,
+# torch.compile); the plain model has none of them.
+WRAPPER_SEGMENTS = frozenset({"_fsdp_wrapped_module", "_checkpoint_wrapped_module", "_orig_mod"})
 
 
 def canonical_name(name: str) -> str:
-    """The name a parameter has in the plain model (no FSDP, checkpoint or compile infixes)."""
-    for token in _WRAPPER_TOKENS:
-        name = name.replace(token, "")
-    return name
+    """The name a tensor has in the plain model: the dotted path without wrapper segments.
+
+    Whole segments only, wherever they stand (also last, as in the path of an FSDP unit that
+    wraps a checkpointed block), as torch's DCP does: ``enc_orig_mod.weight`` is left alone.
+    """
+    return ".".join(segment for segment in name.split(".") if segment not in WRAPPER_SEGMENTS)
 
 
 @dataclass(frozen=True)
@@ -91,12 +94,19 @@ def grouped_by_identity(named: Iterable[tuple[str, torch.Tensor]]) -> list[tuple
     return list(groups.values())
 
 
-def named_persistent_buffers(module: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
-    """Buffers that ``module.state_dict()`` holds, under every name they have."""
+def persistent_buffers(module: nn.Module) -> list[tuple[list[str], nn.Module, str, torch.Tensor]]:
+    """Buffers that ``module.state_dict()`` holds, once each: (canonical names, owner, name in the owner, buffer).
+
+    The owner and name say where to read the buffer again: ``model.to(...)`` replaces buffer
+    tensors in their owners' dicts without telling anyone.
+    """
+    found: dict[int, tuple[list[str], nn.Module, str, torch.Tensor]] = {}
     for prefix, owner in module.named_modules(remove_duplicate=False):
         for name, buffer in owner._buffers.items():
             if buffer is not None and name not in owner._non_persistent_buffers_set:
-                yield (f"{prefix}.{name}" if prefix else name), buffer
+                full_name = f"{prefix}.{name}" if prefix else name
+                found.setdefault(id(buffer), ([], owner, name, buffer))[0].append(canonical_name(full_name))
+    return list(found.values())
 
 
 def whole_tensor_info(names: list[str], tensor: torch.Tensor, kind: TensorKind) -> TensorInfo:
@@ -121,7 +131,7 @@ class Strategy(ABC):
     def __init__(self, model: nn.Module) -> None:
         self.model = model
         self.module = unwrap(model)
-        self._buffers: list[torch.Tensor] = []
+        self._buffer_slots: list[tuple[nn.Module, str]] | None = None  # set by tensors(): no views before a scan
 
     @staticmethod
     @abstractmethod
@@ -134,19 +144,27 @@ class Strategy(ABC):
 
     @abstractmethod
     def _param_views(self) -> list[torch.Tensor]:
-        """The parameters' current local views, in ``_scan_params`` order. Called every update: keep it cheap."""
+        """The parameters' current local views, in ``_scan_params`` order. Called every update:
+        keep it cheap, and return the same tensor objects while the engine keeps its storage
+        (the averager regroups its fused updates whenever a view is a new object)."""
 
     def tensors(self) -> list[TensorInfo]:
-        """Every parameter, then every persistent buffer (buffers are never sharded)."""
+        """Scan the model: every parameter, then every persistent buffer (buffers are never sharded).
+
+        ``local_views()`` answers for the latest scan; rescan after the model's structure changed.
+        """
         infos = self._scan_params()
-        buffer_groups = grouped_by_identity(named_persistent_buffers(self.module))
-        self._buffers = [tensor for _, tensor in buffer_groups]
-        infos += [whole_tensor_info(names, tensor, "buffer") for names, tensor in buffer_groups]
+        buffers = persistent_buffers(self.module)
+        self._buffer_slots = [(owner, name) for _, owner, name, _ in buffers]
+        infos += [whole_tensor_info(names, buffer, "buffer") for names, _, _, buffer in buffers]
         return infos
 
     def local_views(self) -> list[torch.Tensor]:
-        """Current local views aligned with ``tensors()``; the averager checks their identity each update."""
-        return self._param_views() + self._buffers
+        """Current local views aligned with the latest ``tensors()``; the averager checks their
+        identity each update."""
+        if self._buffer_slots is None:
+            raise RuntimeError(f"{type(self).__name__}.local_views() before tensors(): scan the model first")
+        return self._param_views() + [owner._buffers[name] for owner, name in self._buffer_slots]
 
     def release_gathered(self) -> None:
         """Drop full (unsharded) copies of parameters, so the next forward gathers the local shards.

@@ -20,6 +20,7 @@ def _join(*parts: str) -> str:
 
 class FSDP1(Strategy):
     name = "fsdp1"
+    _views_key: list | None = None  # what the cached views were sliced from
 
     @staticmethod
     def fits(model: nn.Module) -> bool:
@@ -60,8 +61,6 @@ class FSDP1(Strategy):
                         end=end,
                     )
                 )
-        self._shard_ptrs = [self._local_shard(flat).data_ptr() for flat in self._flat_params]
-        self._views = [view for flat in self._flat_params for view in self._slices(flat)]
         return infos
 
     @staticmethod
@@ -77,10 +76,10 @@ class FSDP1(Strategy):
         ]
 
     def _param_views(self) -> list[torch.Tensor]:
-        ptrs = [self._local_shard(flat).data_ptr() for flat in self._flat_params]
-        if ptrs != self._shard_ptrs:  # FSDP moved a local shard (e.g. to another device): slice again
+        key = [(id(flat), self._local_shard(flat).data_ptr()) for flat in self._flat_params]
+        if key != self._views_key:  # new flat parameters, or FSDP moved a local shard: slice again
             self._views = [view for flat in self._flat_params for view in self._slices(flat)]
-            self._shard_ptrs = ptrs
+            self._views_key = key
         return self._views
 
     def release_gathered(self) -> None:

@@ -1,6 +1,6 @@
 """FSDP2 (``fully_shard``): each parameter is a DTensor sharded on dim 0.
 
-The local view is the DTensor's local shard; with ``Shard(0)`` (and ``Replicate`` for HSDP)
+The local view is the DTensor's local shard (``_local_tensor``); with ``Shard(0)`` (and ``Replicate`` for HSDP)
 it covers whole rows, i.e. one contiguous range of the flattened tensor, also when dim 0 does
 not divide by the world size or the shard is empty. Parameters that are not DTensors (left
 out of ``fully_shard``) are held whole.
@@ -56,8 +56,10 @@ class FSDP2(Strategy):
         ]
 
     def _param_views(self) -> list[torch.Tensor]:
-        with torch.no_grad():  # to_local() without autograd returns the shard itself
-            return [p.to_local() if isinstance(p, DTensor) else p for p in self._params]
+        # The local shard itself: to_local() makes a new alias at every call, which would look
+        # like a new view each update. FSDP2 replaces it only when the storage really changes
+        # (``model.to(...)`` swaps the parameter's contents).
+        return [p._local_tensor if isinstance(p, DTensor) else p for p in self._params]
 
     def release_gathered(self) -> None:
         from torch.distributed.fsdp import FSDPModule

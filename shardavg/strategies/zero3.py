@@ -42,6 +42,7 @@ def _partition_info(names: list[str], param: torch.Tensor) -> TensorInfo:
 
 class Zero3(Strategy):
     name = "zero3"
+    _views_key: list | None = None  # what the cached views were sliced from
 
     @staticmethod
     def fits(model: nn.Module) -> bool:
@@ -54,16 +55,13 @@ class Zero3(Strategy):
         self._params = [tensor for _, tensor in groups]
         infos = [_partition_info(names, tensor) for names, tensor in groups]
         self._lengths = [info.end - info.start for info in infos]
-        self._slice()
         return infos
 
-    def _slice(self) -> None:
-        self._partition_ptrs = [p.ds_tensor.data_ptr() for p in self._params]
-        self._views = [p.ds_tensor.detach().narrow(0, 0, n) for p, n in zip(self._params, self._lengths)]
-
     def _param_views(self) -> list[torch.Tensor]:
-        if [p.ds_tensor.data_ptr() for p in self._params] != self._partition_ptrs:
-            self._slice()  # DeepSpeed re-allocated partitions (e.g. when building its optimizer)
+        key = [(p.ds_tensor.data_ptr(), n) for p, n in zip(self._params, self._lengths)]
+        if key != self._views_key:  # new parameters, or DeepSpeed re-allocated partitions (building its optimizer)
+            self._views = [p.ds_tensor.detach().narrow(0, 0, n) for p, n in zip(self._params, self._lengths)]
+            self._views_key = key
         return self._views
 
     def release_gathered(self) -> None:

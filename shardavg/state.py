@@ -1,0 +1,285 @@
+"""``AverageState``: the averager's tensors and counters, and the one interface the I/O modules use.
+
+``WeightAverager`` (``averager.py``) builds an ``AverageState`` and drives it (``update``,
+``swapped``); checkpoints (``checkpoint.py``), DCP (``stateful.py``) and export (``export.py``)
+read and restore it through the attributes and methods documented here, and nothing else:
+
+- ``infos``, ``roles``, ``shadows``, ``layout``: what each tensor is, whether it is averaged,
+  copied or not stored, its shadow on this rank, and which rank holds which part of it;
+- ``piece(i)``: this rank's part of tensor ``i`` as it would be saved or exported;
+- ``check_current()`` before collective I/O, ``gathered(dst)`` for full tensors;
+- ``describe()`` and ``restore(description, saved)`` for everything but the tensors' values.
+
+It also keeps the cached local views current: the adapter's views are grouped once for fused
+updates and regrouped only when the engine really changed them.
+"""
+
+from __future__ import annotations
+
+import operator
+import weakref
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from .errors import ModelChangedError
+from .layout import DEFAULT_BUCKET_BYTES, ShardLayout, distributed, iter_gathered, world_size
+from .rules import Rule
+from .storage import dtype_name
+from .strategies import Strategy
+from .strategies.base import TensorInfo
+from .update import Role, UpdateGroup, group_tensors, groups_current
+
+FORMAT, VERSION = "shardavg", 1  # the description's format, shared by checkpoints, DCP and exports
+
+
+@dataclass(frozen=True)
+class Options:
+    """The averager's settings (validated by ``WeightAverager``)."""
+
+    every_n_steps: int
+    start_step: int
+    dtype: torch.dtype | None  # shadow dtype of averaged floating tensors; None keeps the live dtype
+    buffers: str  # "copy" | "average" | "ignore"
+    device: torch.device | None  # where shadows live; None next to each live shard
+    include_frozen: bool
+    on_nonfinite: str  # "raise" | "skip"
+
+    def role(self, info: TensorInfo) -> Role:
+        if info.kind == "param":
+            return "average" if info.requires_grad or self.include_frozen else "live"
+        if self.buffers == "ignore":
+            return "live"
+        if self.buffers == "average" and info.dtype.is_floating_point:
+            return "average"
+        return "copy"
+
+    def describe(self) -> dict[str, Any]:
+        return {
+            "every_n_steps": self.every_n_steps,
+            "start_step": self.start_step,
+            "dtype": None if self.dtype is None else dtype_name(self.dtype),
+            "buffers": self.buffers,
+            "include_frozen": self.include_frozen,
+        }
+
+
+# Parameter, buffer and submodule registrations on a watched model mark its states for a full
+# structure check at their next use (replacing `model.fc` or `model.fc.weight`).
+_WATCHED: weakref.WeakSet[AverageState] = weakref.WeakSet()
+_hooks_installed = False
+
+
+def _on_registration(module: nn.Module, name: str, value: object) -> None:
+    for state in list(_WATCHED):
+        if id(module) in state._module_ids:
+            state._structure_dirty = True
+
+
+def _watch(state: AverageState) -> None:
+    global _hooks_installed
+    if not _hooks_installed:
+        from torch.nn.modules import module as module_hooks
+
+        module_hooks.register_module_parameter_registration_hook(_on_registration)
+        module_hooks.register_module_buffer_registration_hook(_on_registration)
+        module_hooks.register_module_module_registration_hook(_on_registration)
+        _hooks_installed = True
+    _WATCHED.add(state)
+
+
+class AverageState:
+    """Shadows of this rank's local views, the views themselves (grouped for fused updates), the
+    layout of every tensor across ranks, and the counters. Building it is a collective."""
+
+    def __init__(self, strategy: Strategy, rule: Rule, options: Options) -> None:
+        self.strategy = strategy
+        self.rule = rule
+        self.options = options
+        self.step = 0  # last step seen by update()
+        self.num_updates = 0  # updates applied (the first one copies)
+        self.num_skipped = 0  # updates skipped for non-finite live weights
+        self.device_counters: dict[torch.device, torch.Tensor] = {}  # num_updates as a tensor, per device
+        self.gather_bucket_bytes = DEFAULT_BUCKET_BYTES
+
+        self.infos: list[TensorInfo] = strategy.tensors()
+        self.live: list[torch.Tensor] = strategy.local_views()
+        self.roles: list[Role] = [options.role(info) for info in self.infos]
+        self.layout = ShardLayout.build(self.infos)
+        self.shadows: list[torch.Tensor | None] = [self._allocate(index) for index in range(len(self.infos))]
+        self.groups: list[UpdateGroup] = group_tensors(self.roles, self.shadows, self.live)
+        self._module_ids = {id(module) for module in strategy.model.modules()}
+        self._structure_dirty = False
+        _watch(self)
+
+    def _allocate(self, index: int) -> torch.Tensor | None:
+        role, live = self.roles[index], self.live[index]
+        if role == "live":
+            return None
+        dtype = live.dtype
+        if role == "average" and live.dtype.is_floating_point and self.options.dtype is not None:
+            dtype = self.options.dtype
+        device = self.options.device or live.device
+        pin = device.type == "cpu" and live.device.type == "cuda"
+        return torch.empty(live.shape, dtype=dtype, device=device, pin_memory=pin)
+
+    # ------------------------------------------------------------------ live views
+
+    def _rebind(self, live: list[torch.Tensor]) -> None:
+        """Adopt the engine's current local views: shapes must not change; a new dtype or device
+        (``model.to(...)``) is followed, and shadows kept next to their live shard move along."""
+        misshaped = [
+            f"{info.name}: {tuple(old.shape)} -> {tuple(new.shape)}"
+            for info, old, new in zip(self.infos, self.live, live)
+            if new.shape != old.shape
+        ]
+        if misshaped:
+            raise ModelChangedError(f"the model's local shards changed shape after the averager was built: {misshaped}")
+        if self.options.device is None:
+            for index, shadow in enumerate(self.shadows):
+                if shadow is not None and shadow.device != live[index].device:
+                    self.shadows[index] = shadow.to(live[index].device)
+        self.live = live
+        self.groups = group_tensors(self.roles, self.shadows, self.live)
+
+    def verify_structure(self) -> None:
+        """Rescan the model; raise ``ModelChangedError`` naming what differs from construction time."""
+        infos = self.strategy.tensors()
+
+        def key(info: TensorInfo) -> tuple:
+            return (info.aliases, info.kind, tuple(info.shape), info.start, info.end)
+
+        old = {info.name: info for info in self.infos}
+        new = {info.name: info for info in infos}
+        missing = [name for name in old if name not in new]
+        added = [name for name in new if name not in old]
+        changed = [
+            f"{name} (shape {tuple(old[name].shape)} -> {tuple(new[name].shape)}, "
+            f"range on this rank [{old[name].start}, {old[name].end}) -> [{new[name].start}, {new[name].end}))"
+            for name in old
+            if name in new and key(old[name]) != key(new[name])
+        ]
+        if missing or added or changed or list(old) != list(new):
+            raise ModelChangedError(
+                f"the model's parameters changed after the averager was built: missing {missing}, "
+                f"new {added}, changed [{', '.join(changed)}]; build a new WeightAverager for the new model"
+            )
+        self.infos = infos
+        self._module_ids = {id(module) for module in self.strategy.model.modules()}
+        self._structure_dirty = False
+        self._follow(self.strategy.local_views())
+
+    def sync_live(self) -> None:
+        """Cheap per-update check that the cached local views are still the engine's, as grouped."""
+        if self._structure_dirty:
+            self.verify_structure()
+        else:
+            self._follow(self.strategy.local_views())
+
+    def _follow(self, live: list[torch.Tensor]) -> None:
+        """Regroup only when a view is a new object or changed dtype or device."""
+        if not all(map(operator.is_, live, self.live)) or not groups_current(self.groups):
+            self._rebind(live)
+
+    # ------------------------------------------------------------------ reading
+
+    def piece(self, index: int) -> torch.Tensor:
+        """This rank's part of tensor ``index``, flat: averaged, or live for tensors not stored."""
+        source = self.shadows[index] if self.shadows[index] is not None else self.live[index]
+        return source.detach().reshape(-1)
+
+    def require_updates(self, what: str) -> None:
+        if self.num_updates == 0:
+            raise RuntimeError(
+                f"{what} needs averaged weights, but no update has been applied yet "
+                f"(the first update() at a step >= start_step={self.options.start_step} copies the live weights)"
+            )
+
+    def check_ranks_agree(self) -> None:
+        """Collective: every rank applied the same updates, so the shards form one average."""
+        if not distributed():
+            return
+        counts: list = [None] * dist.get_world_size()
+        dist.all_gather_object(counts, (self.num_updates, self.num_skipped))
+        if len(set(counts)) > 1:
+            raise RuntimeError(
+                "ranks disagree on the number of updates applied (num_updates, num_skipped): "
+                + ", ".join(f"rank {r}: {c}" for r, c in enumerate(counts))
+                + "; a rank skipped an update for non-finite values, so the shards do not form one average"
+            )
+
+    def check_current(self) -> None:
+        """Collective: the model is still the one the state was built on, and the ranks agree."""
+        self.verify_structure()
+        self.check_ranks_agree()
+
+    def gathered(self, dst: int | None) -> Iterator[tuple[TensorInfo, torch.Tensor | None]]:
+        """Collective: check the state now, then gather full tensors as the iterator is consumed.
+
+        With ``dst`` set only that rank receives (others get ``None``); with ``None`` every rank
+        receives the owners' values (replicas such as per-rank BatchNorm statistics included).
+        """
+        self.require_updates("gathering the average")
+        self.check_current()
+        gathered = iter_gathered(
+            self.layout,
+            self.infos,
+            self.piece,
+            range(len(self.infos)),
+            dst=dst,
+            bucket_bytes=self.gather_bucket_bytes,
+        )
+
+        def named() -> Iterator[tuple[TensorInfo, torch.Tensor | None]]:
+            for index, full in gathered:
+                yield self.infos[index], full
+                del full  # hold nothing while the next bucket is gathered
+
+        return named()
+
+    def shadow_bytes(self) -> int:
+        storages = {s.untyped_storage().data_ptr(): s.untyped_storage().nbytes() for s in self.shadows if s is not None}
+        return sum(storages.values())
+
+    # ------------------------------------------------------------------ description
+
+    def describe(self) -> dict[str, Any]:
+        """Everything but the tensors' values, as JSON-able data."""
+        return {
+            "format": FORMAT,
+            "version": VERSION,
+            "step": self.step,
+            "num_updates": self.num_updates,
+            "num_skipped": self.num_skipped,
+            "rule": self.rule.to_config(),
+            "strategy": self.strategy.name,
+            "world_size": world_size(),
+            "options": self.options.describe(),
+            "tensors": [
+                {
+                    "name": info.name,
+                    "aliases": list(info.aliases),
+                    "kind": info.kind,
+                    "role": role,
+                    "shape": list(info.shape),
+                    "dtype": dtype_name(self.piece(index).dtype),
+                }
+                for index, (info, role) in enumerate(zip(self.infos, self.roles))
+            ],
+        }
+
+    def restore(self, description: dict[str, Any], saved: set[str]) -> None:
+        """Take a description's counters once the shadows named in ``saved`` hold its values;
+        other shadows (a non-strict load) restart from the live weights."""
+        with torch.no_grad():
+            for info, shadow, live in zip(self.infos, self.shadows, self.live):
+                if shadow is not None and info.name not in saved:
+                    shadow.copy_(live)
+        self.step = int(description["step"])
+        self.num_updates = int(description["num_updates"])
+        self.num_skipped = int(description.get("num_skipped", 0))
+        self.device_counters.clear()
