@@ -414,5 +414,7 @@ def edm2_gamma(sigma_rel: float) -> float:
 
 
 def report(kind: str, payload: dict) -> None:
-    """One machine-readable line the pytest driver collects."""
+    """One machine-readable line the pytest driver collects, from rank 0 only."""
+    if dist.is_initialized() and dist.get_rank() != 0:
+        return
     print(f"SHARDAVG_{kind} {json.dumps(payload, sort_keys=True)}", flush=True)

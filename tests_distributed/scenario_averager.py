@@ -357,24 +357,22 @@ def main() -> None:
         per_rank, local_bytes = [None] * world, [None] * world
         dist.all_gather_object(per_rank, ema.shadow_bytes())
         dist.all_gather_object(local_bytes, expected)
-        if rank == 0:
-            harness.report(
-                "BYTES",
-                {
-                    "config": engine.name,
-                    "world_size": world,
-                    "shadow_bytes_per_rank": per_rank,
-                    "local_shard_bytes_per_rank": local_bytes,
-                    "model_bytes": model_bytes,
-                },
-            )
+        harness.report(
+            "BYTES",
+            {
+                "config": engine.name,
+                "world_size": world,
+                "shadow_bytes_per_rank": per_rank,
+                "local_shard_bytes_per_rank": local_bytes,
+                "model_bytes": model_bytes,
+            },
+        )
         if engine_kind == "fsdp2" and world > 1 and engine.dtype == torch.float32:
             check_nonfinite_on_one_rank(engine)
         if engine_kind in ("replicated", "fsdp2") and engine.dtype == torch.float32:
             check_a_cast_is_followed(engine, ema)
         dist.barrier()
-    if rank == 0:
-        harness.report("DONE", {"engine": engine_kind, "world_size": world, "configurations": number + 1})
+    harness.report("DONE", {"engine": engine_kind, "world_size": world, "configurations": number + 1})
     harness.finish()
 
 
