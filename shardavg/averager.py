@@ -10,6 +10,7 @@ one bounded bucket at a time.
 from __future__ import annotations
 
 import contextlib
+import operator
 import os
 import warnings
 from collections.abc import Iterator
@@ -146,12 +147,12 @@ class WeightAverager:
         ``step`` is the number of optimizer steps taken; by default one more than the last
         step seen (1 on the first call). The update runs only at ``start_step + k *
         every_n_steps``; the first one copies. Returns whether an update was applied. A call
-        refused (inside ``swapped()``) changes nothing, not even the step.
+        refused (inside ``swapped()``, or a ``step`` not after the last one) changes nothing.
         """
         if self._swapped:
             raise RuntimeError("update() inside swapped(): the live model holds averaged weights")
         state = self._state
-        state.step = state.step + 1 if step is None else int(step)
+        state.step = self._next_step(step)
         options = state.options
         if state.step < options.start_step or (state.step - options.start_step) % options.every_n_steps:
             return False
@@ -164,6 +165,21 @@ class WeightAverager:
                 counter.add_(1)
         state.num_updates += 1
         return True
+
+    def _next_step(self, step: int | None) -> int:
+        """The step of this update: steps only go forward, so no step is averaged in twice."""
+        state = self._state
+        if step is None:
+            return state.step + 1
+        step = operator.index(step)
+        seen = state.step > 0 or state.num_updates > 0 or state.num_skipped > 0
+        if step < 0 or step < state.step or (step == state.step and seen):
+            raise ValueError(
+                f"update(step={step}) after step {state.step}: steps must increase (call update() once per "
+                "optimizer step; a run restarted from an earlier checkpoint first restores the averager saved "
+                "with it, through load() or dcp.load)"
+            )
+        return step
 
     def _apply(self) -> None:
         state = self._state

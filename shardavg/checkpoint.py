@@ -5,14 +5,17 @@ next to a JSON description of the averager (``AverageState.describe``). Because 
 flattened tensor, a checkpoint loads at any world size and under any strategy: each rank
 reads the parts of the saved chunks that overlap its own range.
 
-``save(directory)`` writes one safetensors file per rank and a ``shardavg.json`` manifest
-into a staging directory; the manifest is written last and the directory renamed into place,
-so a crash at any point leaves the previous checkpoint intact and an uncommitted directory
-that ``load`` refuses. Nothing is ever unpickled: JSON and safetensors only.
+``save(directory)`` writes one safetensors file per rank and a checksummed ``shardavg.json``
+manifest into a staging directory; the manifest is written last and the directory swapped
+into place, so a crash at any point leaves the previous checkpoint intact and an uncommitted
+directory that ``load`` refuses. It replaces only a checkpoint of its own (``ownership.py``),
+holds a lock on the target while writing, and with ``keep_last`` removes only its own older
+``step-*`` checkpoints. Nothing is ever unpickled: JSON and safetensors only.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -23,36 +26,31 @@ from typing import Any, NamedTuple
 
 import torch
 
+from .description import check_description, fail, is_count, numel, with_checksum
 from .errors import CheckpointError
-from .layout import agree_or_raise, rank, world_size
-from .state import FORMAT, VERSION, AverageState
+from .layout import agree_or_raise, rank, tiles, world_size
+from .ownership import (
+    CHECKPOINT_FILE,
+    MANIFEST,
+    STAGING_MARKER,
+    TargetLock,
+    foreign_in_checkpoint,
+    is_own_checkpoint,
+    is_own_staging,
+)
+from .state import AverageState
 from .storage import (
-    DTYPE_CODES,
-    DTYPES,
     Entry,
     atomic_file,
+    checked_slice,
     commit_directory,
-    fresh_staging,
     open_safetensors,
+    replaced_path,
     staging_path,
     write_safetensors,
 )
 
-MANIFEST = "shardavg.json"
 STEP_DIR = re.compile(r"^step-(\d+)$")
-
-
-def check_description(meta: Any, where: str) -> dict[str, Any]:
-    """Refuse anything that is not a description written by this or an older shardavg."""
-    if not isinstance(meta, dict) or meta.get("format") != FORMAT:
-        raise CheckpointError(f"{where} is not a shardavg checkpoint description")
-    version = meta.get("version")
-    if not isinstance(version, int) or version > VERSION:
-        raise CheckpointError(f"{where} has format version {version!r}; this shardavg reads up to {VERSION}")
-    missing = [key for key in ("step", "num_updates", "rule", "tensors") if key not in meta]
-    if missing:
-        raise CheckpointError(f"{where} lacks {missing}")
-    return meta
 
 
 def check_compatible(state: AverageState, meta: dict[str, Any], where: str, strict: bool) -> dict[str, dict]:
@@ -112,21 +110,122 @@ def loadable(state: AverageState, saved: dict[str, dict]) -> list[int]:
 # ------------------------------------------------------------------------- save / load
 
 
-def _prune(parent: Path, keep_last: int) -> None:
-    steps = sorted(
-        (int(m.group(1)), p) for p in parent.iterdir() if (m := STEP_DIR.match(p.name)) and (p / MANIFEST).is_file()
-    )
-    for _, old in steps[:-keep_last]:
+def _sequence(path: Path) -> int:
+    """The save's place in its directory's history (older checkpoints without one come first)."""
+    try:
+        meta = json.loads((path / MANIFEST).read_text())
+    except (OSError, UnicodeDecodeError, ValueError, RecursionError) as error:
+        raise CheckpointError(f"cannot read {path / MANIFEST}: {error}") from error
+    sequence = meta.get("sequence", -1) if isinstance(meta, dict) else None
+    if not is_count(sequence, -1):
+        raise CheckpointError(f"{path / MANIFEST}: 'sequence' must be an integer, got {sequence!r}")
+    return sequence
+
+
+def committed_steps(
+    directory: Path, own_only: bool = False, readable_only: bool = False
+) -> list[tuple[int, int, Path]]:
+    """``(sequence, step, path)`` of the committed ``step-*`` checkpoints, oldest save first.
+
+    A manifest that cannot be read raises (which one is newest is then unknown), or with
+    ``readable_only`` is left out with a warning (a save or a prune goes on without it)."""
+    found = []
+    for path in directory.iterdir():
+        match = STEP_DIR.match(path.name)
+        if match and (is_own_checkpoint(path) if own_only else (path / MANIFEST).is_file()):
+            try:
+                found.append((_sequence(path), int(match.group(1)), path))
+            except CheckpointError as error:
+                if not readable_only:
+                    raise
+                warnings.warn(f"{error}: left out of the save order and never pruned", stacklevel=2)
+    return sorted(found)
+
+
+def _check_not_a_file(path: Path) -> None:
+    if path.is_symlink() or (path.exists() and not path.is_dir()):
+        raise CheckpointError(f"{path} exists and is not a directory: shardavg will not replace it")
+
+
+def _make_directory(directory: Path) -> None:
+    _check_not_a_file(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+
+
+def _prepare(directory: Path, target: Path, keep_last: int | None) -> int:
+    """Rank 0, under the lock: refuse a target that is not ours, clear what earlier crashed saves
+    left (only when it is provably ours), and create the staging directory. Returns the save's
+    sequence number in ``directory``."""
+    _check_not_a_file(directory)
+    sequence = 0
+    if keep_last:
+        if (directory / MANIFEST).exists():
+            raise CheckpointError(
+                f"{directory} is a single checkpoint; keep_last=K writes step-* checkpoints into a directory "
+                "of their own: save without keep_last, or into another directory"
+            )
+        committed = committed_steps(directory, readable_only=True)
+        sequence = 1 + max((number for number, _, _ in committed), default=-1)
+        step = int(STEP_DIR.match(target.name).group(1))  # type: ignore[union-attr]
+        later = [path.name for _, saved_step, path in committed if saved_step > step]
+        if later:
+            warnings.warn(
+                f"saving step {step} into {directory}, which holds later steps {later} (a run restarted from an "
+                "earlier checkpoint?): they are kept, but this save is now the newest, the one load() returns",
+                stacklevel=4,
+            )
+        for stale in directory.glob(".step-*.incomplete"):  # left by saves that crashed
+            if is_own_staging(stale):
+                shutil.rmtree(stale)
+    _check_not_a_file(target)
+    foreign = foreign_in_checkpoint(target)
+    if foreign:
+        raise CheckpointError(
+            f"{target} holds files shardavg did not write ({', '.join(foreign[:8])}"
+            f"{', ...' if len(foreign) > 8 else ''}): it replaces only its own checkpoints; save into a new "
+            "or empty directory (keep_last=K keeps step-* checkpoints beside other files)"
+        )
+    replaced = replaced_path(target)
+    if target.exists() and is_own_checkpoint(replaced):  # an interrupted replacement of a complete target
+        shutil.rmtree(replaced)
+    staging = staging_path(target)
+    if staging.exists() or staging.is_symlink():
+        if not is_own_staging(staging):
+            raise CheckpointError(f"{staging} is in the way and was not written by shardavg: move it")
+        shutil.rmtree(staging)
+    staging.mkdir(parents=True)
+    (staging / STAGING_MARKER).touch()
+    return sequence
+
+
+def _commit(state: AverageState, directory: Path, target: Path, files: list[str], sequence: int) -> None:
+    """Rank 0: write the manifest last, swap the checkpoint into place, then prune."""
+    staging = staging_path(target)
+    manifest = state.describe() | {"files": files, "sequence": sequence}
+    for entry, chunks in zip(manifest["tensors"], state.layout.chunks):
+        entry["chunks"] = [{"file": owner, "start": start, "end": end} for owner, start, end in chunks]
+    with atomic_file(staging / MANIFEST) as handle:
+        handle.write(json.dumps(with_checksum(manifest), indent=1).encode())
+    (staging / STAGING_MARKER).unlink()
+    if foreign_in_checkpoint(target):  # written by someone else since _prepare looked
+        raise CheckpointError(f"{target} changed during the save and is no longer shardavg's own: left alone")
+    commit_directory(staging, target)
+    replaced = replaced_path(target)
+    if is_own_checkpoint(replaced):  # the previous checkpoint, kept by a save interrupted long ago
+        shutil.rmtree(replaced)
+
+
+def _prune(directory: Path, keep_last: int) -> None:
+    """Remove all but the ``keep_last`` most recently saved of shardavg's own step checkpoints."""
+    for _, _, old in committed_steps(directory, own_only=True, readable_only=True)[:-keep_last]:
         shutil.rmtree(old)
-    for stale in parent.glob(".step-*.incomplete"):  # left by saves that crashed
-        shutil.rmtree(stale, ignore_errors=True)
 
 
 def save(state: AverageState, directory: str | os.PathLike, keep_last: int | None = None) -> Path:
     """Collective: write the averager's shards and manifest to ``directory``, atomically.
 
-    With ``keep_last=K`` the checkpoint goes to ``directory/step-NNNNNNNNN`` and only the K
-    newest committed ones are kept. Returns the committed checkpoint's path.
+    With ``keep_last=K`` the checkpoint goes to ``directory/step-NNNNNNNNN`` and only the K most
+    recently saved of shardavg's own ones are kept. Returns the committed checkpoint's path.
     """
     if keep_last is not None and (isinstance(keep_last, bool) or not isinstance(keep_last, int) or keep_last < 1):
         raise ValueError(f"keep_last must be an int >= 1 or None, got {keep_last!r}")
@@ -136,73 +235,109 @@ def save(state: AverageState, directory: str | os.PathLike, keep_last: int | Non
     staging = staging_path(target)
     me, ranks = rank(), world_size()
     files = [f"rank-{r:05d}-of-{ranks:05d}.safetensors" for r in range(ranks)]
-    error: BaseException | None = None
-    if me == 0:
+    with contextlib.ExitStack() as held:
+        error: BaseException | None = None
+        sequence = 0
+        if me == 0:
+            try:
+                if keep_last:
+                    _make_directory(directory)
+                held.enter_context(TargetLock.inside(directory) if keep_last else TargetLock.beside(directory))
+                sequence = _prepare(directory, target, keep_last)
+            except Exception as caught:
+                error = caught
+        agree_or_raise(error, f"preparing {target}")
+
+        owned = [
+            (index, start, end)
+            for index, chunks in enumerate(state.layout.chunks)
+            for owner, start, end in chunks
+            if owner == me
+        ]
         try:
-            fresh_staging(target)
-        except OSError as caught:
+            entries = [Entry(state.infos[i].name, state.piece(i).dtype, (end - start,)) for i, start, end in owned]
+            write_safetensors(staging / files[me], entries, (state.piece(i) for i, _, _ in owned))
+        except Exception as caught:  # report it to every rank rather than leave them waiting
             error = caught
-    agree_or_raise(error, f"creating {staging}")
+        agree_or_raise(error, f"writing shards to {staging}")
 
-    owned = [
-        (index, start, end)
-        for index, chunks in enumerate(state.layout.chunks)
-        for owner, start, end in chunks
-        if owner == me
-    ]
-    try:
-        entries = [Entry(state.infos[i].name, state.piece(i).dtype, (end - start,)) for i, start, end in owned]
-        write_safetensors(staging / files[me], entries, (state.piece(i) for i, _, _ in owned))
-    except Exception as caught:  # report it to every rank rather than leave them waiting
-        error = caught
-    agree_or_raise(error, f"writing shards to {staging}")
-
-    if me == 0:
-        try:
-            manifest = state.describe() | {"files": files}
-            for entry, chunks in zip(manifest["tensors"], state.layout.chunks):
-                entry["chunks"] = [{"file": owner, "start": start, "end": end} for owner, start, end in chunks]
-            with atomic_file(staging / MANIFEST) as handle:
-                handle.write(json.dumps(manifest, indent=1).encode())
-            commit_directory(staging, target)
-            if keep_last:
+        if me == 0:
+            try:
+                _commit(state, directory, target, files, sequence)
+            except Exception as caught:
+                error = caught
+        agree_or_raise(error, f"committing {target}")
+        if me == 0 and keep_last:
+            try:
                 _prune(directory, keep_last)
-        except Exception as caught:
-            error = caught
-    agree_or_raise(error, f"committing {target}")
+            except Exception as caught:  # the checkpoint is committed: pruning is housekeeping
+                warnings.warn(f"{target} is saved, but removing older checkpoints failed: {caught}", stacklevel=2)
     return target
 
 
 def resolve(directory: str | os.PathLike) -> Path:
-    """The committed checkpoint at ``directory``: itself, or its newest ``step-*`` subdirectory."""
+    """The committed checkpoint at ``directory``: itself, or its most recently saved ``step-*``."""
     directory = Path(directory)
     if (directory / MANIFEST).is_file():
         return directory
-    replaced = directory.with_name(f".{directory.name}.replaced")
-    if not directory.exists() and (replaced / MANIFEST).is_file():
-        return replaced  # a save crashed between its two renames: the previous one is complete
-    if not directory.is_dir():
+    if not directory.exists():
+        replaced = replaced_path(directory)
+        if (replaced / MANIFEST).is_file():
+            raise CheckpointError(
+                f"no checkpoint at {directory}: a save into it was interrupted between its two renames and left "
+                f"the previous checkpoint complete at {replaced}; rename it to {directory.name} to use it"
+            )
         raise CheckpointError(f"no checkpoint at {directory}")
-    steps = sorted((int(m.group(1)), p) for p in directory.iterdir() if (m := STEP_DIR.match(p.name)))
-    committed = [p for _, p in steps if (p / MANIFEST).is_file()]
+    if not directory.is_dir():
+        raise CheckpointError(f"no checkpoint at {directory}: it is not a directory")
+    committed = committed_steps(directory)
     if committed:
-        return committed[-1]
-    uncommitted = [p.name for _, p in steps] or [directory.name]
+        return committed[-1][2]
+    uncommitted = sorted(p.name for p in directory.iterdir() if STEP_DIR.match(p.name)) or [directory.name]
     raise CheckpointError(
         f"{directory} holds no committed shardavg checkpoint: {uncommitted} lack {MANIFEST}, "
         "so their save never completed"
     )
 
 
+def check_chunk_table(meta: dict[str, Any], where: str) -> None:
+    """The manifest's files are shardavg's own names, and each tensor's chunks tile it exactly."""
+    if meta["version"] >= 2 and "sequence" not in meta:
+        raise fail(where, "lacks 'sequence'")
+    files = meta.get("files")
+    if not isinstance(files, list) or not all(isinstance(f, str) and CHECKPOINT_FILE.match(f) for f in files):
+        raise fail(where, f"'files' must list rank-NNNNN-of-NNNNN.safetensors names, got {str(files)[:200]}")
+    if not files or MANIFEST in files:
+        raise fail(where, f"'files' must list the shard files, got {files}")
+    for entry in meta["tensors"]:
+        chunks = entry.get("chunks")
+        if not isinstance(chunks, list) or not all(
+            isinstance(c, dict)
+            and is_count(c.get("file"))
+            and c["file"] < len(files)
+            and is_count(c.get("start"))
+            and is_count(c.get("end"))
+            for c in chunks
+        ):
+            raise fail(where, f"tensor {entry['name']!r} has a malformed chunk table: {str(chunks)[:200]}")
+        spans = [(c["start"], c["end"]) for c in chunks]
+        if not tiles(numel(entry["shape"]), spans):
+            raise fail(
+                where,
+                f"the chunks of {entry['name']!r} {spans[:8]} do not cover its {numel(entry['shape'])} elements "
+                "exactly once",
+            )
+
+
 def read_manifest(path: Path) -> dict[str, Any]:
+    """The manifest of the checkpoint at ``path``, checked whole (description, checksum, chunk table)."""
     manifest_path = path / MANIFEST
     try:
         meta = json.loads(manifest_path.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
+    except (OSError, UnicodeDecodeError, ValueError, RecursionError) as error:
         raise CheckpointError(f"cannot read {manifest_path}: {error}") from error
     meta = check_description(meta, str(manifest_path))
-    if not isinstance(meta.get("files"), list) or any("chunks" not in t for t in meta["tensors"]):
-        raise CheckpointError(f"{manifest_path} lacks the file and chunk tables")
+    check_chunk_table(meta, str(manifest_path))
     return meta
 
 
@@ -228,14 +363,7 @@ def _plan_reads(state: AverageState, path: Path, meta: dict, saved: dict[str, di
             file = path / meta["files"][chunk["file"]]
             if file not in handles:
                 handles[file] = open_safetensors(file)
-            if info.name not in handles[file].keys():
-                raise CheckpointError(f"{file} lacks tensor {info.name!r}")
-            piece = handles[file].get_slice(info.name)
-            expected = (DTYPE_CODES.get(DTYPES.get(entry["dtype"])), [chunk["end"] - chunk["start"]])
-            if (piece.get_dtype(), piece.get_shape()) != expected:
-                raise CheckpointError(
-                    f"{file}: {info.name!r} is {piece.get_dtype()} {piece.get_shape()}, the manifest says {expected}"
-                )
+            piece = checked_slice(handles[file], file, info.name, entry["dtype"], chunk["end"] - chunk["start"])
             reads.append(_Read(index, piece, low - chunk["start"], high - chunk["start"], low - info.start))
     return reads
 

@@ -10,7 +10,9 @@ import argparse
 import json
 import sys
 from collections import Counter
+from pathlib import Path
 
+from .description import numel
 from .errors import CheckpointError
 from .export import export_entries, export_metadata, parse_size, write_model
 from .offline import SavedAverage
@@ -58,13 +60,13 @@ def _parser() -> argparse.ArgumentParser:
 def _inspect(saved: SavedAverage) -> str:
     meta = saved.description
     tensors = meta["tensors"]
-    size = sum(DTYPES[t["dtype"]].itemsize * _numel(t["shape"]) for t in tensors)
+    size = sum(DTYPES[t["dtype"]].itemsize * numel(t["shape"]) for t in tensors)
     roles = Counter(t["role"] for t in tensors)
     where = f"{saved.path}" + (" (torch.distributed.checkpoint)" if saved.kind == "dcp" else "")
     rows = [
         ("checkpoint", where),
         ("step", meta["step"]),
-        ("num_updates", f"{meta['num_updates']} ({meta.get('num_skipped', 0)} skipped for non-finite weights)"),
+        ("num_updates", _updates(meta)),
         ("rule", json.dumps(meta["rule"])),
         ("strategy", f"{meta.get('strategy')} on {meta.get('world_size')} rank(s)"),
         ("tensors", f"{len(tensors)}: " + ", ".join(f"{n} {role}" for role, n in sorted(roles.items()))),
@@ -73,14 +75,19 @@ def _inspect(saved: SavedAverage) -> str:
     return "\n".join(f"{label:<12} {value}" for label, value in rows)
 
 
-def _numel(shape: list[int]) -> int:
-    total = 1
-    for dim in shape:
-        total *= dim
-    return total
+def _updates(meta: dict) -> str:
+    if meta["num_updates"] == 0:
+        return "0 (saved before the first update: no average yet, nothing to export)"
+    return f"{meta['num_updates']} ({meta.get('num_skipped', 0)} skipped for non-finite weights)"
 
 
 def _export(saved: SavedAverage, out: str, max_shard_size: str, dtype_name: str | None) -> str:
+    if saved.description["num_updates"] == 0:
+        raise CheckpointError(f"{saved.path} was saved before any update was applied: it holds no average to export")
+    checkpoint, target = saved.path.resolve(), Path(out).resolve()
+    if target == checkpoint or checkpoint in target.parents:
+        raise CheckpointError(f"OUT {out} is inside the checkpoint {saved.path}: export to a directory of its own")
+    saved.verify()  # a damaged chunk table is refused before anything is written
     dtype = None if dtype_name is None else DTYPES[dtype_name]
     tensors = saved.description["tensors"]
     entries = export_entries(

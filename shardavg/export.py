@@ -3,12 +3,13 @@
 Tensors arrive one at a time (gathered by the averager, or read from a checkpoint by the
 offline CLI) and are streamed to disk as they come, so the writer holds one tensor at a time.
 A model above ``max_shard_size`` is split into ``model-00001-of-0000N.safetensors`` files
-with a ``model.safetensors.index.json``; otherwise it is one ``model.safetensors``. The
-directory appears atomically.
+with a ``model.safetensors.index.json``; otherwise it is one ``model.safetensors``. Files
+already in the directory stay, unless they are weight files of an earlier shardavg export.
 """
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import json
 import os
@@ -18,12 +19,13 @@ from pathlib import Path
 
 import torch
 
+from .errors import CheckpointError
 from .layout import agree_or_raise, rank
+from .ownership import INDEX_FILE, MANIFEST, TargetLock, export_files
 from .state import AverageState
-from .storage import Entry, atomic_file, commit_directory, fresh_staging, write_safetensors
+from .storage import Entry, atomic_file, write_safetensors
 
 SINGLE_FILE = "model.safetensors"
-INDEX_FILE = "model.safetensors.index.json"
 _UNITS = {
     "": 1,
     "B": 1,
@@ -40,12 +42,13 @@ _UNITS = {
 
 def parse_size(size: int | str) -> int:
     """Bytes in ``5GB`` (10**9, as Hugging Face counts), ``500MiB`` (2**20) or a plain int."""
-    if isinstance(size, int) and not isinstance(size, bool) and size > 0:
+    if isinstance(size, int) and not isinstance(size, bool) and 0 < size <= 2**62:
         return size
-    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B|B)?\s*", str(size), flags=re.IGNORECASE)
-    if not match or float(match.group(1)) <= 0:
-        raise ValueError(f"max_shard_size must be a positive size like 5GB or 500MiB, got {size!r}")
-    return int(float(match.group(1)) * _UNITS[(match.group(2) or "").upper()])
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B|B)?\s*", str(size)[:100], flags=re.IGNORECASE)
+    value = float(match.group(1)) * _UNITS[(match.group(2) or "").upper()] if match else 0.0
+    if not 1 <= value <= 2**62:  # also refuses an overflow to infinity
+        raise ValueError(f"max_shard_size must be a positive size up to 4 EiB, like 5GB or 500MiB, got {size!r}")
+    return int(value)
 
 
 def plan_files(entries: list[Entry], max_bytes: int) -> list[list[Entry]]:
@@ -61,6 +64,23 @@ def plan_files(entries: list[Entry], max_bytes: int) -> list[list[Entry]]:
     return files
 
 
+def _check_target(directory: Path) -> dict[str, bool]:
+    """Refuse a target that is a file, a checkpoint, or holds weight files shardavg did not write;
+    return the weight files it holds, each with whether it is shardavg's own."""
+    if directory.is_symlink() or (directory.exists() and not directory.is_dir()):
+        raise CheckpointError(f"{directory} exists and is not a directory: shardavg will not replace it")
+    if (directory / MANIFEST).exists() or (directory / ".metadata").exists():
+        raise CheckpointError(f"{directory} is a checkpoint: export into a model folder of its own")
+    present = export_files(directory)
+    foreign = sorted(name for name, own in present.items() if not own)
+    if foreign:
+        raise CheckpointError(
+            f"{directory} holds weight files shardavg did not write ({', '.join(foreign)}): they would be "
+            "replaced; export into another directory, or move them"
+        )
+    return present
+
+
 def write_model(
     directory: str | os.PathLike,
     entries: list[Entry],
@@ -68,7 +88,12 @@ def write_model(
     metadata: dict[str, str],
     max_shard_size: int | str = "5GB",
 ) -> Path:
-    """Write ``tensors`` (one per entry, in order) as a safetensors model directory."""
+    """Write ``tensors`` (one per entry, in order) as safetensors weight files into ``directory``.
+
+    Other files there (a Hugging Face ``config.json``, a tokenizer) stay untouched. Each file
+    appears atomically; the last one written (the single file, or the index of a split model)
+    is the switch from the previous export, whose other weight files are then removed.
+    """
     directory = Path(directory)
     files = plan_files(entries, parse_size(max_shard_size))
     names = (
@@ -76,18 +101,33 @@ def write_model(
         if len(files) == 1
         else [f"model-{k:05d}-of-{len(files):05d}.safetensors" for k in range(1, len(files) + 1)]
     )
-    staging = fresh_staging(directory)
-    stream: Iterator[torch.Tensor] = iter(tensors)
-    for name, planned in zip(names, files):
-        write_safetensors(staging / name, planned, itertools.islice(stream, len(planned)), metadata)
-    if len(files) > 1:
-        index = {
-            "metadata": {"total_size": sum(entry.nbytes for entry in entries)},
-            "weight_map": {entry.key: name for name, planned in zip(names, files) for entry in planned},
-        }
-        with atomic_file(staging / INDEX_FILE) as handle:
-            handle.write(json.dumps(index, indent=1).encode())
-    commit_directory(staging, directory)
+    _check_target(directory)
+    created = not directory.exists()
+    directory.mkdir(parents=True, exist_ok=True)
+    held = written = False
+    try:
+        with TargetLock.inside(directory):
+            held = True
+            previous = _check_target(directory)
+            stream: Iterator[torch.Tensor] = iter(tensors)
+            for name, planned in zip(names, files):
+                write_safetensors(directory / name, planned, itertools.islice(stream, len(planned)), metadata)
+            if len(files) > 1:
+                index = {
+                    "metadata": {"total_size": sum(e.nbytes for e in entries), "shardavg": metadata["shardavg"]},
+                    "weight_map": {entry.key: name for name, planned in zip(names, files) for entry in planned},
+                }
+                with atomic_file(directory / INDEX_FILE) as handle:
+                    handle.write(json.dumps(index, indent=1).encode())
+            written = True
+            for stale in set(previous) - set(names) - ({INDEX_FILE} if len(files) > 1 else set()):
+                (directory / stale).unlink(missing_ok=True)
+    finally:
+        if created and held and not written:  # leave no half export in a directory this call made
+            for name in names:
+                (directory / name).unlink(missing_ok=True)
+            with contextlib.suppress(OSError):  # not empty: another writer's files are there
+                directory.rmdir()
     return directory
 
 

@@ -52,6 +52,19 @@ def agree_or_raise(error: BaseException | None, what: str) -> None:
         raise CheckpointError(f"{what} failed: {failed}") from error
 
 
+def tiles(numel: int, spans: Sequence[tuple[int, int]]) -> bool:
+    """Whether the non-empty ``[start, end)`` spans cover ``[0, numel)`` exactly, each once.
+
+    The one tiling check: the layout applies it to the ranks' shards, and every checkpoint
+    reader to the chunk table it is given, so a partial or overlapping table is refused."""
+    position = 0
+    for start, end in sorted(spans):
+        if start != position or end <= start:
+            return False
+        position = end
+    return position == numel
+
+
 def _tiling(name: str, numel: int, ranges: Sequence[tuple[int, int]]) -> tuple[Chunk, ...]:
     """Owned chunks of one tensor from every rank's range, checked to tile ``[0, numel)``."""
     owned: dict[tuple[int, int], int] = {}
@@ -59,8 +72,7 @@ def _tiling(name: str, numel: int, ranges: Sequence[tuple[int, int]]) -> tuple[C
         if end > start:
             owned.setdefault((start, end), holder)
     chunks = sorted(((owner, start, end) for (start, end), owner in owned.items()), key=lambda chunk: chunk[1])
-    ends = [0] + [end for _, _, end in chunks]  # each chunk must start where the previous one ended
-    if ends[-1] != numel or any(start != end for (_, start, _), end in zip(chunks, ends)):
+    if not tiles(numel, [(start, end) for _, start, end in chunks]):
         raise LayoutError(
             f"the shards of {name!r} ({numel} elements) do not tile it: "
             + ", ".join(f"rank {holder} holds [{start}, {end})" for holder, (start, end) in enumerate(ranges))

@@ -81,6 +81,8 @@ class RatioWarmup(Warmup):
 
 
 def warmup_from_config(config: Mapping[str, Any]) -> Warmup:
+    if not isinstance(config, Mapping):
+        raise TypeError(f"a warm-up config must be a mapping with a 'kind', got {config!r}")
     kind = config.get("kind")
     if kind == "inverse_gamma":
         return InverseGammaWarmup(inv_gamma=config["inv_gamma"], power=config["power"])
@@ -286,6 +288,8 @@ def as_rule(rule: Rule | MultiAvgFn) -> Rule:
 
 def rule_from_config(config: Mapping[str, Any]) -> Rule:
     """Build a built-in rule from ``Rule.to_config()`` output (or the same dict from YAML)."""
+    if not isinstance(config, Mapping):
+        raise TypeError(f"a rule config must be a mapping with a 'kind', got {config!r}")
     kind = config.get("kind")
     if kind == "ema":
         warmup = config.get("warmup")

@@ -34,7 +34,7 @@ from .strategies import Strategy
 from .strategies.base import TensorInfo
 from .update import Role, UpdateGroup, group_tensors, groups_current
 
-FORMAT, VERSION = "shardavg", 1  # the description's format, shared by checkpoints, DCP and exports
+FORMAT, VERSION = "shardavg", 2  # the description's format, shared by checkpoints, DCP and exports (2: checksummed)
 
 
 @dataclass(frozen=True)
@@ -125,7 +125,8 @@ class AverageState:
             dtype = self.options.dtype
         device = self.options.device or live.device
         pin = device.type == "cpu" and live.device.type == "cuda"
-        return torch.empty(live.shape, dtype=dtype, device=device, pin_memory=pin)
+        # zeros, not empty: a checkpoint saved before the first update must not carry stray memory
+        return torch.zeros(live.shape, dtype=dtype, device=device, pin_memory=pin)
 
     # ------------------------------------------------------------------ live views
 

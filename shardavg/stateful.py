@@ -9,12 +9,14 @@ shards), so ``dcp.load`` reshards it to any world size or strategy, the same way
 from __future__ import annotations
 
 import json
+import warnings
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from .checkpoint import check_compatible, check_description, loadable
+from .checkpoint import check_compatible, loadable
+from .description import check_description, with_checksum
 from .errors import CheckpointError
 from .layout import distributed, rank
 from .state import AverageState
@@ -23,7 +25,7 @@ from .state import AverageState
 def encode_description(meta: dict[str, Any]) -> str:
     """The description as a JSON string: DCP stores a plain ``str`` through ``torch.save``, which
     shardavg's offline reader loads back with ``weights_only=True`` (no Python objects)."""
-    return json.dumps(meta)
+    return json.dumps(with_checksum(meta))
 
 
 def decode_description(value: Any, where: str) -> dict[str, Any]:
@@ -101,24 +103,36 @@ def _local_part(value: torch.Tensor) -> torch.Tensor:
 
 
 def load_state_dict(state: AverageState, state_dict: dict[str, Any], strict: bool = True) -> None:
-    if not isinstance(state_dict, dict) or "meta" not in state_dict or "tensors" not in state_dict:
-        raise CheckpointError("not a shardavg state dict: it needs 'meta' and 'tensors'")
+    """Check the whole state dict (description, names, shapes, dtypes) first, then restore."""
+    if not isinstance(state_dict, dict) or "meta" not in state_dict or not isinstance(state_dict.get("tensors"), dict):
+        raise CheckpointError("not a shardavg state dict: it needs 'meta' and a 'tensors' dict")
     meta = decode_description(state_dict["meta"], "state dict")
     saved = check_compatible(state, meta, "the state dict", strict)
-    indices = [i for i in loadable(state, saved) if state.infos[i].name in state_dict["tensors"]]
+    tensors = state_dict["tensors"]
+    absent = sorted(state.infos[i].name for i in loadable(state, saved) if state.infos[i].name not in tensors)
+    if absent:
+        message = f"the state dict describes {absent} but its 'tensors' lack them"
+        if strict:
+            raise CheckpointError(f"{message}; pass strict=False to average them from the live weights on")
+        warnings.warn(f"{message}: averaged from the live weights on", stacklevel=3)
+    indices = [i for i in loadable(state, saved) if state.infos[i].name in tensors]
+    values = {}
+    for index in indices:
+        if not _owns(state, index):
+            continue
+        name, target = state.infos[index].name, state.shadows[index].view(-1)
+        local = _local_part(tensors[name])
+        if not isinstance(local, torch.Tensor) or local.shape != target.shape or local.dtype != target.dtype:
+            found = f"{local.dtype} {tuple(local.shape)}" if isinstance(local, torch.Tensor) else type(local).__name__
+            raise CheckpointError(
+                f"{name!r}: the state dict holds {found} here, this rank holds {target.dtype} {tuple(target.shape)}; "
+                "load through torch.distributed.checkpoint to reshard"
+            )
+        values[index] = local
     with torch.no_grad():
-        for index in indices:
-            if not _owns(state, index):
-                continue
-            name = state.infos[index].name
-            local = _local_part(state_dict["tensors"][name])
+        for index, local in values.items():
             target = state.shadows[index].view(-1)
-            if local.shape != target.shape:
-                raise CheckpointError(
-                    f"{name!r}: the state dict holds {tuple(local.shape)} elements here, this rank holds "
-                    f"{tuple(target.shape)}; load through torch.distributed.checkpoint to reshard"
-                )
             if local.data_ptr() != target.data_ptr():  # DCP loaded into the shadow itself otherwise
                 target.copy_(local)
         _fill_replicas(state, indices)
-    state.restore(meta, set(saved))
+    state.restore(meta, set(saved) - set(absent))

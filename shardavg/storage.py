@@ -10,9 +10,11 @@ read back with the ``safetensors`` library itself, which never unpickles anythin
 from __future__ import annotations
 
 import ctypes
+import errno
 import json
 import os
 import shutil
+import stat
 import struct
 from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
@@ -74,42 +76,61 @@ def fsync_dir(path: Path) -> None:
 def atomic_file(path: Path) -> Iterator[BinaryIO]:
     """Write ``path`` under a temporary name; it appears, complete and synced, only on success."""
     temporary = path.with_name(f".{path.name}.incomplete")
-    with open(temporary, "wb") as handle:
-        yield handle
-        handle.flush()
-        os.fsync(handle.fileno())
+    try:
+        with open(temporary, "wb") as handle:
+            yield handle
+            handle.flush()
+            os.fsync(handle.fileno())
+    except BaseException:
+        temporary.unlink(missing_ok=True)
+        raise
     os.replace(temporary, path)
     fsync_dir(path.parent)
 
 
-def commit_directory(staging: Path, target: Path) -> None:
-    """Move a complete staging directory into place; an existing ``target`` is replaced.
+def _exchange(first: Path, second: Path) -> bool:
+    """Swap two existing paths in one step (Linux ``renameat2(RENAME_EXCHANGE)``); False where the
+    system or the file system cannot."""
+    renameat2 = getattr(ctypes.CDLL(None, use_errno=True), "renameat2", None)
+    if renameat2 is None:
+        return False
+    renameat2.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+    at_cwd, exchange = -100, 2
+    if renameat2(at_cwd, os.fsencode(first), at_cwd, os.fsencode(second), exchange) == 0:
+        return True
+    code = ctypes.get_errno()
+    if code in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP):
+        return False
+    raise OSError(code, os.strerror(code), str(first), None, str(second))
 
-    A crash between the two renames of a replacement leaves the previous version complete
-    under ``.<name>.replaced``, where ``checkpoint.resolve`` finds it.
+
+def replaced_path(target: Path) -> Path:
+    """Where the two-rename fall-back keeps the previous ``target`` for a moment."""
+    return target.with_name(f".{target.name}.replaced")
+
+
+def commit_directory(staging: Path, target: Path) -> None:
+    """Move a complete staging directory into place, replacing ``target`` (empty, or proved to be
+    shardavg's own by the caller) in one atomic exchange; the previous version is then removed.
+
+    Where the exchange is unsupported, two renames: a crash between them leaves the previous
+    version complete under ``.<name>.replaced``, which ``load`` reports rather than uses.
     """
-    if target.exists():
-        replaced = target.with_name(f".{target.name}.replaced")
-        shutil.rmtree(replaced, ignore_errors=True)
+    if not target.exists() or not any(target.iterdir()):
+        os.replace(staging, target)  # a rename may replace an empty directory
+    elif _exchange(staging, target):
+        shutil.rmtree(staging)  # now the previous version
+    else:
+        replaced = replaced_path(target)
         os.replace(target, replaced)
         os.replace(staging, target)
         shutil.rmtree(replaced)
-    else:
-        os.replace(staging, target)
     fsync_dir(target.parent)
 
 
 def staging_path(target: Path) -> Path:
     """Where ``target`` is written before it is committed: ``.<name>.incomplete`` beside it."""
     return target.with_name(f".{target.name}.incomplete")
-
-
-def fresh_staging(target: Path) -> Path:
-    """An empty staging directory for ``target``."""
-    staging = staging_path(target)
-    shutil.rmtree(staging, ignore_errors=True)
-    staging.mkdir(parents=True)
-    return staging
 
 
 def _header(entries: Sequence[Entry], metadata: dict[str, str] | None) -> bytes:
@@ -157,13 +178,40 @@ def write_safetensors(
             del tensor  # let it go before the next one is produced
 
 
+def safetensors_metadata(path: Path) -> dict:
+    """The ``__metadata__`` of a safetensors file, read from its header alone (nothing mapped)."""
+    with open(path, "rb") as handle:
+        (length,) = struct.unpack("<Q", handle.read(8))
+        if length > min(os.fstat(handle.fileno()).st_size, 2**27):
+            raise ValueError(f"{path}: a {length}-byte header")
+        header = json.loads(handle.read(length))
+    metadata = header.get("__metadata__") if isinstance(header, dict) else None
+    return metadata if isinstance(metadata, dict) else {}
+
+
 def open_safetensors(path: Path):
-    """``safetensors.safe_open`` with errors that name the file."""
+    """``safetensors.safe_open`` on a regular file (never a link, pipe or device), with errors that name it."""
     from safetensors import safe_open
 
-    if not path.is_file():
-        raise CheckpointError(f"missing checkpoint file {path}")
+    try:
+        regular = stat.S_ISREG(os.lstat(path).st_mode)
+    except FileNotFoundError:
+        raise CheckpointError(f"missing checkpoint file {path}") from None
+    if not regular:
+        raise CheckpointError(f"{path} is not a regular file: refused")
     try:
         return safe_open(str(path), framework="pt", device="cpu")
     except Exception as error:  # safetensors raises its own error types for bad headers and sizes
         raise CheckpointError(f"{path} is not a readable safetensors file (truncated or foreign?): {error}") from error
+
+
+def checked_slice(handle, path: Path, key: str, dtype: str, length: int):
+    """The lazy slice ``key`` of an open file, checked to be ``length`` elements of ``dtype`` before any read."""
+    if key not in handle.keys():
+        raise CheckpointError(f"{path} lacks tensor {key!r}")
+    piece = handle.get_slice(key)
+    expected = (DTYPE_CODES[DTYPES[dtype]], [length])
+    if (piece.get_dtype(), piece.get_shape()) != expected:
+        found = (piece.get_dtype(), piece.get_shape())
+        raise CheckpointError(f"{path}: {key!r} is {found}, the manifest says {expected}")
+    return piece

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import pickle
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -13,36 +14,17 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 from harness import TiedNet
+from helpers import assert_same_average, fresh, trained
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from torch import nn
 
 import shardavg.checkpoint
+import shardavg.storage
 from shardavg import EMA, SWA, CheckpointError, WeightAverager
 from shardavg.export import parse_size
 
 MARKER_NAME = "pwned"
-
-
-def trained(trainer, steps: int = 5, **kwargs) -> WeightAverager:
-    averager = WeightAverager(trainer.model, kwargs.pop("rule", EMA(decay=0.9)), **kwargs)
-    for _ in range(steps):
-        trainer.step()
-        averager.update()
-    return averager
-
-
-def fresh(rule=None, **kwargs) -> WeightAverager:
-    """An averager on an untrained model: whatever it holds after a load came from the checkpoint."""
-    torch.manual_seed(0)
-    return WeightAverager(TiedNet(), rule or EMA(decay=0.9), **kwargs)
-
-
-def assert_same_average(a: WeightAverager, b: WeightAverager) -> None:
-    got, want = a.full_state_dict(), b.full_state_dict()
-    assert set(got) == set(want)
-    for name in want:
-        assert torch.equal(got[name], want[name]), name
 
 
 class Pwn:
@@ -121,19 +103,37 @@ def test_a_failed_save_keeps_the_previous_checkpoint(trainer, tmp_path, monkeypa
         fresh().load(tmp_path / ".ckpt.incomplete")
 
 
-def test_saving_over_a_checkpoint_replaces_it_and_survives_a_crash_between_renames(trainer, tmp_path) -> None:
+@pytest.mark.parametrize("exchange", [True, False], ids=["atomic-exchange", "two-renames"])
+def test_saving_over_a_checkpoint_replaces_it_whole(trainer, tmp_path, monkeypatch, exchange) -> None:
+    if not exchange:  # a system or file system without renameat2(RENAME_EXCHANGE)
+        monkeypatch.setattr(shardavg.storage, "_exchange", lambda first, second: False)
     averager = trained(trainer, steps=2)
     averager.save(tmp_path / "ckpt")
     trainer.step()
     averager.update()
     averager.save(tmp_path / "ckpt")
+    assert sorted(os.listdir(tmp_path)) == ["ckpt"]  # no staging, lock or previous version left beside it
+    assert sorted(os.listdir(tmp_path / "ckpt")) == ["rank-00000-of-00001.safetensors", "shardavg.json"]
     restored = fresh()
     restored.load(tmp_path / "ckpt")
     assert restored.step == 3
+    assert_same_average(restored, averager)
+
+
+def test_a_save_interrupted_between_two_renames_is_reported_not_used(trainer, tmp_path) -> None:
+    averager = trained(trainer, steps=3)
+    averager.save(tmp_path / "ckpt")
     os.replace(tmp_path / "ckpt", tmp_path / ".ckpt.replaced")  # as if killed between the two renames
-    recovered = fresh()
-    assert recovered.load(tmp_path / "ckpt") == tmp_path / ".ckpt.replaced"
-    assert recovered.step == 3
+    message = r"interrupted between its two renames .* rename it to ckpt to use it"
+    with pytest.raises(CheckpointError, match=message):
+        fresh().load(tmp_path / "ckpt")
+    shown = cli("inspect", str(tmp_path / "ckpt"))
+    assert shown.returncode == 2 and re.search(message, shown.stderr), shown.stderr
+    os.replace(tmp_path / ".ckpt.replaced", tmp_path / "ckpt")  # what the message says to do
+    assert fresh().load(tmp_path / "ckpt") == tmp_path / "ckpt"
+    os.replace(tmp_path / "ckpt", tmp_path / ".ckpt.replaced")
+    averager.save(tmp_path / "ckpt")  # a new save supersedes the interrupted one and clears it
+    assert sorted(os.listdir(tmp_path)) == ["ckpt"]
 
 
 def test_no_checkpoint_at_all(tmp_path) -> None:
@@ -157,7 +157,7 @@ def test_truncated_and_foreign_files_are_named(trainer, tmp_path) -> None:
     with pytest.raises(CheckpointError, match=rf"cannot read {path / 'shardavg.json'}"):
         fresh().load(path)
     (path / "shardavg.json").write_text(json.dumps({"format": "shardavg", "version": 99}))
-    with pytest.raises(CheckpointError, match="format version 99; this shardavg reads up to 1"):
+    with pytest.raises(CheckpointError, match="format version 99; this shardavg reads up to 2"):
         fresh().load(path)
     (path / "shardavg.json").write_text(json.dumps({"hello": "world"}))
     with pytest.raises(CheckpointError, match="is not a shardavg checkpoint description"):
@@ -244,7 +244,7 @@ def test_dcp_round_trip_and_state_dict_checks(trainer, tmp_path) -> None:
         other_rule.load_state_dict(state["ema"])
     with pytest.warns(UserWarning, match="averaged with rule"):
         other_rule.load_state_dict(state["ema"], strict=False)
-    with pytest.raises(CheckpointError, match="needs 'meta' and 'tensors'"):
+    with pytest.raises(CheckpointError, match="needs 'meta' and a 'tensors' dict"):
         other_rule.load_state_dict({"weights": 1})
 
 
@@ -384,7 +384,10 @@ def test_cli_help_and_errors(tmp_path) -> None:
     assert bare.returncode == 2 and "the following arguments are required: command" in bare.stderr
     missing = cli("inspect", str(tmp_path / "nothing"))
     assert missing.returncode == 2
-    assert missing.stderr.startswith("shardavg: error:") and "neither a shardavg checkpoint" in missing.stderr
+    assert missing.stderr.startswith("shardavg: error:") and "no checkpoint at" in missing.stderr
+    (tmp_path / "plain").mkdir()
+    not_one = cli("inspect", str(tmp_path / "plain"))
+    assert not_one.returncode == 2 and "neither a shardavg checkpoint" in not_one.stderr
     dcp.save({"model": {"w": torch.zeros(2)}}, checkpoint_id=str(tmp_path / "dcp"), no_dist=True)
     wrong_key = cli("inspect", str(tmp_path / "dcp"))
     assert wrong_key.returncode == 2 and "no averager under key 'ema' (top-level keys: ['model'])" in wrong_key.stderr

@@ -1,0 +1,215 @@
+"""Damaged or crafted checkpoints are refused with one clear error, before anything changes.
+
+"Crafted" manifests here are edited as someone who knows the format would: the checksum is
+recomputed, so each check behind it is exercised on its own.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import pickle
+import re
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from helpers import deadline, fresh, trained
+from safetensors.torch import load_file, save_file
+
+from shardavg import CheckpointError, WeightAverager
+from shardavg.cli import main as cli_main
+from shardavg.description import with_checksum
+
+SHARD = "rank-00000-of-00001.safetensors"
+HUGE = 10**24  # elements: no allocator could serve it
+
+
+def craft(path: Path, mutate: Callable[[dict], None]) -> None:
+    """Edit the manifest at ``path`` and recompute its checksum."""
+    meta = json.loads((path / "shardavg.json").read_text())
+    mutate(meta)
+    meta.pop("checksum", None)
+    (path / "shardavg.json").write_text(json.dumps(with_checksum(meta)))
+
+
+def tensor(meta: dict, name: str) -> dict:
+    return next(entry for entry in meta["tensors"] if entry["name"] == name)
+
+
+def cli_refuses(args: list[str], match: str, capsys) -> None:
+    """The CLI ends with exit code 2 and one line on stderr that says what is wrong."""
+    with deadline(20):
+        code = cli_main(args)
+    err = capsys.readouterr().err
+    assert code == 2 and err.startswith("shardavg: error:") and len(err.strip().splitlines()) == 1, err
+    assert re.search(match, err), err
+
+
+def refused_everywhere(path: Path, match: str, capsys) -> None:
+    """``load`` raises a CheckpointError and leaves the averager as it was; the CLI's inspect or
+    export end with one line on stderr and exit code 2, writing nothing."""
+    averager = fresh()
+    shadows = [s.clone() if s is not None else None for s in averager._state.shadows]
+    with deadline(20), pytest.raises(CheckpointError, match=match):
+        averager.load(path)
+    assert (averager.step, averager.num_updates) == (0, 0)
+    assert all(a is None or torch.equal(a, b) for a, b in zip(shadows, averager._state.shadows))
+    cli_refuses(["export", str(path), str(path.parent / f"{path.name}-export")], match, capsys)
+    assert not (path.parent / f"{path.name}-export").exists()
+
+
+def test_an_edited_manifest_fails_its_checksum(trainer, tmp_path, capsys) -> None:
+    path = trained(trainer).save(tmp_path / "ckpt")
+    text = (path / "shardavg.json").read_text()
+    edited = re.sub(r'"step": (\d+)', lambda m: f'"step": {int(m.group(1)) + 1}', text)
+    assert edited != text
+    (path / "shardavg.json").write_text(edited)
+    refused_everywhere(path, "the checksum does not match the content", capsys)
+
+
+def test_partial_empty_and_overlapping_chunk_tables_are_refused(trainer, tmp_path, capsys) -> None:
+    averager = trained(trainer, steps=3)
+    for label, chunks in {
+        "empty": [],
+        "partial": [{"file": 0, "start": 0, "end": 30}],
+        "overlapping": [{"file": 0, "start": 0, "end": 60}, {"file": 0, "start": 30, "end": 60}],
+        "beyond": [{"file": 0, "start": 0, "end": 61}],
+    }.items():
+        path = averager.save(tmp_path / label)
+        craft(path, lambda meta, chunks=chunks: tensor(meta, "block.up.weight").__setitem__("chunks", chunks))
+        refused_everywhere(path, r"the chunks of 'block.up.weight' .* do not cover its 60 elements", capsys)
+
+
+def test_the_offline_reader_checks_dtype_and_shape_like_load(trainer, tmp_path, capsys) -> None:
+    averager = trained(trainer, steps=3)
+    path = averager.save(tmp_path / "ints")
+    stored = load_file(str(path / SHARD))
+    stored["gain"] = torch.zeros_like(stored["gain"], dtype=torch.int32)  # int32 bytes under an F32 entry
+    save_file(stored, str(path / SHARD))
+    refused_everywhere(path, r"'gain' is \('I32', \[1\]\), the manifest says \('F32', \[1\]\)", capsys)
+    path = averager.save(tmp_path / "shape")
+    craft(path, lambda meta: tensor(meta, "gain").update(shape=[2], chunks=[{"file": 0, "start": 0, "end": 2}]))
+    with pytest.raises(CheckpointError, match=r"gain: checkpoint \(2,\) vs model \(1,\)"):
+        fresh().load(path)
+    cli_main(["export", str(path), str(tmp_path / "out")])
+    assert "'gain' is ('F32', [1]), the manifest says ('F32', [2])" in capsys.readouterr().err
+
+
+def test_files_outside_the_checkpoint_are_never_read(trainer, tmp_path, capsys) -> None:
+    averager = trained(trainer, steps=3)
+    outside = averager.save(tmp_path / "elsewhere")
+    for name in ("../elsewhere/" + SHARD, str(outside / SHARD), "shardavg.json"):
+        path = averager.save(tmp_path / "ckpt")
+        craft(path, lambda meta, name=name: meta.__setitem__("files", [name]))
+        refused_everywhere(path, r"'files' must list", capsys)
+    path = averager.save(tmp_path / "linked")
+    os.replace(path / SHARD, tmp_path / "moved.safetensors")
+    os.symlink(tmp_path / "moved.safetensors", path / SHARD)
+    refused_everywhere(path, "is not a regular file: refused", capsys)
+
+
+def dcp_checkpoint(averager: WeightAverager, path: Path, edit: Callable) -> Path:
+    """A DCP checkpoint whose metadata ``edit(metadata)`` changed (DCP's own pickle, our own file)."""
+    dcp.save({"ema": averager}, checkpoint_id=str(path), no_dist=True)
+    with open(path / ".metadata", "rb") as handle:
+        metadata = pickle.load(handle)  # noqa: S301 - written just above by dcp.save
+    edit(metadata)
+    with open(path / ".metadata", "wb") as handle:
+        pickle.dump(metadata, handle)
+    return path
+
+
+def storage_of(metadata, fqn: str):
+    return next(index for index in metadata.storage_data if index.fqn == fqn)
+
+
+def test_dcp_entries_are_checked_before_they_are_read(trainer, tmp_path, capsys) -> None:
+    averager = trained(trainer, steps=3)
+    fqn = "ema.tensors.block.up.weight"
+
+    def move(**changes):
+        def edit(metadata):
+            index = storage_of(metadata, fqn)
+            metadata.storage_data[index] = dataclasses.replace(metadata.storage_data[index], **changes)
+
+        return edit
+
+    for label, edit, match in (
+        ("parent", move(relative_path="../elsewhere.distcp"), "is stored at '../elsewhere.distcp'"),
+        ("absolute", move(relative_path="/etc/hostname"), "is stored at '/etc/hostname'"),
+        ("huge", move(length=2 * 2**30), r"claims bytes .* of a \d+-byte file"),
+    ):
+        path = dcp_checkpoint(averager, tmp_path / label, edit)
+        cli_refuses(["export", str(path), str(tmp_path / "out")], match, capsys)
+
+    def drop_chunks(metadata):
+        metadata.state_dict_metadata[fqn].chunks.clear()
+
+    path = dcp_checkpoint(averager, tmp_path / "partial", drop_chunks)
+    cli_refuses(["export", str(path), str(tmp_path / "out")], "do not tile its 60 items", capsys)
+    path = dcp_checkpoint(averager, tmp_path / "fifo", lambda metadata: None)
+    for file in path.glob("*.distcp"):  # a pipe in place of the data file would block a reader forever
+        file.unlink()
+        os.mkfifo(file)
+    cli_refuses(["inspect", str(path)], "is missing or not a regular file: refused", capsys)
+    assert not (tmp_path / "out").exists()
+
+
+def test_load_state_dict_checks_everything_before_changing_anything(trainer, tmp_path) -> None:
+    source = trained(trainer, steps=3)
+    state = source.state_dict()
+    target = fresh()
+    target.update()
+    shadows = [s.clone() if s is not None else None for s in target._state.shadows]
+
+    def unchanged() -> bool:
+        same = all(a is None or torch.equal(a, b) for a, b in zip(shadows, target._state.shadows))
+        return same and (target.step, target.num_updates) == (1, 1)
+
+    missing = {"meta": state["meta"], "tensors": {k: v for k, v in state["tensors"].items() if k != "gain"}}
+    with pytest.raises(CheckpointError, match=r"describes \['gain'\] but its 'tensors' lack them"):
+        target.load_state_dict(missing)
+    assert unchanged()
+    for key, value in (("step", "abc"), ("num_updates", -1), ("world_size", 0), ("num_skipped", 1.5)):
+        meta = json.loads(state["meta"])
+        meta[key] = value
+        meta.pop("checksum")
+        with pytest.raises(CheckpointError, match=rf"'{key}' must be an integer >= \d, got {value!r}"):
+            target.load_state_dict({"meta": json.dumps(with_checksum(meta)), "tensors": state["tensors"]})
+        assert unchanged()
+    with pytest.warns(UserWarning, match=r"describes \['gain'\] but its 'tensors' lack them"):
+        target.load_state_dict(missing, strict=False)
+    assert target.num_updates == 3 and torch.equal(target.full_state_dict()["gain"], target.strategy.model.gain)
+
+
+def test_cli_reports_malformed_input_in_one_line(trainer, tmp_path, capsys) -> None:
+    averager = trained(trainer, steps=3)
+    cases: dict[str, tuple[Callable[[dict], None], str]] = {
+        "nested": (None, "cannot read"),  # type: ignore[dict-item]
+        "no-role": (lambda meta: tensor(meta, "gain").pop("role"), "role None is not one of"),
+        "file-index": (
+            lambda meta: tensor(meta, "gain").__setitem__("chunks", [{"file": 3, "start": 0, "end": 1}]),
+            "malformed chunk table",
+        ),
+        "tensors-text": (lambda meta: meta.__setitem__("tensors", "abc"), "'tensors' must be a list"),
+        "huge": (
+            lambda meta: tensor(meta, "gain").update(shape=[10**12] * 2, chunks=[{"file": 0, "start": 0, "end": HUGE}]),
+            r"'gain' is \('F32', \[1\]\), the manifest says \('F32', \[1000000000000000000000000\]\)",
+        ),
+    }
+    for label, (mutate, match) in cases.items():
+        path = averager.save(tmp_path / label)
+        if mutate is None:
+            (path / "shardavg.json").write_text("[" * 100_000 + "]" * 100_000)  # RecursionError in json
+        else:
+            craft(path, mutate)
+        if label != "huge":  # inspect does not read the tensors, so a huge shape is only caught on export
+            cli_refuses(["inspect", str(path)], match, capsys)
+        cli_refuses(["export", str(path), str(tmp_path / "out")], match, capsys)
+    fine = str(averager.save(tmp_path / "fine"))
+    cli_refuses(["export", fine, str(tmp_path / "out"), "--max-shard-size", "9" * 400], "positive size", capsys)
+    assert not (tmp_path / "out").exists()
