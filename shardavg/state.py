@@ -47,7 +47,7 @@ class Options:
     buffers: str  # "copy" | "average" | "ignore"
     device: torch.device | None  # where shadows live; None next to each live shard
     include_frozen: bool
-    on_nonfinite: str  # "raise" | "skip"
+    on_nonfinite: str  # "raise" | "skip" | "off"
 
     def role(self, info: TensorInfo) -> Role:
         if info.kind == "param":

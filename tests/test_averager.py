@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import logging
 import warnings
+from unittest.mock import patch
 
 import pytest
 import torch
@@ -295,6 +296,30 @@ def test_nonfinite_live_weights_can_be_skipped_with_a_warning(model, trainer) ->
     ):
         assert averager.update() is False
     assert averager.num_updates == 1 and averager.num_skipped == 1
+
+
+def host_reads(update) -> int:
+    """How many tensors ``update()`` reads back on the host (``bool()`` or ``.item()``)."""
+    reads = []
+    as_bool, item = torch.Tensor.__bool__, torch.Tensor.item
+    with (
+        patch.object(torch.Tensor, "__bool__", lambda self: reads.append(1) or as_bool(self)),
+        patch.object(torch.Tensor, "item", lambda self: reads.append(1) or item(self)),
+    ):
+        assert update() is True
+    return len(reads)
+
+
+def test_nonfinite_check_off_averages_what_is_there_and_reads_nothing_back(model, trainer) -> None:
+    checked = WeightAverager(model, EMA(decay=0.9))
+    unchecked = WeightAverager(model, EMA(decay=0.9), on_nonfinite="off")
+    trainer.step()
+    assert host_reads(checked.update) > 0  # the check reads its flags back: the count below means something
+    assert host_reads(unchecked.update) == 0
+    with torch.no_grad():
+        model.gain[0] = float("nan")
+    assert unchecked.update() is True and unchecked.num_updates == 2 and unchecked.num_skipped == 0
+    assert torch.isnan(unchecked.full_state_dict()["gain"][0])
 
 
 def test_large_finite_weights_are_not_mistaken_for_nonfinite(model, trainer) -> None:

@@ -1,0 +1,357 @@
+"""shardavg's update side by side with the ways people average a sharded model today.
+
+    torchrun --nproc_per_node 2 launch/bench.py --config configs/bench.yaml [--json bench.json]
+
+For each engine, model shape and live dtype it times, on the slowest rank after warm-up:
+``ours`` (``WeightAverager.update()``, with the non-finite check and with ``on_nonfinite="off"``),
+the engine's gather-based peer (DDP: a full ``AveragedModel`` replica; FSDP1:
+``summon_full_params``; FSDP2: ``full_tensor()`` per parameter; ZeRO-3: ``GatheredParameters``
+per parameter; each with an fp32 EMA into a full copy), and the floor (the same fused kernels
+over plain tensors of this rank's local-shard sizes). Every method sees the same sequence of
+live weights, so ours is checked against the peer's average. It also measures bytes received
+per update, the average's extra bytes per rank, and the consolidated export against torch's
+own full state dict (or DeepSpeed's) saved with safetensors.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import config as configs  # noqa: E402
+import engines  # noqa: E402
+from measure import CommCounter, allocated_peak, copy_bandwidth, slowest_rank_ms  # noqa: E402
+
+from shardavg import EMA, WeightAverager  # noqa: E402
+
+log = logging.getLogger("bench")
+
+
+# ----------------------------------------------------------------------------- models
+
+
+class Layer(nn.Module):
+    """A transformer layer's parameters: attention projections, an MLP and two LayerNorms."""
+
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.norm1, self.norm2 = nn.LayerNorm(dim), nn.LayerNorm(dim)
+        self.qkv, self.proj = nn.Linear(dim, 3 * dim), nn.Linear(dim, dim)
+        self.up, self.down = nn.Linear(dim, 4 * dim), nn.Linear(4 * dim, dim)
+
+
+class SmallBlock(nn.Module):
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.linear, self.norm = nn.Linear(width, width), nn.LayerNorm(width)
+
+
+def build_model(shape: dict) -> tuple[nn.Module, type[nn.Module]]:
+    """The model and the block class the engines shard on."""
+    torch.manual_seed(0)
+    if shape["kind"] == "transformer":
+        return nn.Sequential(*(Layer(shape["dim"]) for _ in range(shape["layers"]))), Layer
+    if shape["kind"] == "many_small":
+        return nn.Sequential(*(SmallBlock(shape["width"]) for _ in range(shape["blocks"]))), SmallBlock
+    raise configs.ConfigError(f"shapes: unknown kind {shape['kind']!r}; expected transformer or many_small")
+
+
+# ----------------------------------------------------------------------------- methods
+
+
+@dataclass
+class Method:
+    """One way to keep an EMA: ``update()`` per step, ``result()`` the full fp32 average on rank 0."""
+
+    name: str
+    role: str  # "ours", "peer" (the reference ours is checked against) or "floor"
+    update: Callable[[], object]
+    result: Callable[[], dict | None]
+    extra_bytes: Callable[[], int]  # what the average keeps on this rank, read after the updates
+
+
+def plain_name(name: str) -> str:
+    return ".".join(part for part in name.split(".") if part not in ("_fsdp_wrapped_module", "module"))
+
+
+def ema_into(copies: dict[str, torch.Tensor] | None, full: dict[str, torch.Tensor], decay: float) -> dict:
+    """The peers' update: an fp32 EMA of full tensors into a full copy (the first one copies)."""
+    if copies is None:
+        return {name: value.detach().float().clone() for name, value in full.items()}
+    names = list(copies)
+    torch._foreach_lerp_([copies[n] for n in names], [full[n].detach().float() for n in names], 1 - decay)
+    return copies
+
+
+def ours(wrapped: engines.Wrapped, decay: float, check: bool) -> Method:
+    average = WeightAverager(wrapped.model, EMA(decay=decay), on_nonfinite="raise" if check else "off")
+    name = "ours" if check else "ours, check off"
+    return Method(name, "ours", average.update, average.full_state_dict, average.shadow_bytes)
+
+
+def floor(wrapped: engines.Wrapped, decay: float) -> Method:
+    """The update's kernels alone, over plain tensors shaped like this rank's local shards."""
+    lives = [shard.detach().clone() for shard in wrapped.local_shards() if shard.numel()]
+    shadows = [torch.zeros_like(live, dtype=torch.float32) for live in lives]
+    weight = 1 - decay
+
+    def update() -> None:
+        if lives[0].dtype == torch.float32:
+            torch._foreach_lerp_(shadows, lives, weight)
+        else:  # what ours does for mixed dtypes
+            torch._foreach_mul_(shadows, 1 - weight)
+            torch._foreach_add_(shadows, lives, alpha=weight)
+
+    return Method("floor", "floor", update, lambda: None, lambda: sum(s.nbytes for s in shadows))
+
+
+def replica(wrapped: engines.Wrapped, decay: float) -> Method:
+    """DDP: a full ``AveragedModel`` on every rank (the torch recipe)."""
+    from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
+
+    average = AveragedModel(wrapped.module, multi_avg_fn=get_ema_multi_avg_fn(decay))
+
+    def result() -> dict | None:
+        return {n: p.detach().float() for n, p in average.module.named_parameters()} if dist.get_rank() == 0 else None
+
+    update = lambda: average.update_parameters(wrapped.module)  # noqa: E731
+    extra = lambda: sum(t.nbytes for t in average.module.state_dict().values())  # noqa: E731
+    return Method("full replica (AveragedModel)", "peer", update, result, extra)
+
+
+def gathering(wrapped: engines.Wrapped, decay: float) -> Method:
+    """FSDP1, FSDP2, ZeRO-3: gather the full weights with the engine's own API, EMA into a full fp32 copy."""
+    state: dict = {"copies": None}
+
+    def full_weights() -> None:
+        if wrapped.kind == "fsdp1":
+            from torch.distributed.fsdp import FullyShardedDataParallel
+
+            with FullyShardedDataParallel.summon_full_params(wrapped.model, writeback=False):
+                full = {plain_name(n): p for n, p in wrapped.model.named_parameters()}
+                state["copies"] = ema_into(state["copies"], full, decay)
+        elif wrapped.kind == "zero3":
+            import deepspeed
+
+            for name, param in wrapped.module.named_parameters():
+                with deepspeed.zero.GatheredParameters([param]):
+                    state["copies"] = ema_into_one(state["copies"], name, param, decay)
+        else:
+            for name, param in wrapped.module.named_parameters():
+                state["copies"] = ema_into_one(state["copies"], name, param.full_tensor(), decay)
+
+    label = {"fsdp1": "summon_full_params", "zero3": "GatheredParameters", "fsdp2": "full_tensor()"}[wrapped.kind]
+    return Method(
+        f"{label} + full copy",
+        "peer",
+        full_weights,
+        lambda: state["copies"] if dist.get_rank() == 0 else None,
+        lambda: sum(copy.nbytes for copy in state["copies"].values()),
+    )
+
+
+def ema_into_one(copies: dict | None, name: str, value: torch.Tensor, decay: float) -> dict:
+    copies = {} if copies is None else copies
+    if name not in copies:
+        copies[name] = value.detach().float().clone()
+    else:
+        copies[name].lerp_(value.detach().float(), 1 - decay)
+    return copies
+
+
+def methods(wrapped: engines.Wrapped, decay: float) -> list:
+    peer = replica if wrapped.kind == "ddp" else gathering
+    return [
+        lambda: ours(wrapped, decay, check=True),
+        lambda: ours(wrapped, decay, check=False),
+        lambda: peer(wrapped, decay),
+        lambda: floor(wrapped, decay),
+    ]
+
+
+# ----------------------------------------------------------------------------- measuring
+
+
+@dataclass
+class Row:
+    engine: str
+    shape: str
+    dtype: str
+    method: str
+    ms_median: float
+    ms_p90: float
+    comm_bytes_per_update: int
+    extra_bytes_per_rank: int
+    check: str
+
+
+def compare(got: dict | None, want: dict | None, dtype: torch.dtype) -> str:
+    """Rank 0: ``bitwise``, ``close (max rel ...)`` or ``FAIL ...`` of ours against the peer's average."""
+    if dist.get_rank() != 0:
+        return ""
+    names = sorted(want)
+    missing = sorted(set(names) - set(got))
+    if missing:
+        return f"FAIL: missing {missing[:3]}"
+    if all(torch.equal(got[n].float(), want[n]) for n in names):
+        return "bitwise"
+    worst = max(((got[n].float() - want[n]).abs().max() / want[n].abs().max().clamp_min(1e-30)).item() for n in names)
+    tolerance = 1e-5 if dtype == torch.float32 else 1e-2
+    return f"close (max rel {worst:.1e})" if worst <= tolerance else f"FAIL (max rel {worst:.1e})"
+
+
+def run_case(kind: str, shape_name: str, shape: dict, dtype: torch.dtype, cfg: dict) -> list[Row]:
+    module, block = build_model(shape)
+    wrapped = engines.wrap(kind, module, block, dtype, cfg["deepspeed"])
+    shards = [s for s in wrapped.local_shards() if s.numel()]
+    initial = [s.detach().clone() for s in shards]
+
+    def next_weights() -> None:  # what an optimizer step would do: every live shard changes in place
+        with torch.no_grad():
+            torch._foreach_mul_(shards, 0.999)
+            torch._foreach_add_(shards, 0.001)
+
+    rows, results, reference = [], [], None
+    for make in methods(wrapped, cfg["decay"]):
+        with torch.no_grad():
+            torch._foreach_copy_(shards, initial)  # every method sees the same sequence of weights
+        method = make()
+        timing = slowest_rank_ms(method.update, cfg["warmup"], cfg["repeats"], before=next_weights)
+        next_weights()
+        with CommCounter().counting() as counter:
+            method.update()
+        comm, extra = torch.tensor(counter.bytes), torch.tensor(method.extra_bytes())
+        dist.all_reduce(comm, op=dist.ReduceOp.MAX)
+        dist.all_reduce(extra, op=dist.ReduceOp.MAX)
+        result = method.result()
+        reference = result if method.role == "peer" else reference
+        results.append((method.role, result))
+        rows.append(Row(kind, shape_name, str(dtype)[6:], method.name, timing.median_ms, timing.p90_ms, int(comm),
+                        int(extra), ""))  # fmt: skip
+    for row, (role, result) in zip(rows, results):
+        row.check = compare(result, reference, dtype) if role == "ours" else "reference" if role == "peer" else "-"
+    rows.extend(export_rows(wrapped, kind, shape_name, dtype, cfg) if cfg["export"] else [])
+    return rows
+
+
+def export_rows(wrapped: engines.Wrapped, kind: str, shape_name: str, dtype: torch.dtype, cfg: dict) -> list[Row]:
+    """The consolidated average (ours) against the engine's own full state dict + a safetensors save."""
+    from safetensors.torch import save_file
+
+    average = WeightAverager(wrapped.model, EMA(decay=cfg["decay"]))
+    average.update()
+
+    def theirs(directory: Path) -> None:
+        if kind == "ddp":
+            state = {n: t.detach().clone() for n, t in wrapped.module.state_dict().items()}
+        elif kind == "zero3":
+            state = wrapped.deepspeed_engine._zero3_consolidated_16bit_state_dict()
+        else:
+            from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+            # cpu_offload=True breaks FSDP1's unshard when the parameters already live on the CPU
+            # (torch 2.13: "setStorage ... out of bounds for storage of size 0"); on CPU it is a no-op anyway
+            offload = next(wrapped.module.parameters()).device.type != "cpu"
+            options = StateDictOptions(full_state_dict=True, cpu_offload=offload)
+            state = get_model_state_dict(wrapped.model, options=options)
+        if dist.get_rank() == 0:
+            save_file({n: t.contiguous() for n, t in state.items()}, str(directory / "model.safetensors"))
+
+    label = {"ddp": "state_dict()", "zero3": "_zero3_consolidated_16bit_state_dict()"}.get(
+        kind, "get_model_state_dict(full_state_dict)"
+    )
+    rows = []
+    with tempfile.TemporaryDirectory() as scratch:
+        for name, export in (("export: ours", lambda d: average.export(d)), (f"export: {label} + save_file", theirs)):
+            directory = Path(scratch) / name.replace(" ", "_").replace(":", "")
+            directory.mkdir()
+            dist.barrier()
+            start = time.perf_counter()
+            peak = allocated_peak(lambda export=export, directory=directory: export(directory))
+            elapsed = torch.tensor(time.perf_counter() - start, dtype=torch.float64)
+            dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+            peak_rank0 = torch.tensor(peak)
+            dist.broadcast(peak_rank0, src=0)
+            rows.append(Row(kind, shape_name, str(dtype)[6:], name, elapsed.item() * 1e3, elapsed.item() * 1e3, 0,
+                            int(peak_rank0), "rank-0 peak"))  # fmt: skip
+    return rows
+
+
+# ----------------------------------------------------------------------------- report
+
+
+def table(rows: list[Row], bandwidth: float, world: int) -> str:
+    """Markdown: times, ratios to the floor and of the peer to ours, bytes."""
+    floor_ms = {(r.engine, r.shape, r.dtype): r.ms_median for r in rows if r.method == "floor"}
+    ours_ms = {(r.engine, r.shape, r.dtype): r.ms_median for r in rows if r.method == "ours"}
+    lines = [
+        f"copy bandwidth with {world} ranks streaming: {bandwidth / 1e9:.1f} GB/s per rank",
+        "",
+        "| engine | shape | live | method | ms median | ms p90 | x floor | peer / ours | MB recv / update "
+        "| extra MiB / rank | check |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        key = (r.engine, r.shape, r.dtype)
+        update = not r.method.startswith("export")
+        x_floor = f"{r.ms_median / floor_ms[key]:.2f}" if update and key in floor_ms else ""
+        is_peer = update and r.check == "reference"
+        peer = f"{r.ms_median / ours_ms[key]:.1f}" if is_peer and key in ours_ms else ""
+        extra = f"{r.extra_bytes_per_rank / 2**20:.1f}"
+        lines.append(
+            f"| {r.engine} | {r.shape} | {r.dtype} | {r.method} | {r.ms_median:.2f} | {r.ms_p90:.2f} | {x_floor} | "
+            f"{peer} | {r.comm_bytes_per_update / 1e6:.1f} | {extra} | {r.check} |"
+        )
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--config", default="configs/bench.yaml")
+    parser.add_argument("--json", help="write one record per row here")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config key")
+    args = parser.parse_args()
+    cfg = configs.load(args.config, args.set)
+    unknown = [e for e in cfg["engines"] if e not in ("ddp", "fsdp1", "fsdp2", "zero3")]
+    if unknown:
+        raise configs.ConfigError(f"engines: unknown {unknown}; expected ddp, fsdp1, fsdp2, zero3")
+    engines.init_distributed("zero3" if "zero3" in cfg["engines"] else "ddp")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    logging.basicConfig(level=logging.INFO if rank == 0 else logging.WARNING, format="%(message)s")
+    torch.set_num_threads(1)
+    cases = [
+        (kind, name, shape, getattr(torch, dtype))
+        for name, shape in cfg["shapes"].items()
+        for dtype in cfg["dtypes"]
+        for kind in cfg["engines"]
+    ]
+    from tqdm import tqdm
+
+    rows: list[Row] = []
+    for kind, name, shape, dtype in tqdm(cases, disable=rank != 0, desc="bench", file=sys.stderr):
+        rows.extend(run_case(kind, name, shape, dtype, cfg))
+    bandwidth = copy_bandwidth()
+    if rank == 0:
+        report = table(rows, bandwidth, world)
+        log.info("%s", report)
+        if args.json:
+            Path(args.json).write_text(json.dumps([asdict(r) for r in rows], indent=1))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

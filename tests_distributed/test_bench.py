@@ -1,0 +1,40 @@
+"""The benchmark cannot rot: a tiny run has every row, ours matches the engines' own gathers,
+communicates nothing per update and keeps less than the peers (counts, never timings)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from launcher import torchrun
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = [
+    "shapes.transformer.layers=2", "shapes.transformer.dim=32", "shapes.many_small.blocks=6",
+    "shapes.many_small.width=16", "warmup=1", "repeats=2",
+]  # fmt: skip
+
+
+def test_a_tiny_bench_has_every_row_and_every_check_passes(tmp_path: Path) -> None:
+    out = tmp_path / "bench.json"
+    args = ["--config", str(ROOT / "configs" / "bench.yaml"), "--json", str(out)]
+    for override in TINY:
+        args += ["--set", override]
+    launch = torchrun(str(ROOT / "launch" / "bench.py"), 2, *args, timeout=540)
+    assert launch.returncode == 0, launch.output[-20000:]
+    rows = json.loads(out.read_text())
+    cases = {(r["engine"], r["shape"], r["dtype"]) for r in rows}
+    assert len(cases) == 4 * 2 * 2, sorted(cases)
+    for case in cases:
+        methods = {r["method"]: r for r in rows if (r["engine"], r["shape"], r["dtype"]) == case}
+        assert {"ours", "ours, check off", "floor", "export: ours"} <= set(methods), (case, sorted(methods))
+        (peer,) = [r for r in methods.values() if r["check"] == "reference"]
+        for name in ("ours", "ours, check off"):
+            ours = methods[name]
+            expected = ("bitwise",) if case[2] == "float32" else ("bitwise", "close")
+            assert ours["check"].startswith(expected), (case, name, ours["check"])
+            assert ours["comm_bytes_per_update"] == 0, (case, ours)
+            assert 0 < ours["extra_bytes_per_rank"] < peer["extra_bytes_per_rank"] or case[0] == "ddp", (case, ours)
+        if case[0] != "ddp":  # the gathering peers receive the model every update
+            assert peer["comm_bytes_per_update"] > 0, (case, peer)
+    assert "| ours |" in launch.output and "copy bandwidth" in launch.output
