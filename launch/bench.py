@@ -77,7 +77,7 @@ class Method:
     """One way to keep an EMA: ``update()`` per step, ``result()`` the full fp32 average on rank 0."""
 
     name: str
-    role: str  # "ours", "peer" (the reference ours is checked against) or "floor"
+    role: str  # "ours", "reference" (an fp32 EMA of the full weights, what ours is checked against), "peer", "floor"
     update: Callable[[], object]
     result: Callable[[], dict | None]
     extra_bytes: Callable[[], int]  # what the average keeps on this rank, read after the updates
@@ -132,6 +132,21 @@ def replica(wrapped: engines.Wrapped, decay: float) -> Method:
     return Method("full replica (AveragedModel)", "peer", update, result, extra)
 
 
+def full_copy(wrapped: engines.Wrapped, decay: float) -> Method:
+    """DDP: an fp32 EMA of the (already whole) weights into a full copy, the reference for DDP;
+    ``AveragedModel`` keeps its copy in the live dtype and cannot lerp bf16 weights into fp32."""
+    state: dict = {"copies": None}
+
+    def update() -> None:
+        full = {n: p for n, p in wrapped.module.named_parameters()}
+        state["copies"] = ema_into(state["copies"], full, decay)
+
+    result = lambda: state["copies"] if dist.get_rank() == 0 else None  # noqa: E731
+    return Method(
+        "fp32 full copy", "reference", update, result, lambda: sum(c.nbytes for c in state["copies"].values())
+    )
+
+
 def gathering(wrapped: engines.Wrapped, decay: float) -> Method:
     """FSDP1, FSDP2, ZeRO-3: gather the full weights with the engine's own API, EMA into a full fp32 copy."""
     state: dict = {"copies": None}
@@ -156,7 +171,7 @@ def gathering(wrapped: engines.Wrapped, decay: float) -> Method:
     label = {"fsdp1": "summon_full_params", "zero3": "GatheredParameters", "fsdp2": "full_tensor()"}[wrapped.kind]
     return Method(
         f"{label} + full copy",
-        "peer",
+        "reference",
         full_weights,
         lambda: state["copies"] if dist.get_rank() == 0 else None,
         lambda: sum(copy.nbytes for copy in state["copies"].values()),
@@ -173,11 +188,11 @@ def ema_into_one(copies: dict | None, name: str, value: torch.Tensor, decay: flo
 
 
 def methods(wrapped: engines.Wrapped, decay: float) -> list:
-    peer = replica if wrapped.kind == "ddp" else gathering
+    peers = [replica, full_copy] if wrapped.kind == "ddp" else [gathering]
     return [
         lambda: ours(wrapped, decay, check=True),
         lambda: ours(wrapped, decay, check=False),
-        lambda: peer(wrapped, decay),
+        *(lambda peer=peer: peer(wrapped, decay) for peer in peers),
         lambda: floor(wrapped, decay),
     ]
 
@@ -191,6 +206,7 @@ class Row:
     shape: str
     dtype: str
     method: str
+    role: str
     ms_median: float
     ms_p90: float
     comm_bytes_per_update: int
@@ -198,8 +214,8 @@ class Row:
     check: str
 
 
-def compare(got: dict | None, want: dict | None, dtype: torch.dtype) -> str:
-    """Rank 0: ``bitwise``, ``close (max rel ...)`` or ``FAIL ...`` of ours against the peer's average."""
+def compare(got: dict | None, want: dict | None, dtype: torch.dtype, failing: str) -> str:
+    """Rank 0: ``bitwise``, ``close (max rel ...)`` or ``failing`` of an average against the reference."""
     if dist.get_rank() != 0:
         return ""
     names = sorted(want)
@@ -210,7 +226,7 @@ def compare(got: dict | None, want: dict | None, dtype: torch.dtype) -> str:
         return "bitwise"
     worst = max(((got[n].float() - want[n]).abs().max() / want[n].abs().max().clamp_min(1e-30)).item() for n in names)
     tolerance = 1e-5 if dtype == torch.float32 else 1e-2
-    return f"close (max rel {worst:.1e})" if worst <= tolerance else f"FAIL (max rel {worst:.1e})"
+    return f"close (max rel {worst:.1e})" if worst <= tolerance else f"{failing} (max rel {worst:.1e})"
 
 
 def run_case(kind: str, shape_name: str, shape: dict, dtype: torch.dtype, cfg: dict) -> list[Row]:
@@ -237,12 +253,25 @@ def run_case(kind: str, shape_name: str, shape: dict, dtype: torch.dtype, cfg: d
         dist.all_reduce(comm, op=dist.ReduceOp.MAX)
         dist.all_reduce(extra, op=dist.ReduceOp.MAX)
         result = method.result()
-        reference = result if method.role == "peer" else reference
+        reference = result if method.role == "reference" else reference
         results.append((method.role, result))
-        rows.append(Row(kind, shape_name, str(dtype)[6:], method.name, timing.median_ms, timing.p90_ms, int(comm),
-                        int(extra), ""))  # fmt: skip
+        rows.append(
+            Row(
+                kind,
+                shape_name,
+                str(dtype)[6:],
+                method.name,
+                method.role,
+                timing.median_ms,
+                timing.p90_ms,
+                int(comm),
+                int(extra),
+                "",
+            )
+        )
+    checks = {"ours": "FAIL", "peer": "differs"}  # a peer in bf16 (AveragedModel's copy) loses the average
     for row, (role, result) in zip(rows, results):
-        row.check = compare(result, reference, dtype) if role == "ours" else "reference" if role == "peer" else "-"
+        row.check = compare(result, reference, dtype, checks[role]) if role in checks else role.replace("floor", "-")
     rows.extend(export_rows(wrapped, kind, shape_name, dtype, cfg) if cfg["export"] else [])
     return rows
 
@@ -285,8 +314,20 @@ def export_rows(wrapped: engines.Wrapped, kind: str, shape_name: str, dtype: tor
             dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
             peak_rank0 = torch.tensor(peak)
             dist.broadcast(peak_rank0, src=0)
-            rows.append(Row(kind, shape_name, str(dtype)[6:], name, elapsed.item() * 1e3, elapsed.item() * 1e3, 0,
-                            int(peak_rank0), "rank-0 peak"))  # fmt: skip
+            rows.append(
+                Row(
+                    kind,
+                    shape_name,
+                    str(dtype)[6:],
+                    name,
+                    "export",
+                    elapsed.item() * 1e3,
+                    elapsed.item() * 1e3,
+                    0,
+                    int(peak_rank0),
+                    "rank-0 peak",
+                )
+            )
     return rows
 
 
@@ -308,12 +349,41 @@ def table(rows: list[Row], bandwidth: float, world: int) -> str:
         key = (r.engine, r.shape, r.dtype)
         update = not r.method.startswith("export")
         x_floor = f"{r.ms_median / floor_ms[key]:.2f}" if update and key in floor_ms else ""
-        is_peer = update and r.check == "reference"
+        is_peer = update and r.role in ("reference", "peer")
         peer = f"{r.ms_median / ours_ms[key]:.1f}" if is_peer and key in ours_ms else ""
         extra = f"{r.extra_bytes_per_rank / 2**20:.1f}"
         lines.append(
             f"| {r.engine} | {r.shape} | {r.dtype} | {r.method} | {r.ms_median:.2f} | {r.ms_p90:.2f} | {x_floor} | "
             f"{peer} | {r.comm_bytes_per_update / 1e6:.1f} | {extra} | {r.check} |"
+        )
+    return "\n".join(lines)
+
+
+def summary(rows: list[Row]) -> str:
+    """Markdown, one line per engine, shape and live dtype: ours against the floor and the gathering peer."""
+    lines = [
+        "| engine | shape | live | ours / floor | check off / floor | peer / ours | MB recv / update, ours : peer "
+        "| extra MiB / rank, ours : peer | export ms, ours : torch | export rank-0 peak MiB, ours : torch | check |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    cases = dict.fromkeys((r.engine, r.shape, r.dtype) for r in rows)
+    for case in cases:
+        by_role: dict[str, list[Row]] = {}
+        for r in rows:
+            if (r.engine, r.shape, r.dtype) == case:
+                by_role.setdefault(r.role, []).append(r)
+        ours, off = by_role["ours"]
+        (floor_row,), (peer,) = by_role["floor"], by_role["reference"]
+        peer = next((r for r in by_role.get("peer", [])), peer)  # DDP: the AveragedModel replica
+        exports = by_role.get("export", [])
+        export_ms = " : ".join(f"{r.ms_median:.0f}" for r in exports) or "-"
+        export_mib = " : ".join(f"{r.extra_bytes_per_rank / 2**20:.1f}" for r in exports) or "-"
+        lines.append(
+            f"| {' | '.join(case)} | {ours.ms_median / floor_row.ms_median:.2f} | "
+            f"{off.ms_median / floor_row.ms_median:.2f} | {peer.ms_median / ours.ms_median:.1f} | "
+            f"{ours.comm_bytes_per_update / 1e6:.1f} : {peer.comm_bytes_per_update / 1e6:.1f} | "
+            f"{ours.extra_bytes_per_rank / 2**20:.1f} : {peer.extra_bytes_per_rank / 2**20:.1f} | "
+            f"{export_ms} | {export_mib} | {ours.check} |"
         )
     return "\n".join(lines)
 
@@ -345,8 +415,7 @@ def main() -> None:
         rows.extend(run_case(kind, name, shape, dtype, cfg))
     bandwidth = copy_bandwidth()
     if rank == 0:
-        report = table(rows, bandwidth, world)
-        log.info("%s", report)
+        log.info("%s\n\n%s", table(rows, bandwidth, world), summary(rows))
         if args.json:
             Path(args.json).write_text(json.dumps([asdict(r) for r in rows], indent=1))
     dist.barrier()

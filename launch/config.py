@@ -55,3 +55,28 @@ def _same_type(old: Any, new: Any) -> bool:
     if isinstance(old, float):
         return isinstance(new, (int, float))
     return isinstance(new, type(old))
+
+
+def validate(config: dict[str, Any], schema: dict[str, Any], where: str = "") -> None:
+    """Every key of ``schema`` present with a value of its type(s), and no other key.
+
+    A schema value is a type, a tuple of types (``type(None)`` for optional), or a nested
+    schema for a mapping; ``dict`` alone accepts any mapping (checked by the job itself).
+    """
+    unknown = sorted(set(config) - set(schema))
+    if unknown:
+        raise ConfigError(f"unknown config key {where + unknown[0]!r}; known here: {sorted(schema)}")
+    for key, expected in schema.items():
+        name = where + key
+        if key not in config:
+            raise ConfigError(f"config key {name!r} is missing")
+        value = config[key]
+        if isinstance(expected, dict):
+            if not isinstance(value, dict):
+                raise ConfigError(f"config key {name!r} must be a mapping, got {value!r}")
+            validate(value, expected, name + ".")
+            continue
+        types = expected if isinstance(expected, tuple) else (expected,)
+        if not any(_same_type(kind() if kind is not type(None) else None, value) for kind in types):
+            names = " or ".join("null" if t is type(None) else t.__name__ for t in types)
+            raise ConfigError(f"config key {name!r} takes {names}, got {value!r}")

@@ -2,14 +2,15 @@
 
 ``wrap(kind, module, block, dtype)`` shards per ``block`` (the module class the engine wraps
 or shards on its own) and returns a ``Wrapped``: what to hand to ``WeightAverager`` and to the
-training step, and the engine's own ways to reach the live weights (local shards, full tensors).
+training step, the optimizer over the wrapped parameters, and the engine's own way to reach
+the live weights (this rank's local shards).
 """
 
 from __future__ import annotations
 
 import datetime
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -37,6 +38,7 @@ class Wrapped:
     kind: str
     model: Any  # what WeightAverager and the forward take: DDP, FSDP module, fully_shard'ed module, DeepSpeedEngine
     module: nn.Module  # the plain module inside, with the plain names
+    optimizer: torch.optim.Optimizer
     deepspeed_engine: Any = None
 
     def local_shards(self) -> Iterator[torch.Tensor]:
@@ -51,21 +53,39 @@ class Wrapped:
             yield from self.model.parameters()
 
 
-def _mesh(kind: str):
+def hsdp_shape(replicas: int | None) -> tuple[int, int]:
+    """(replicas, shards) of the HSDP mesh: by default one replica per node, sharded within it."""
+    world = dist.get_world_size()
+    if replicas is None:
+        replicas = world // int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    if replicas < 1 or world % replicas:
+        raise ValueError(f"hsdp: {world} processes cannot form {replicas} equal replicas")
+    return replicas, world // replicas
+
+
+def _mesh(kind: str, replicas: int | None):
     from torch.distributed.device_mesh import init_device_mesh
 
-    world = dist.get_world_size()
     if kind == "hsdp":
-        if world % 2:
-            raise ValueError(f"hsdp needs an even number of processes (2 x N/2 mesh), got {world}")
-        return init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("replicate", "shard"))
-    return init_device_mesh("cpu", (world,))
+        return init_device_mesh("cpu", hsdp_shape(replicas), mesh_dim_names=("replicate", "shard"))
+    return init_device_mesh("cpu", (dist.get_world_size(),))
+
+
+def no_training(params: Iterable[nn.Parameter]) -> torch.optim.Optimizer:
+    return torch.optim.SGD(params, lr=0.0)
 
 
 def wrap(
-    kind: str, module: nn.Module, block: type[nn.Module], dtype: torch.dtype, deepspeed_config: dict | None = None
+    kind: str,
+    module: nn.Module,
+    block: type[nn.Module],
+    dtype: torch.dtype,
+    deepspeed_config: dict | None = None,
+    optimizer: Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer] = no_training,
+    replicas: int | None = None,
 ) -> Wrapped:
-    """Wrap ``module`` (already in ``dtype``'s precision or not: it is cast here) with the engine ``kind``."""
+    """Wrap ``module`` (cast to ``dtype`` here) with the engine ``kind``, and build ``optimizer``
+    over the parameters the engine trains. ``replicas``: HSDP's replicate dimension."""
     if kind not in ENGINES:
         raise ValueError(f"unknown engine {kind!r}; expected one of {ENGINES}")
     if kind == "zero3":
@@ -75,14 +95,15 @@ def wrap(
         config["bf16"] = {"enabled": dtype == torch.bfloat16}
         config.setdefault("train_micro_batch_size_per_gpu", 1)
         config.setdefault("zero_allow_untested_optimizer", True)
-        optimizer = torch.optim.SGD(module.parameters(), lr=0.0)
-        engine, _, _, _ = deepspeed.initialize(model=module, optimizer=optimizer, config=config)
-        return Wrapped(kind, engine, engine.module, deepspeed_engine=engine)
+        engine, engine_optimizer, _, _ = deepspeed.initialize(
+            model=module, optimizer=optimizer(module.parameters()), config=config
+        )
+        return Wrapped(kind, engine, engine.module, engine_optimizer, deepspeed_engine=engine)
     module = module.to(dtype)
     if kind == "ddp":
         from torch.nn.parallel import DistributedDataParallel
 
-        return Wrapped(kind, DistributedDataParallel(module), module)
+        return Wrapped(kind, DistributedDataParallel(module), module, optimizer(module.parameters()))
     if kind == "fsdp1":
         from torch.distributed.fsdp import FullyShardedDataParallel
         from torch.distributed.fsdp.wrap import ModuleWrapPolicy
@@ -90,12 +111,12 @@ def wrap(
         model = FullyShardedDataParallel(
             module, auto_wrap_policy=ModuleWrapPolicy({block}), device_id=torch.device("cpu")
         )
-        return Wrapped(kind, model, module)
+        return Wrapped(kind, model, module, optimizer(model.parameters()))
     from torch.distributed.fsdp import fully_shard
 
-    mesh = _mesh(kind)
+    mesh = _mesh(kind, replicas)
     for child in module.modules():
         if isinstance(child, block):
             fully_shard(child, mesh=mesh)
     fully_shard(module, mesh=mesh)
-    return Wrapped(kind, module, module)
+    return Wrapped(kind, module, module, optimizer(module.parameters()))

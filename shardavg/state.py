@@ -110,23 +110,41 @@ class AverageState:
         self.live: list[torch.Tensor] = strategy.local_views()
         self.roles: list[Role] = [options.role(info) for info in self.infos]
         self.layout = ShardLayout.build(self.infos)
-        self.shadows: list[torch.Tensor | None] = [self._allocate(index) for index in range(len(self.infos))]
+        self.shadows: list[torch.Tensor | None] = self._allocate()
         self.groups: list[UpdateGroup] = group_tensors(self.roles, self.shadows, self.live)
         self._module_ids = {id(module) for module in strategy.model.modules()}
         self._structure_dirty = False
         _watch(self)
 
-    def _allocate(self, index: int) -> torch.Tensor | None:
-        role, live = self.roles[index], self.live[index]
-        if role == "live":
-            return None
-        dtype = live.dtype
-        if role == "average" and live.dtype.is_floating_point and self.options.dtype is not None:
-            dtype = self.options.dtype
-        device = self.options.device or live.device
-        pin = device.type == "cpu" and live.device.type == "cuda"
+    def _allocate(self) -> list[torch.Tensor | None]:
+        """Every shadow, carved in order from one zeroed slab per (device, dtype): shadows of
+        neighbouring live shards are then neighbours too, and the update fuses them."""
+        kinds: list[tuple | None] = []
+        for role, live in zip(self.roles, self.live):
+            dtype = live.dtype
+            if role == "average" and live.dtype.is_floating_point and self.options.dtype is not None:
+                dtype = self.options.dtype
+            device = self.options.device or live.device
+            kinds.append(
+                None if role == "live" else (dtype, device, device.type == "cpu" and live.device.type == "cuda")
+            )
+        sizes: dict[tuple, int] = {}
+        for kind, live in zip(kinds, self.live):
+            if kind is not None:
+                sizes[kind] = sizes.get(kind, 0) + live.numel()
         # zeros, not empty: a checkpoint saved before the first update must not carry stray memory
-        return torch.zeros(live.shape, dtype=dtype, device=device, pin_memory=pin)
+        slabs = {
+            kind: torch.zeros(size, dtype=kind[0], device=kind[1], pin_memory=kind[2]) for kind, size in sizes.items()
+        }
+        offsets = dict.fromkeys(slabs, 0)
+        shadows: list[torch.Tensor | None] = []
+        for kind, live in zip(kinds, self.live):
+            if kind is None:
+                shadows.append(None)
+                continue
+            start, offsets[kind] = offsets[kind], offsets[kind] + live.numel()
+            shadows.append(slabs[kind][start : offsets[kind]].view(live.shape))
+        return shadows
 
     # ------------------------------------------------------------------ live views
 

@@ -354,9 +354,12 @@ def main() -> None:
         assert ema.shadow_bytes() == expected, f"{engine.name}: shadow bytes {ema.shadow_bytes()} != {expected}"
         full = engine.gather_live()
         model_bytes = sum(t.nbytes for n, t in full.items())
-        per_rank, local_bytes = [None] * world, [None] * world
+        per_rank, local_bytes, kernels = [None] * world, [None] * world, [None] * world
         dist.all_gather_object(per_rank, ema.shadow_bytes())
         dist.all_gather_object(local_bytes, expected)
+        groups = ema._state.groups  # how many tensors one fused kernel call of the update walks
+        dist.all_gather_object(kernels, [sum(len(g.fused_lives) for g in groups),
+                                         sum(1 for g in groups for live in g.lives if live.numel())])  # fmt: skip
         harness.report(
             "BYTES",
             {
@@ -364,6 +367,7 @@ def main() -> None:
                 "world_size": world,
                 "shadow_bytes_per_rank": per_rank,
                 "local_shard_bytes_per_rank": local_bytes,
+                "fused_and_shards_per_rank": kernels,
                 "model_bytes": model_bytes,
             },
         )

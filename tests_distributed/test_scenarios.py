@@ -62,6 +62,14 @@ def test_averager_matches_reference(engine: str, world_size: int) -> None:
     for bytes_ in measured:
         assert len(bytes_["shadow_bytes_per_rank"]) == world_size
         assert bytes_["shadow_bytes_per_rank"] == bytes_["local_shard_bytes_per_rank"], bytes_
+    fused = [bytes_["config"] for bytes_ in measured if all(f < n for f, n in bytes_["fused_and_shards_per_rank"])]
+    if engine == "fsdp1" and world_size > 1:  # a unit's shards lie in one flat parameter (with
+        assert {c for c in fused if "-flat-" in c} == {b["config"] for b in measured if "-flat-" in b["config"]}
+        assert fused, measured  # use_orig_params, alignment padding may sit between them)
+    elif engine == "zero3" and world_size > 1:  # the optimizer flattens the partitions it trains
+        assert any(not config.startswith("zero3-init") for config in fused), measured
+    elif engine in ("replicated", "fsdp2"):  # a storage per tensor: nothing to fuse
+        assert all(f == n for b in measured for f, n in b["fused_and_shards_per_rank"]), measured
     if world_size == 2:  # the README's table is this launch's measurement
         table = readme_shadow_table()
         for bytes_ in measured:

@@ -1,0 +1,424 @@
+"""The main job: train a small byte-level GPT on real text under any engine, with shardavg averages.
+
+    torchrun --nproc_per_node 2 launch/train.py --config configs/fsdp2.yaml [--out runs/fsdp2]
+
+Every ``eval.every`` steps it evaluates the raw and every averaged model on held-out text (the
+averages through ``swapped()``, shard-local) and appends both to ``OUT/metrics.jsonl``; every
+``checkpoint.every`` steps it checkpoints everything under ``OUT/checkpoints/`` (``--resume``
+continues from the newest, bitwise); at the end it exports each average (and the raw weights)
+to ``OUT/export/NAME/`` as safetensors, draws ``OUT/plot.png`` and logs a summary.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import math
+import os
+import re
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import checkpoints  # noqa: E402
+import config as configs  # noqa: E402
+import data  # noqa: E402
+import engines  # noqa: E402
+from model import GPT, Block, GPTConfig  # noqa: E402
+
+from shardavg import EMA, WeightAverager  # noqa: E402
+from shardavg.rules import Rule, rule_from_config  # noqa: E402
+
+log = logging.getLogger("train")
+
+OPTIONAL_STR = (str, type(None))
+SCHEMA = {
+    "engine": str,  # ddp | fsdp1 | fsdp2 | hsdp | zero3
+    "seed": int,
+    "steps": int,
+    "dtype": str,  # of the live weights: float32 or bfloat16 (the averages stay fp32)
+    "model": {"dim": int, "layers": int, "heads": int, "context": int},
+    "data": {"path": OPTIONAL_STR, "heldout_fraction": float, "max_bytes": int},
+    "train": {
+        "batch_size": int,
+        "lr": float,
+        "min_lr": float,
+        "warmup_steps": int,
+        "weight_decay": float,
+        "grad_clip": float,
+    },
+    "averages": dict,  # name -> a shardavg rule config, e.g. {kind: ema, decay: 0.999}
+    "eval": {"every": int, "batches": int},
+    "checkpoint": {"every": int, "keep_last": int},
+    "hsdp": {"replicas": (int, type(None))},  # null: one replica per node
+    "deepspeed": OPTIONAL_STR,  # the DeepSpeed JSON config (zero3 only), relative to the YAML file
+}
+
+
+# ----------------------------------------------------------------------------- configuration
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--config", default="configs/fsdp2.yaml", help="a YAML file from configs/")
+    parser.add_argument("--out", help="output folder (default: runs/<config name>)")
+    parser.add_argument("--steps", type=int, help="total optimizer steps (overrides the config's steps)")
+    parser.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in OUT")
+    parser.add_argument("--data", help="a text file or folder to train on instead of the standard library")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config key")
+    return parser.parse_args(argv)
+
+
+@dataclass
+class Job:
+    """What one launch runs: the validated config and what was derived from it."""
+
+    cfg: dict
+    rules: dict[str, Rule]  # one average per name
+    out: Path
+    resume_from: Path | None  # the newest finished checkpoint, with --resume
+    deepspeed_config: dict | None  # zero3 only
+
+
+def load_job(args: argparse.Namespace, world: int) -> Job:
+    """The validated job: everything that can be wrong is found here, before any process group or training."""
+    overrides = list(args.set)
+    if args.steps is not None:
+        overrides.append(f"steps={args.steps}")
+    cfg = configs.load(args.config, overrides)
+    if args.data is not None:
+        cfg.setdefault("data", {})["path"] = args.data
+    configs.validate(cfg, SCHEMA)
+    if cfg["engine"] not in engines.ENGINES:
+        raise configs.ConfigError(f"config key 'engine': {cfg['engine']!r} is not one of {engines.ENGINES}")
+    if cfg["dtype"] not in ("float32", "bfloat16"):
+        raise configs.ConfigError(f"config key 'dtype': {cfg['dtype']!r} is not float32 or bfloat16")
+    positive = (
+        "steps",
+        "model.dim",
+        "model.layers",
+        "model.heads",
+        "model.context",
+        "data.max_bytes",
+        "train.batch_size",
+        "eval.every",
+        "eval.batches",
+        "checkpoint.every",
+        "checkpoint.keep_last",
+    )
+    for key in positive:
+        section, _, name = key.rpartition(".")
+        if (cfg[section] if section else cfg)[name] < 1:
+            raise configs.ConfigError(f"config key {key!r} must be at least 1")
+    if not 0 < cfg["data"]["heldout_fraction"] < 1:
+        raise configs.ConfigError("config key 'data.heldout_fraction' must be between 0 and 1")
+    if cfg["data"]["path"] is not None and not Path(cfg["data"]["path"]).exists():
+        raise configs.ConfigError(f"config key 'data.path': {cfg['data']['path']} does not exist")
+    rules = _rules(cfg["averages"])
+    deepspeed_config = _check_engine_fits(cfg, Path(args.config), world)
+    out = Path(args.out or Path("runs") / Path(args.config).stem)
+    resume_from = None
+    if args.resume:
+        found = checkpoints.finished(out / "checkpoints")
+        if not found:
+            raise configs.ConfigError(f"--resume: no finished checkpoint under {out / 'checkpoints'}")
+        resume_from = found[-1]
+    return Job(cfg, rules, out, resume_from, deepspeed_config)
+
+
+def _rules(averages: dict) -> dict:
+    if not averages:
+        raise configs.ConfigError("config key 'averages' must name at least one average")
+    rules = {}
+    for name, rule in averages.items():
+        if not re.fullmatch(r"[a-z][a-z0-9_]*", str(name)) or name == "raw":
+            raise configs.ConfigError(f"config key 'averages.{name}': names are lower-case words other than 'raw'")
+        try:
+            rules[name] = rule_from_config(rule)
+        except (TypeError, ValueError, KeyError) as error:
+            raise configs.ConfigError(f"config key 'averages.{name}': {error}") from None
+    return rules
+
+
+def _check_engine_fits(cfg: dict, config_path: Path, world: int) -> dict | None:
+    """The engine can run this launch; returns the DeepSpeed config for zero3."""
+    engine = cfg["engine"]
+    if engine == "zero3":
+        if cfg["deepspeed"] is None:
+            raise configs.ConfigError("config key 'deepspeed': zero3 needs a DeepSpeed JSON config")
+        path = config_path.parent / cfg["deepspeed"]
+        try:
+            ds_config = json.loads(path.read_text())
+        except (OSError, ValueError) as error:
+            raise configs.ConfigError(f"config key 'deepspeed': cannot read {path}: {error}") from None
+        if ds_config.get("zero_optimization", {}).get("stage") != 3:
+            raise configs.ConfigError(f"config key 'deepspeed': {path} does not set zero_optimization.stage 3")
+    elif cfg["deepspeed"] is not None:
+        raise configs.ConfigError(f"config key 'deepspeed' is for the zero3 engine, not {engine}")
+    replicas = cfg["hsdp"]["replicas"]
+    if engine == "hsdp" and replicas is not None and (replicas < 1 or world % replicas):
+        raise configs.ConfigError(f"config key 'hsdp.replicas': {world} processes cannot form {replicas} replicas")
+    if engine in ("fsdp1", "fsdp2", "hsdp", "zero3") and world == 1:
+        log.warning("%s on one process shards nothing; launch with --nproc_per_node 2 or more", engine)
+    return ds_config if engine == "zero3" else None
+
+
+# ----------------------------------------------------------------------------- training
+
+
+def lr_at(step: int, cfg: dict) -> float:
+    """Linear warm-up, then cosine decay to ``min_lr`` at the last step (a function of the step alone)."""
+    train, steps = cfg["train"], cfg["steps"]
+    if step <= train["warmup_steps"]:
+        return train["lr"] * step / train["warmup_steps"]
+    progress = (step - train["warmup_steps"]) / max(1, steps - train["warmup_steps"])
+    return train["min_lr"] + (train["lr"] - train["min_lr"]) * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
+
+
+def train_step(wrapped: engines.Wrapped, tokens: torch.Tensor, targets: torch.Tensor, lr: float, clip: float) -> float:
+    for group in wrapped.optimizer.param_groups:
+        group["lr"] = lr
+    loss = wrapped.model(tokens, targets)
+    if wrapped.kind == "zero3":  # the engine clips (gradient_clipping) and steps
+        wrapped.deepspeed_engine.backward(loss)
+        wrapped.deepspeed_engine.step()
+        return loss.item()
+    loss.backward()
+    if wrapped.kind == "fsdp1":
+        wrapped.model.clip_grad_norm_(clip)
+    else:
+        torch.nn.utils.clip_grad_norm_(wrapped.module.parameters(), clip)
+    wrapped.optimizer.step()
+    wrapped.optimizer.zero_grad(set_to_none=True)
+    return loss.item()
+
+
+@torch.no_grad()
+def heldout_loss(wrapped: engines.Wrapped, batches: list) -> float:
+    """Mean held-out loss over every rank's share of the fixed evaluation set."""
+    wrapped.model.eval()
+    total = torch.zeros((), dtype=torch.float64)
+    for tokens, targets in batches:
+        total += wrapped.model(tokens, targets).double()
+    dist.all_reduce(total)
+    wrapped.model.train()
+    return total.item() / (len(batches) * dist.get_world_size())
+
+
+def evaluate(wrapped: engines.Wrapped, averages: dict[str, WeightAverager], batches: list) -> dict[str, float]:
+    losses = {"raw": heldout_loss(wrapped, batches)}
+    for name, average in averages.items():
+        if average.num_updates:
+            with average.swapped():
+                losses[name] = heldout_loss(wrapped, batches)
+    return losses
+
+
+@dataclass
+class Metrics:
+    """``OUT/metrics.jsonl``, one JSON object per evaluation, written by rank 0."""
+
+    path: Path
+
+    def keep_until(self, step: int) -> None:
+        """On resume: drop what a run wrote after the checkpoint it is resumed from."""
+        if dist.get_rank() == 0 and self.path.exists():
+            rows = [line for line in self.path.read_text().splitlines() if json.loads(line)["step"] <= step]
+            self.path.write_text("".join(row + "\n" for row in rows))
+
+    def append(self, row: dict) -> None:
+        if dist.get_rank() == 0:
+            with self.path.open("a") as file:
+                file.write(json.dumps(row) + "\n")
+
+    def rows(self) -> list[dict]:
+        return [json.loads(line) for line in self.path.read_text().splitlines()] if self.path.exists() else []
+
+
+def plot(rows: list[dict], path: Path, title: str) -> None:
+    """Held-out loss over steps: the raw weights and each average."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, axes = plt.subplots(figsize=(7, 4.2), dpi=120)
+    for name in rows[-1]["heldout"]:
+        points = [(row["step"], row["heldout"][name]) for row in rows if name in row["heldout"]]
+        axes.plot(*zip(*points), label=name, linewidth=2 if name == "raw" else 1.6, marker="o", markersize=2.5)
+    axes.set_xlabel("step")
+    axes.set_ylabel("held-out loss (nats per byte)")
+    axes.set_title(title)
+    axes.grid(alpha=0.3)
+    axes.legend()
+    figure.tight_layout()
+    figure.savefig(path)
+    plt.close(figure)
+
+
+# ----------------------------------------------------------------------------- the job
+
+
+def run(job: Job) -> dict:
+    rank, world, cfg, out = dist.get_rank(), dist.get_world_size(), job.cfg, job.out
+    torch.manual_seed(cfg["seed"])
+    model_config = GPTConfig(**cfg["model"])
+    corpus = data.load_corpus(
+        cfg["data"]["path"],
+        cfg["data"]["heldout_fraction"],
+        cfg["data"]["max_bytes"],
+        cfg["seed"],
+        model_config.context,
+    )
+    log.info(
+        "data: %s, %d train / %d held-out files, %.1f MB / %.1f MB",
+        corpus.source,
+        *corpus.files,
+        len(corpus.train) / 1e6,
+        len(corpus.heldout) / 1e6,
+    )
+    train = cfg["train"]
+
+    def optimizer(params):
+        return torch.optim.AdamW(params, lr=train["lr"], weight_decay=train["weight_decay"], betas=(0.9, 0.95))
+
+    ds_config = (job.deepspeed_config or {}) | {
+        "train_micro_batch_size_per_gpu": train["batch_size"],
+        "gradient_accumulation_steps": 1,
+        "gradient_clipping": train["grad_clip"],
+    }
+    wrapped = engines.wrap(
+        cfg["engine"],
+        GPT(model_config),
+        Block,
+        getattr(torch, cfg["dtype"]),
+        ds_config,
+        optimizer,
+        cfg["hsdp"]["replicas"],
+    )
+    averages = {name: WeightAverager(wrapped.model, rule) for name, rule in job.rules.items()}
+    params = sum(p.ds_numel if hasattr(p, "ds_numel") else p.numel() for p in wrapped.module.parameters())
+    log.info(
+        "model: %.2fM parameters, %s on %d processes; averages: %s",
+        params / 1e6,
+        cfg["engine"],
+        world,
+        ", ".join(f"{n} = {a.rule!r}" for n, a in averages.items()),
+    )
+
+    metrics = Metrics(out / "metrics.jsonl")
+    start = 0
+    if job.resume_from is not None:
+        start = checkpoints.load(job.resume_from, wrapped, averages)
+        metrics.keep_until(start)
+        log.info("resumed from %s (step %d)", job.resume_from, start)
+    elif metrics.path.exists() and rank == 0:
+        metrics.path.unlink()  # a fresh run in an old folder starts a fresh record
+
+    evaluation = data.heldout_batches(
+        corpus.heldout, rank, world, cfg["eval"]["batches"], train["batch_size"], model_config.context
+    )
+    tokens_per_step = train["batch_size"] * model_config.context * world
+    from tqdm import tqdm
+    from tqdm.contrib.logging import logging_redirect_tqdm
+
+    bar = tqdm(total=cfg["steps"], initial=start, disable=rank != 0, desc=cfg["engine"], file=sys.stderr)
+    began, training_time = time.perf_counter(), 0.0
+    with logging_redirect_tqdm():
+        for step in range(start + 1, cfg["steps"] + 1):
+            tokens, targets = data.train_batch(
+                corpus.train, step, rank, train["batch_size"], model_config.context, cfg["seed"]
+            )
+            step_began = time.perf_counter()
+            loss = train_step(wrapped, tokens, targets, lr_at(step, cfg), train["grad_clip"])
+            for average in averages.values():
+                average.update(step)
+            training_time += time.perf_counter() - step_began
+            bar.update()
+            bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{tokens_per_step * (step - start) / training_time:.0f}")
+            if step % cfg["eval"]["every"] == 0 or step == cfg["steps"]:
+                losses = evaluate(wrapped, averages, evaluation)
+                metrics.append(
+                    {
+                        "step": step,
+                        "tokens": step * tokens_per_step,
+                        "train_loss": loss,
+                        "lr": lr_at(step, cfg),
+                        "heldout": losses,
+                    }
+                )
+                log.info("step %d: held-out %s", step, ", ".join(f"{k} {v:.4f}" for k, v in losses.items()))
+            if step % cfg["checkpoint"]["every"] == 0 or step == cfg["steps"]:
+                checkpoints.save(out / "checkpoints", step, wrapped, averages, cfg["checkpoint"]["keep_last"])
+    bar.close()
+    wall = time.perf_counter() - began
+
+    exported = {}
+    for name, average in {"raw": raw_weights(wrapped), **averages}.items():
+        exported[name] = str(average.export(out / "export" / name))
+    shadow = torch.tensor([a.shadow_bytes() for a in averages.values()])
+    dist.all_reduce(shadow, op=dist.ReduceOp.MAX)
+    rows = metrics.rows() if rank == 0 else []
+    summary = {
+        "engine": cfg["engine"],
+        "processes": world,
+        "steps": cfg["steps"],
+        "resumed_from": start,
+        "heldout": rows[-1]["heldout"] if rows else {},
+        "wall_s": round(wall, 1),
+        "tokens_per_s": round(tokens_per_step * (cfg["steps"] - start) / training_time) if training_time else None,
+        "shadow_bytes_per_rank": dict(zip(averages, shadow.tolist())),
+        "export": exported,
+    }
+    if rank == 0:
+        plot(rows, out / "plot.png", f"{cfg['engine']}, {world} processes, {params / 1e6:.2f}M parameters")
+        (out / "summary.json").write_text(json.dumps(summary, indent=1))
+        final = summary["heldout"]
+        log.info("held-out loss at step %d: %s", cfg["steps"], ", ".join(f"{k} {v:.4f}" for k, v in final.items()))
+        log.info(
+            "wall time %.1f s, %s tokens/s in training steps; shadows per rank: %s",
+            wall,
+            summary["tokens_per_s"],
+            ", ".join(f"{k} {v / 2**20:.2f} MiB" for k, v in summary["shadow_bytes_per_rank"].items()),
+        )
+        log.info("wrote %s, %s and %s/", metrics.path, out / "plot.png", out / "export")
+    return summary
+
+
+def raw_weights(wrapped: engines.Wrapped) -> WeightAverager:
+    """The raw weights, to export like an average: an averager's first update copies the live shards exactly."""
+    copy = WeightAverager(wrapped.model, EMA(decay=0.5))
+    copy.update()
+    return copy
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    world, rank = int(os.environ.get("WORLD_SIZE", 1)), int(os.environ.get("RANK", 0))
+    logging.basicConfig(level=logging.INFO if rank == 0 else logging.WARNING, format="%(message)s")
+    try:
+        job = load_job(args, world)
+    except configs.ConfigError as error:
+        if rank == 0:
+            log.error("config error: %s", error)
+        return 2
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    engines.init_distributed(job.cfg["engine"])
+    if rank == 0:
+        job.out.mkdir(parents=True, exist_ok=True)
+    try:
+        run(job)
+    finally:
+        dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

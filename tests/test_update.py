@@ -1,0 +1,65 @@
+"""The fused update: neighbours in memory run as one kernel, with the same bits as one call per tensor."""
+
+from __future__ import annotations
+
+import torch
+
+from shardavg.update import FUSED_CHUNK, copy_live, fuse, group_tensors, lerp, nonfinite
+
+SHAPES = [(3, 4), (0,), (5,), (2, 2), (7,)]
+
+
+def carved(flat: torch.Tensor, shapes=SHAPES) -> list[torch.Tensor]:
+    """Views of ``flat`` laid back to back, as FSDP1's flat shard or ZeRO-3's flattened partitions are."""
+    views, start = [], 0
+    for shape in shapes:
+        numel = torch.Size(shape).numel()
+        views.append(flat[start : start + numel].view(shape))
+        start += numel
+    return views
+
+
+def test_back_to_back_tensors_fuse_into_one_view_and_empty_ones_are_left_out() -> None:
+    total = sum(torch.Size(s).numel() for s in SHAPES)
+    shadows, lives = carved(torch.zeros(total)), carved(torch.randn(total))
+    fused_shadows, fused_lives = fuse(shadows, lives)
+    assert len(fused_lives) == len(fused_shadows) == 1 and fused_lives[0].numel() == total
+    assert fused_lives[0].data_ptr() == lives[0].data_ptr()
+    apart = [torch.randn(s) for s in SHAPES]  # separate storages: nothing to fuse
+    assert len(fuse(shadows, apart)[1]) == len([s for s in SHAPES if torch.Size(s).numel()])
+    big = torch.randn(FUSED_CHUNK + 5)  # a large tensor is cut into pieces, the same on both sides
+    pieces_shadows, pieces_lives = fuse([torch.zeros_like(big)], [big])
+    assert [p.numel() for p in pieces_lives] == [p.numel() for p in pieces_shadows] == [FUSED_CHUNK, 5]
+    gap = carved(torch.randn(total + 1), [(3, 4), (1,), (5,)])  # a hole between two lives breaks the run
+    assert len(fuse(carved(torch.zeros(17), [(3, 4), (5,)]), [gap[0], gap[2]])[1]) == 2
+
+
+def test_the_fused_update_has_the_bits_of_one_call_per_tensor() -> None:
+    total = sum(torch.Size(s).numel() for s in SHAPES)
+    torch.manual_seed(0)
+    for live_dtype in (torch.float32, torch.bfloat16):
+        lives = carved(torch.randn(total).to(live_dtype))
+        (fused,) = group_tensors(["average"] * len(SHAPES), carved(torch.zeros(total)), lives)
+        plain = [torch.zeros(s) for s in SHAPES]
+        assert len(fused.fused_lives) == 1
+        copy_live(fused)
+        torch._foreach_copy_(plain, lives)
+        for weight in (0.1, 0.25, 0.001):
+            with torch.no_grad():
+                torch._foreach_add_(lives, 0.5)
+            lerp(fused, weight)
+            if live_dtype == torch.float32:
+                torch._foreach_lerp_(plain, lives, weight)
+            else:
+                torch._foreach_mul_(plain, 1 - weight)
+                torch._foreach_add_(plain, lives, alpha=weight)
+        assert all(torch.equal(a, b) for a, b in zip(fused.shadows, plain))
+
+
+def test_a_nonfinite_value_in_a_fused_run_is_named_by_its_own_tensor() -> None:
+    total = sum(torch.Size(s).numel() for s in SHAPES)
+    lives = carved(torch.randn(total))
+    groups = group_tensors(["average"] * len(SHAPES), carved(torch.zeros(total)), lives)
+    assert nonfinite(groups) == []
+    lives[3][1, 0] = float("nan")
+    assert nonfinite(groups) == [3]

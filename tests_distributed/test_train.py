@@ -1,0 +1,140 @@
+"""The main job (launch/train.py) end to end at a tiny size, under every engine at 2 processes:
+it trains, its exports load strict into the plain model, and ``--resume`` from a mid-run
+checkpoint ends bitwise where the uninterrupted run ends. Plus a real two-node HSDP launch."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from launcher import torchrun
+from safetensors.torch import load_file
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "launch"))
+
+from model import GPT, GPTConfig  # noqa: E402
+
+STEPS = 8
+TINY = {
+    "model.dim": 32, "model.layers": 2, "model.heads": 4, "model.context": 32, "data.max_bytes": 200_000,
+    "train.batch_size": 4, "train.warmup_steps": 2, "eval.every": 4, "eval.batches": 2,
+    "checkpoint.every": 4, "checkpoint.keep_last": 2,
+}  # fmt: skip
+ENGINES = ("ddp", "fsdp1", "fsdp2", "hsdp", "zero3")
+NAMES = ("raw", "ema", "power")
+
+
+def job_args(engine: str, out: Path, *extra: str) -> list[str]:
+    args = ["--config", str(ROOT / "configs" / f"{engine}.yaml"), "--out", str(out), "--steps", str(STEPS)]
+    for key, value in TINY.items():
+        args += ["--set", f"{key}={value}"]
+    return [*args, *extra]
+
+
+def train(engine: str, out: Path, *extra: str, nproc: int = 2) -> dict:
+    launch = torchrun(str(ROOT / "launch" / "train.py"), nproc, *job_args(engine, out, *extra), timeout=300)
+    assert launch.returncode == 0, launch.output[-20000:]
+    assert "held-out loss at step" in launch.output, launch.output[-5000:]
+    return json.loads((out / "summary.json").read_text())
+
+
+def exported(out: Path) -> dict[str, dict[str, torch.Tensor]]:
+    return {name: load_file(out / "export" / name / "model.safetensors") for name in NAMES}
+
+
+def assert_bitwise(got: dict, want: dict, what: str) -> None:
+    for name in NAMES:
+        assert got[name].keys() == want[name].keys(), (what, name)
+        different = [k for k in want[name] if not torch.equal(got[name][k], want[name][k])]
+        assert not different, f"{what}: {name} differs in {different}"
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> dict[str, Path]:
+    """One uninterrupted tiny run per engine, shared by the checks below."""
+    root = tmp_path_factory.mktemp("train")
+    for engine in ENGINES:
+        train(engine, root / engine)
+    return {engine: root / engine for engine in ENGINES}
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_the_job_trains_evaluates_and_exports_what_the_plain_model_loads(runs, engine) -> None:
+    out = runs[engine]
+    summary = json.loads((out / "summary.json").read_text())
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [row["step"] for row in rows] == [4, 8]
+    assert set(rows[-1]["heldout"]) == set(NAMES) and rows[-1]["heldout"]["raw"] < rows[0]["heldout"]["raw"]
+    assert summary["engine"] == engine and summary["processes"] == 2 and summary["tokens_per_s"] > 0
+    assert (out / "plot.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    sizes = {k: v for k, v in TINY.items() if k.startswith("model.")}
+    plain = GPT(GPTConfig(**{k.split(".")[1]: v for k, v in sizes.items()}))
+    weights = exported(out)
+    for name in NAMES:
+        plain.load_state_dict(weights[name], strict=True)
+    assert plain.head.weight is plain.embed.weight  # still tied after the load
+    assert not torch.equal(weights["ema"]["embed.weight"], weights["raw"]["embed.weight"])
+    shards = summary["shadow_bytes_per_rank"]
+    full = sum(t.numel() * 4 for n, t in weights["ema"].items() if n != "head.weight")
+    if engine == "ddp":
+        assert shards["ema"] == full
+    else:  # every engine here shards: about half of the fp32 model per rank (FSDP1 pads, ZeRO-3 aligns)
+        assert full / 2 <= shards["ema"] < full * 0.6, (shards, full)
+
+
+def test_every_engine_reaches_the_same_losses(runs) -> None:
+    losses = {e: json.loads((runs[e] / "summary.json").read_text())["heldout"] for e in ENGINES}
+    for engine, heldout in losses.items():
+        for name in NAMES:
+            assert abs(heldout[name] - losses["ddp"][name]) < 1e-4, (engine, name, losses)
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_resume_from_a_mid_run_checkpoint_ends_bitwise_where_the_uninterrupted_run_ends(runs, engine, tmp_path) -> None:
+    middle = runs[engine] / "checkpoints" / "step-00000004"
+    assert (middle / "train.json").is_file(), sorted(p.name for p in middle.parent.iterdir())
+    shutil.copytree(middle, tmp_path / "checkpoints" / middle.name)
+    summary = train(engine, tmp_path, "--resume")
+    assert summary["resumed_from"] == 4
+    assert_bitwise(exported(tmp_path), exported(runs[engine]), f"{engine} resumed at step 4")
+    assert summary["heldout"] == json.loads((runs[engine] / "summary.json").read_text())["heldout"]
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def test_two_nodes_of_two_processes_give_the_export_of_one_four_process_launch(tmp_path) -> None:
+    port = free_port()
+    env = os.environ | {"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    nodes = [
+        subprocess.Popen(
+            [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc_per_node", "2",
+             "--node_rank", str(rank), "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}",
+             "--rdzv-id", "two-nodes", str(ROOT / "launch" / "train.py"), *job_args("hsdp", tmp_path / "nodes")],
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, start_new_session=True,
+        )
+        for rank in (0, 1)
+    ]  # fmt: skip
+    try:
+        outputs = [node.communicate(timeout=300)[0] for node in nodes]
+    finally:
+        for node in nodes:
+            if node.poll() is None:
+                os.killpg(node.pid, 9)
+    assert [node.returncode for node in nodes] == [0, 0], outputs[0][-10000:] + outputs[1][-10000:]
+    summary = json.loads((tmp_path / "nodes" / "summary.json").read_text())
+    assert summary["processes"] == 4
+    single = train("hsdp", tmp_path / "single", "--set", "hsdp.replicas=2", nproc=4)
+    assert_bitwise(exported(tmp_path / "nodes"), exported(tmp_path / "single"), "two nodes vs one launch")
+    assert summary["heldout"] == single["heldout"]
