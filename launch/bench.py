@@ -7,8 +7,9 @@ For each engine, model shape and live dtype it times, on the slowest rank after 
 the engine's gather-based peer (DDP: a full ``AveragedModel`` replica; FSDP1:
 ``summon_full_params``; FSDP2: ``full_tensor()`` per parameter; ZeRO-3: ``GatheredParameters``
 per parameter; each with an fp32 EMA into a full copy), and the floor (the same fused kernels
-over plain tensors of this rank's local-shard sizes). Every method sees the same sequence of
-live weights, so ours is checked against the peer's average. It also measures bytes received
+over plain tensors of this rank's local-shard sizes). The methods take turns on each new set of
+live weights, so every one sees the same sequence (and ours is checked against the reference's
+average) and a drift in the machine's speed falls on all of them alike. It also measures bytes received
 per update, the average's extra bytes per rank, and the consolidated export against torch's
 own full state dict (or DeepSpeed's) saved with safetensors.
 """
@@ -33,7 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import config as configs  # noqa: E402
 import engines  # noqa: E402
-from measure import CommCounter, allocated_peak, copy_bandwidth, slowest_rank_ms  # noqa: E402
+from measure import CommCounter, allocated_peak, copy_bandwidth, interleaved_ms  # noqa: E402
 
 from shardavg import EMA, WeightAverager  # noqa: E402
 
@@ -233,20 +234,17 @@ def run_case(kind: str, shape_name: str, shape: dict, dtype: torch.dtype, cfg: d
     module, block = build_model(shape)
     wrapped = engines.wrap(kind, module, block, dtype, cfg["deepspeed"])
     shards = [s for s in wrapped.local_shards() if s.numel()]
-    initial = [s.detach().clone() for s in shards]
 
     def next_weights() -> None:  # what an optimizer step would do: every live shard changes in place
         with torch.no_grad():
             torch._foreach_mul_(shards, 0.999)
             torch._foreach_add_(shards, 0.001)
 
+    built = [make() for make in methods(wrapped, cfg["decay"])]
+    timings = interleaved_ms([m.update for m in built], cfg["warmup"], cfg["repeats"], before=next_weights)
+    next_weights()
     rows, results, reference = [], [], None
-    for make in methods(wrapped, cfg["decay"]):
-        with torch.no_grad():
-            torch._foreach_copy_(shards, initial)  # every method sees the same sequence of weights
-        method = make()
-        timing = slowest_rank_ms(method.update, cfg["warmup"], cfg["repeats"], before=next_weights)
-        next_weights()
+    for method, timing in zip(built, timings):
         with CommCounter().counting() as counter:
             method.update()
         comm, extra = torch.tensor(counter.bytes), torch.tensor(method.extra_bytes())
@@ -256,19 +254,9 @@ def run_case(kind: str, shape_name: str, shape: dict, dtype: torch.dtype, cfg: d
         reference = result if method.role == "reference" else reference
         results.append((method.role, result))
         rows.append(
-            Row(
-                kind,
-                shape_name,
-                str(dtype)[6:],
-                method.name,
-                method.role,
-                timing.median_ms,
-                timing.p90_ms,
-                int(comm),
-                int(extra),
-                "",
-            )
-        )
+            Row(kind, shape_name, str(dtype)[6:], method.name, method.role, timing.median_ms, timing.p90_ms, int(comm),
+                int(extra), "")
+        )  # fmt: skip
     checks = {"ours": "FAIL", "peer": "differs"}  # a peer in bf16 (AveragedModel's copy) loses the average
     for row, (role, result) in zip(rows, results):
         row.check = compare(result, reference, dtype, checks[role]) if role in checks else role.replace("floor", "-")

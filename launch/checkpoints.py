@@ -31,6 +31,8 @@ def save(root: Path, step: int, wrapped: Wrapped, averages: dict[str, WeightAver
     """Collective: a checkpoint of everything training needs at ``step``; returns its folder."""
     target = root / f"step-{step:08d}"
     staging = root / f".step-{step:08d}.partial"
+    if target.exists() and not (target / MARKER).is_file():
+        raise RuntimeError(f"{target} exists and is not a checkpoint of this job: refusing to replace it")
     if dist.get_rank() == 0:
         shutil.rmtree(staging, ignore_errors=True)  # a crashed earlier attempt at this step
         staging.mkdir(parents=True)
@@ -44,7 +46,7 @@ def save(root: Path, step: int, wrapped: Wrapped, averages: dict[str, WeightAver
     dist.barrier()
     if dist.get_rank() == 0:
         (staging / MARKER).write_text(json.dumps({"step": step, "engine": wrapped.kind}))
-        if target.exists():  # written by an earlier run of this job that got further
+        if target.exists():  # this job's own, from a run resumed from an earlier step
             shutil.rmtree(target)
         staging.rename(target)
         for old in finished(root)[:-keep_last]:

@@ -21,20 +21,28 @@ class Timing:
     p90_ms: float
 
 
-def slowest_rank_ms(run: Callable[[], None], warmup: int, repeats: int, before: Callable[[], None]) -> Timing:
-    """Milliseconds per call of ``run`` on the slowest rank (each call timed alone, ranks
-    aligned by a barrier), after ``warmup`` calls. ``before`` runs untimed ahead of each call."""
-    times = []
+def interleaved_ms(
+    runs: list[Callable[[], object]], warmup: int, repeats: int, before: Callable[[], None]
+) -> list[Timing]:
+    """Milliseconds per call of each of ``runs`` on the slowest rank. After each ``before()``
+    (untimed) every run is called once in turn, each timed alone with the ranks aligned by a
+    barrier: all runs see the same inputs, and a drift in the machine's speed falls on all of
+    them alike. The first ``warmup`` rounds are not kept."""
+    kept: list[list[float]] = [[] for _ in runs]
     for index in range(warmup + repeats):
         before()
-        dist.barrier()
-        start = time.perf_counter()
-        run()
-        elapsed = torch.tensor(time.perf_counter() - start, dtype=torch.float64)
-        dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
-        if index >= warmup:
-            times.append(elapsed.item() * 1e3)
-    times.sort()
+        for run, times in zip(runs, kept):
+            dist.barrier()
+            start = time.perf_counter()
+            run()
+            elapsed = torch.tensor(time.perf_counter() - start, dtype=torch.float64)
+            dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+            if index >= warmup:
+                times.append(elapsed.item() * 1e3)
+    return [_timing(sorted(times)) for times in kept]
+
+
+def _timing(times: list[float]) -> Timing:
     return Timing(statistics.median(times), times[min(len(times) - 1, int(0.9 * len(times)))])
 
 

@@ -124,12 +124,15 @@ def load_job(args: argparse.Namespace, world: int) -> Job:
     rules = _rules(cfg["averages"])
     deepspeed_config = _check_engine_fits(cfg, Path(args.config), world)
     out = Path(args.out or Path("runs") / Path(args.config).stem)
-    resume_from = None
-    if args.resume:
-        found = checkpoints.finished(out / "checkpoints")
-        if not found:
-            raise configs.ConfigError(f"--resume: no finished checkpoint under {out / 'checkpoints'}")
-        resume_from = found[-1]
+    found = checkpoints.finished(out / "checkpoints")
+    if args.resume and not found:
+        raise configs.ConfigError(f"--resume: no finished checkpoint under {out / 'checkpoints'}")
+    if found and not args.resume:  # a new run would mix its checkpoints with these, and prune them
+        raise configs.ConfigError(
+            f"{out} holds checkpoints of an earlier run (newest {found[-1].name}): --resume to continue it, "
+            "or choose another --out"
+        )
+    resume_from = found[-1] if args.resume else None
     return Job(cfg, rules, out, resume_from, deepspeed_config)
 
 

@@ -322,6 +322,17 @@ def test_nonfinite_check_off_averages_what_is_there_and_reads_nothing_back(model
     assert torch.isnan(unchecked.full_state_dict()["gain"][0])
 
 
+def test_parameter_data_replaced_in_place_is_followed(model, trainer) -> None:
+    """``param.data = other`` keeps the object (and here dtype and device): the next update reads ``other``."""
+    averager = WeightAverager(model, EMA(decay=0.5))
+    averager.update()
+    weight = model.block.up.weight
+    old = weight.detach().clone()
+    weight.data = torch.full_like(old, 2.0)
+    averager.update()
+    assert torch.equal(averager.full_state_dict()["block.up.weight"], torch.lerp(old, torch.full_like(old, 2.0), 0.5))
+
+
 def test_large_finite_weights_are_not_mistaken_for_nonfinite(model, trainer) -> None:
     averager = WeightAverager(model, EMA(decay=0.9))
     with torch.no_grad():

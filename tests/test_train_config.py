@@ -89,6 +89,15 @@ def test_resume_without_a_finished_checkpoint_is_refused(caplog, monkeypatch, tm
     assert message == f"config error: --resume: no finished checkpoint under {tmp_path / 'checkpoints'}"
 
 
+def test_a_new_run_into_a_folder_with_finished_checkpoints_is_refused(caplog, monkeypatch, tmp_path) -> None:
+    finished = tmp_path / "checkpoints" / "step-00000200"
+    finished.mkdir(parents=True)
+    (finished / "train.json").write_text('{"step": 200, "engine": "fsdp2"}')
+    message = refused(caplog, monkeypatch, "--config", FSDP2, "--out", str(tmp_path))
+    assert "holds checkpoints of an earlier run (newest step-00000200): --resume to continue it" in message
+    assert finished.is_dir()
+
+
 def test_every_shipped_config_is_valid(monkeypatch) -> None:
     monkeypatch.setenv("WORLD_SIZE", "2")
     for path in sorted(CONFIGS.glob("*.yaml")):

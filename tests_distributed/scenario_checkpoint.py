@@ -33,6 +33,9 @@ from torch.distributed.fsdp import StateDictType
 import shardavg.checkpoint
 from shardavg import EMA, WeightAverager
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "launch"))
+from measure import allocated_peak  # noqa: E402  (the bench's own measure of peak memory)
+
 STEPS, RESUME_AT = 10, 6
 
 
@@ -208,18 +211,6 @@ class ManyTensors(nn.Module):
     def __init__(self) -> None:
         super().__init__()
         self.blocks = nn.ParameterList(nn.Parameter(torch.randn(64, 1024)) for _ in range(48))
-
-
-def allocated_peak(run) -> int:
-    """Peak bytes held by torch's CPU allocator above the starting point while ``run()`` runs."""
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as profile:
-        run()
-    held = peak = 0
-    events = [e for e in profile.profiler.kineto_results.events() if e.name() == "[memory]"]
-    for event in sorted(events, key=lambda e: e.start_ns()):
-        held += event.nbytes()
-        peak = max(peak, held)
-    return peak
 
 
 def export_memory(kind: str, root: Path) -> None:
