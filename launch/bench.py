@@ -240,14 +240,26 @@ def run_case(kind: str, shape_name: str, shape: dict, dtype: torch.dtype, cfg: d
             torch._foreach_mul_(shards, 0.999)
             torch._foreach_add_(shards, 0.001)
 
+    initial = [s.detach().clone() for s in shards]
     built = [make() for make in methods(wrapped, cfg["decay"])]
-    timings = interleaved_ms([m.update for m in built], cfg["warmup"], cfg["repeats"], before=next_weights)
-    next_weights()
+    # The gathering peers change the engine's state (FSDP1 re-registers its parameters, which
+    # makes our next update re-verify the model): they take their turns apart from ours, on the
+    # same sequence of live weights from the same start.
+    phases = [[m for m in built if m.role in ("ours", "floor")], [m for m in built if m.role in ("reference", "peer")]]
+    measured = {}
+    for phase in phases:
+        with torch.no_grad():
+            torch._foreach_copy_(shards, initial)
+        timings = interleaved_ms([m.update for m in phase], cfg["warmup"], cfg["repeats"], before=next_weights)
+        next_weights()
+        for method, timing in zip(phase, timings):
+            with CommCounter().counting() as counter:
+                method.update()
+            measured[method.name] = (timing, counter.bytes)
     rows, results, reference = [], [], None
-    for method, timing in zip(built, timings):
-        with CommCounter().counting() as counter:
-            method.update()
-        comm, extra = torch.tensor(counter.bytes), torch.tensor(method.extra_bytes())
+    for method in built:
+        timing, received = measured[method.name]
+        comm, extra = torch.tensor(received), torch.tensor(method.extra_bytes())
         dist.all_reduce(comm, op=dist.ReduceOp.MAX)
         dist.all_reduce(extra, op=dist.ReduceOp.MAX)
         result = method.result()
