@@ -75,8 +75,12 @@ def fuse(shadows: Sequence[torch.Tensor], lives: Sequence[torch.Tensor]) -> tupl
             and _adjacent(shadows[stop - 1], shadows[stop])
         ):
             continue
-        fused_shadows.extend(_pieces(shadows[start:stop]))
-        fused_lives.extend(_pieces(lives[start:stop]))
+        if lives[start].is_contiguous() and shadows[start].is_contiguous():
+            fused_shadows.extend(_pieces(shadows[start:stop]))
+            fused_lives.extend(_pieces(lives[start:stop]))
+        else:  # a strided live shard (adjacency needs dense ones, so it is alone): as it is
+            fused_shadows.append(shadows[start])
+            fused_lives.append(lives[start])
         start = stop
     return fused_shadows, fused_lives
 
@@ -92,12 +96,8 @@ def _adjacent(first: torch.Tensor, second: torch.Tensor) -> bool:
 
 
 def _pieces(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-    """Flat views of at most ``FUSED_CHUNK`` elements over adjacent dense tensors (a lone tensor
-    that is not dense stays as it is)."""
-    first = tensors[0].detach()
-    if not first.is_contiguous():
-        return [first]
-    span = first.as_strided((sum(t.numel() for t in tensors),), (1,))
+    """Flat views of at most ``FUSED_CHUNK`` elements over adjacent dense tensors."""
+    span = tensors[0].detach().as_strided((sum(t.numel() for t in tensors),), (1,))
     return list(span.split(FUSED_CHUNK))
 
 

@@ -63,3 +63,15 @@ def test_a_nonfinite_value_in_a_fused_run_is_named_by_its_own_tensor() -> None:
     assert nonfinite(groups) == []
     lives[3][1, 0] = float("nan")
     assert nonfinite(groups) == [3]
+
+
+def test_a_strided_live_shard_is_updated_as_it_is_even_when_large() -> None:
+    live = torch.randn(FUSED_CHUNK // 512 + 1, 512).t()  # transposed: not dense, more than a piece
+    (group,) = group_tensors(["average"], [torch.zeros(live.shape)], [live])
+    assert group.fused_lives == [live] and group.fused_shadows[0].shape == live.shape
+    plain = torch.zeros(live.shape)
+    copy_live(group)
+    plain.copy_(live)
+    live.add_(1.0)
+    lerp(group, 0.1)
+    assert torch.equal(group.shadows[0], plain.lerp_(live, 0.1))
