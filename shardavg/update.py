@@ -12,7 +12,6 @@ needs the shadow dtype).
 
 from __future__ import annotations
 
-import operator
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
@@ -26,14 +25,12 @@ STAGING_BYTES = 64 * 2**20  # bound on temporary copies of live shards (offload,
 # Fused views are cut into pieces of at most this many elements: on CPU a mixed-dtype add or a
 # bf16 norm over one huge tensor runs 4-6x slower than over 1M-element pieces (measured).
 FUSED_CHUNK = 2**20
-dtype_and_device = operator.attrgetter("dtype", "device")
 data_ptr = torch.Tensor.data_ptr
 
 
 @dataclass
 class UpdateGroup:
     role: Role
-    live_key: tuple[torch.dtype, torch.device]
     indices: list[int] = field(default_factory=list)
     shadows: list[torch.Tensor] = field(default_factory=list)
     lives: list[torch.Tensor] = field(default_factory=list)
@@ -51,7 +48,7 @@ def group_tensors(
         if shadow is None:
             continue
         key = (role, shadow.device, shadow.dtype, live.dtype, live.device)
-        group = groups.setdefault(key, UpdateGroup(role, dtype_and_device(live)))
+        group = groups.setdefault(key, UpdateGroup(role))
         group.indices.append(index)
         group.shadows.append(shadow)
         group.lives.append(live)
