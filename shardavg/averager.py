@@ -13,7 +13,7 @@ import contextlib
 import operator
 import os
 import warnings
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -26,9 +26,9 @@ from .errors import NonFiniteError
 from .export import export as export_model
 from .layout import rank
 from .rules import EMA, LerpRule, MultiAvgFn, Rule, as_rule
-from .state import AverageState, Options
+from .state import AVERAGE_NAME, AverageState, Options
 from .strategies import make_strategy
-from .update import UpdateGroup, apply_custom, copy_live, lerp, nonfinite
+from .update import Step, UpdateGroup, apply, nonfinite
 
 BUFFER_POLICIES = ("copy", "average", "ignore")
 NONFINITE_POLICIES = ("raise", "skip", "off")
@@ -42,7 +42,10 @@ class WeightAverager:
         model: a ``DeepSpeedEngine``, an FSDP1 module, a ``fully_shard``-ed module, a DDP
             module or a plain ``nn.Module``. Building the averager is a collective.
         rule: ``EMA(...)``, ``SWA()``, ``PowerEMA(...)`` or a ``multi_avg_fn(shadow_list,
-            live_list, num_updates)`` callable such as ``get_ema_multi_avg_fn(0.999)``.
+            live_list, num_updates)`` callable such as ``get_ema_multi_avg_fn(0.999)``; or a dict
+            of them, ``{"ema": EMA(decay=0.999), "swa": SWA()}``, to keep several named averages
+            that share one read of the live shards per update (methods that use one average
+            then take its name, ``swapped("swa")``).
         strategy: ``"auto"`` (detect) or one of ``"replicated"``, ``"fsdp1"``, ``"fsdp2"``,
             ``"zero3"``; a forced strategy that does not fit the model is refused.
         every_n_steps, start_step: update at steps ``start_step, start_step + n, ...``.
@@ -64,7 +67,7 @@ class WeightAverager:
     def __init__(
         self,
         model: nn.Module,
-        rule: Rule | MultiAvgFn = DEFAULT_RULE,
+        rule: Rule | MultiAvgFn | Mapping[str, Rule | MultiAvgFn] = DEFAULT_RULE,
         *,
         strategy: str = "auto",
         every_n_steps: int = 1,
@@ -94,27 +97,38 @@ class WeightAverager:
             include_frozen=include_frozen,
             on_nonfinite=on_nonfinite,
         )
-        self._state = AverageState(make_strategy(model, strategy), as_rule(rule), options)
+        rules = _named_rules(rule)
+        self._state = AverageState(make_strategy(model, strategy), rules, options)
         self._swapped = False
         state = self._state
         narrowed = [
             info.name
-            for info, shadow, live in zip(state.infos, state.shadows, state.live)
+            for info, shadow, live in zip(state.infos, state.average(state.names[0]).shadows, state.live)
             if shadow is not None and shadow.dtype.itemsize < live.dtype.itemsize
         ]
         if narrowed:
             warnings.warn(f"{len(narrowed)} shadows are {dtype}, below their live dtype: {narrowed}", stacklevel=2)
         log.info(
-            "shardavg: %s strategy, %d tensors (%d averaged), %.1f MiB of shadows on rank 0",
+            "shardavg: %s strategy, %d tensors (%d averaged%s), %.1f MiB of shadows on rank 0",
             state.strategy.name,
             len(state.infos),
             state.roles.count("average"),
+            "" if rules.keys() == {None} else f" into {', '.join(map(str, rules))}",
             state.shadow_bytes() / 2**20,
         )
 
     # ------------------------------------------------------------------ settings and counters
 
-    rule = property(lambda self: self._state.rule, doc="The averaging rule.")
+    @property
+    def rule(self) -> Rule:
+        """The averaging rule (of the only average; ``rules`` gives every named one's)."""
+        return self._state.average(None).rule
+
+    @property
+    def rules(self) -> dict[str | None, Rule]:
+        """Every average's rule by name (``{None: rule}`` for an averager built with one rule)."""
+        return {name: average.rule for name, average in self._state.averages.items()}
+
     strategy = property(lambda self: self._state.strategy, doc="The engine adapter in use.")
     layout = property(lambda self: self._state.layout, doc="Which rank holds which part of every tensor.")
     every_n_steps = property(lambda self: self._state.options.every_n_steps)
@@ -186,15 +200,19 @@ class WeightAverager:
         state = self._state
         for group in state.groups:
             if state.num_updates == 0 or group.role == "copy":
-                copy_live(group)
-            elif isinstance(state.rule, LerpRule):
-                lerp(group, state.rule.weight(state.num_updates))
+                steps: list[Step] = [None] * len(group.shadows)
             else:
-                apply_custom(group, state.rule.fn, self._counter(group))  # type: ignore[attr-defined]
+                steps = [self._step(average.rule, group) for average in state.averages.values()]
+            apply(group, steps)
+
+    def _step(self, rule: Rule, group: UpdateGroup) -> Step:
+        if isinstance(rule, LerpRule):
+            return rule.weight(self._state.num_updates)
+        return rule.fn, self._counter(group)  # type: ignore[attr-defined]
 
     def _counter(self, group: UpdateGroup) -> torch.Tensor:
         """``num_updates`` as a tensor on the group's device, kept there and incremented in place."""
-        counters, device = self._state.device_counters, group.shadows[0].device
+        counters, device = self._state.device_counters, group.shadows[0][0].device
         if device not in counters:
             counters[device] = torch.tensor(self._state.num_updates, device=device)
         return counters[device]
@@ -220,25 +238,27 @@ class WeightAverager:
     # ------------------------------------------------------------------ using the average
 
     @contextlib.contextmanager
-    def swapped(self) -> Iterator[None]:
+    def swapped(self, average: str | None = None) -> Iterator[None]:
         """Inside the block the live model holds the averaged weights; shard-local, no gather.
 
         The live shards are stashed and restored bit for bit on exit, also when the block
         raises. Under FSDP and ZeRO-3 the forward passes inside gather the averaged shards.
+        ``average`` names which one when the averager keeps several.
         """
         state = self._state
+        shadows = state.average(average).shadows
         state.require_updates("swapped()")
         if self._swapped:
             raise RuntimeError("swapped() blocks cannot be nested")
         state.verify_structure()
-        indices = [index for index, shadow in enumerate(state.shadows) if shadow is not None]
+        indices = [index for index, shadow in enumerate(shadows) if shadow is not None]
         with torch.no_grad():
             stash = [state.live[index].clone() for index in indices]
         self._swapped = True
         try:
             with torch.no_grad():
                 state.strategy.release_gathered()
-                torch._foreach_copy_([state.live[i] for i in indices], [state.shadows[i] for i in indices])
+                torch._foreach_copy_([state.live[i] for i in indices], [shadows[i] for i in indices])
             yield
         finally:
             with torch.no_grad():
@@ -248,26 +268,28 @@ class WeightAverager:
             self._swapped = False
             state.sync_live()
 
-    def full_state_dict(self) -> dict[str, torch.Tensor]:
+    def full_state_dict(self, average: str | None = None) -> dict[str, torch.Tensor]:
         """Collective: rank 0 gets ``{name: full tensor}`` on CPU, every name of the plain model; others ``{}``.
 
         Averaged parameters come in the shadow dtype; frozen parameters and ignored buffers
-        carry their live values. Gathered one bounded bucket at a time.
+        carry their live values. Gathered one bounded bucket at a time. ``average`` names which
+        one when the averager keeps several.
         """
         result: dict[str, torch.Tensor] = {}
-        for info, full in self._state.gathered(dst=0):
+        for info, full in self._state.gathered(dst=0, average=average):
             if full is not None:
                 full = full.cpu()
                 for name in info.names:
                     result[name] = full
         return result
 
-    def copy_to(self, module: nn.Module) -> None:
+    def copy_to(self, module: nn.Module, average: str | None = None) -> None:
         """Collective: write the averaged weights into ``module`` (a plain, unsharded model) on every rank.
 
         Every rank gets the same values, rank 0's ``full_state_dict()``: where ranks hold their
         own copy of a tensor (BatchNorm statistics without SyncBatchNorm), the owner's wins.
         """
+        self._state.average(average)  # a wrong name is refused before anything else
         target = module.state_dict(keep_vars=True)
         expected = {name: info.shape for info in self._state.infos for name in info.names}
         missing = sorted(set(expected) - set(target))
@@ -283,7 +305,7 @@ class WeightAverager:
                 f"unexpected {unexpected}, mis-shaped {misshaped}"
             )
         with torch.no_grad():
-            for info, full in self._state.gathered(dst=None):
+            for info, full in self._state.gathered(dst=None, average=average):
                 for name in info.names:
                     target[name].copy_(full)
 
@@ -320,15 +342,20 @@ class WeightAverager:
         return checkpoint.load(self._state, directory, strict)
 
     def export(
-        self, path: str | os.PathLike, max_shard_size: int | str = "5GB", dtype: torch.dtype | None = None
+        self,
+        path: str | os.PathLike,
+        max_shard_size: int | str = "5GB",
+        dtype: torch.dtype | None = None,
+        average: str | None = None,
     ) -> Path:
         """Collective: write the full average to the directory ``path`` as safetensors (rank 0 writes).
 
         Gathered a bounded bucket at a time; above ``max_shard_size`` it is split into
         ``model-0000k-of-0000N.safetensors`` files with ``model.safetensors.index.json``.
-        ``dtype`` casts floating tensors (e.g. ``torch.bfloat16`` for deployment).
+        ``dtype`` casts floating tensors (e.g. ``torch.bfloat16`` for deployment). ``average``
+        names which one when the averager keeps several.
         """
-        return export_model(self._state, path, max_shard_size, dtype)
+        return export_model(self._state, path, max_shard_size, dtype, average)
 
     def shadow_bytes(self) -> int:
         """Bytes of shadow storage on this rank."""
@@ -337,6 +364,21 @@ class WeightAverager:
     def __repr__(self) -> str:
         state = self._state
         return (
-            f"WeightAverager(rule={state.rule!r}, strategy={state.strategy.name!r}, tensors={len(state.infos)}, "
+            f"WeightAverager(rules={self.rules!r}, strategy={state.strategy.name!r}, tensors={len(state.infos)}, "
             f"num_updates={state.num_updates}, step={state.step})"
         )
+
+
+def _named_rules(rule: Rule | MultiAvgFn | Mapping[str, Rule | MultiAvgFn]) -> dict[str | None, Rule]:
+    """``{None: rule}`` for one rule; the named rules of a dict, each name checked."""
+    if not isinstance(rule, Mapping):
+        return {None: as_rule(rule)}
+    if not rule:
+        raise ValueError("rule={} names no average: give at least one, e.g. {'ema': EMA(decay=0.999)}")
+    bad = [name for name in rule if not (isinstance(name, str) and AVERAGE_NAME.match(name))]
+    if bad:
+        raise ValueError(
+            f"average names {bad!r} are not plain names: use letters, digits, '_' and '-' (no dots or slashes, "
+            "which join checkpoint keys), starting with a letter or '_', at most 64 characters"
+        )
+    return {name: as_rule(value) for name, value in rule.items()}

@@ -38,7 +38,7 @@ from .ownership import (
     is_own_checkpoint,
     is_own_staging,
 )
-from .state import AverageState
+from .state import AverageState, tensor_key
 from .storage import (
     Entry,
     atomic_file,
@@ -57,8 +57,8 @@ def check_compatible(state: AverageState, meta: dict[str, Any], where: str, stri
     """Compare a checkpoint with the averager; return the saved tensors by name.
 
     Names and shapes must match (the error lists missing, unexpected and mis-shaped
-    tensors); with ``strict=False`` missing and unexpected tensors, and a different rule,
-    only warn.
+    tensors); with ``strict=False`` missing and unexpected tensors, other averages and a
+    different rule only warn.
     """
     saved = {entry["name"]: entry for entry in meta["tensors"]}
     mine = {info.name: info for info in state.infos}
@@ -89,22 +89,55 @@ def check_compatible(state: AverageState, meta: dict[str, Any], where: str, stri
         if strict:
             raise CheckpointError(message)
         warnings.warn(message, stacklevel=3)
-    rule = state.rule.to_config()
-    if meta["rule"] != rule:
-        message = f"{where} was averaged with rule {meta['rule']}, this averager has {rule}"
-        if strict:
-            raise CheckpointError(f"{message}; pass strict=False to load it anyway")
-        warnings.warn(message, stacklevel=3)
+    _compare_averages(state, meta, where, strict)
     return saved
 
 
-def loadable(state: AverageState, saved: dict[str, dict]) -> list[int]:
-    """Indices of tensors to fill from a checkpoint: stored by the averager and saved as such."""
-    return [
-        index
-        for index, (info, shadow) in enumerate(zip(state.infos, state.shadows))
-        if shadow is not None and info.name in saved and saved[info.name]["role"] != "live"
-    ]
+def _compare_averages(state: AverageState, meta: dict[str, Any], where: str, strict: bool) -> None:
+    mine = {average.name: average.rule.to_config() for average in state.averages.values()}
+    theirs = {entry["name"]: entry["rule"] for entry in meta["averages"]}
+    messages = []
+    if mine.keys() != theirs.keys():
+        messages.append(
+            f"{where} holds averages {list(theirs)}, this averager keeps {list(mine)} (those not in both are "
+            "averaged from the live weights on, or ignored)"
+        )
+    for name in mine.keys() & theirs.keys():
+        if mine[name] != theirs[name]:
+            which = "" if name is None else f" {name!r}"
+            messages.append(f"{where} was averaged{which} with rule {theirs[name]}, this averager has {mine[name]}")
+    if messages and strict:
+        raise CheckpointError("; ".join(messages) + "; pass strict=False to load it anyway")
+    for message in messages:
+        warnings.warn(message, stacklevel=4)
+
+
+class Slot(NamedTuple):
+    """A shadow to fill from a checkpoint: tensor ``index`` of ``average`` (``None`` for a copied
+    tensor's shared shadow), saved here under ``key`` and in the checkpoint under ``saved_key``."""
+
+    index: int
+    average: str | None
+    key: str
+    saved_key: str
+
+
+def loadable(state: AverageState, saved: dict[str, dict], meta: dict[str, Any]) -> list[Slot]:
+    """The shadows to fill from a checkpoint: stored by the averager, saved as such, and of an
+    average the checkpoint holds."""
+    saved_averages = [entry["name"] for entry in meta["averages"]]
+    slots = []
+    for index, info in enumerate(state.infos):
+        entry = saved.get(info.name)
+        if not state.stored(index) or entry is None or entry["role"] == "live":
+            continue
+        for key, average in state.keys(index):
+            source = average if average is not None else saved_averages[0]
+            if source not in saved_averages:
+                continue
+            saved_key = tensor_key(source, info.name) if entry["role"] == "average" else info.name
+            slots.append(Slot(index, average, key, saved_key))
+    return slots
 
 
 # ------------------------------------------------------------------------- save / load
@@ -254,9 +287,10 @@ def save(state: AverageState, directory: str | os.PathLike, keep_last: int | Non
             for owner, start, end in chunks
             if owner == me
         ]
+        stored = [(i, key, average, start, end) for i, start, end in owned for key, average in state.keys(i)]
         try:
-            entries = [Entry(state.infos[i].name, state.piece(i).dtype, (end - start,)) for i, start, end in owned]
-            write_safetensors(staging / files[me], entries, (state.piece(i) for i, _, _ in owned))
+            entries = [Entry(key, state.piece(i, a).dtype, (end - start,)) for i, key, a, start, end in stored]
+            write_safetensors(staging / files[me], entries, (state.piece(i, a) for i, _, a, _, _ in stored))
         except Exception as caught:  # report it to every rank rather than leave them waiting
             error = caught
         agree_or_raise(error, f"writing shards to {staging}")
@@ -344,18 +378,20 @@ def read_manifest(path: Path) -> dict[str, Any]:
 class _Read(NamedTuple):
     """Copy elements ``[source_start, source_end)`` of a saved chunk to ``[target_start, ...)`` of a shadow."""
 
-    index: int
+    target: torch.Tensor  # the shadow, flat
     piece: Any  # a lazy safetensors slice of the saved chunk
     source_start: int
     source_end: int
     target_start: int
 
 
-def _plan_reads(state: AverageState, path: Path, meta: dict, saved: dict[str, dict], handles: dict) -> list[_Read]:
+def _plan_reads(state: AverageState, path: Path, meta: dict, slots: list[Slot], handles: dict) -> list[_Read]:
     """Every read this rank needs, each checked against the file it comes from."""
+    saved = {entry["name"]: entry for entry in meta["tensors"]}
     reads = []
-    for index in loadable(state, saved):
-        info, entry = state.infos[index], saved[state.infos[index].name]
+    for slot in slots:
+        info = state.infos[slot.index]
+        entry, target = saved[info.name], state.piece(slot.index, slot.average)
         for chunk in entry["chunks"]:
             low, high = max(chunk["start"], info.start), min(chunk["end"], info.end)
             if low >= high:
@@ -363,8 +399,8 @@ def _plan_reads(state: AverageState, path: Path, meta: dict, saved: dict[str, di
             file = path / meta["files"][chunk["file"]]
             if file not in handles:
                 handles[file] = open_safetensors(file)
-            piece = checked_slice(handles[file], file, info.name, entry["dtype"], chunk["end"] - chunk["start"])
-            reads.append(_Read(index, piece, low - chunk["start"], high - chunk["start"], low - info.start))
+            piece = checked_slice(handles[file], file, slot.saved_key, entry["dtype"], chunk["end"] - chunk["start"])
+            reads.append(_Read(target, piece, low - chunk["start"], high - chunk["start"], low - info.start))
     return reads
 
 
@@ -377,16 +413,15 @@ def load(state: AverageState, directory: str | os.PathLike, strict: bool = True)
     try:
         path = resolve(directory)
         meta = read_manifest(path)
-        saved = check_compatible(state, meta, str(path), strict)
-        reads = _plan_reads(state, path, meta, saved, handles={})
+        slots = loadable(state, check_compatible(state, meta, str(path), strict), meta)
+        reads = _plan_reads(state, path, meta, slots, handles={})
     except Exception as caught:
         error = caught
     agree_or_raise(error, f"loading {path}")
     with torch.no_grad():
         for read in reads:
-            target = state.shadows[read.index].view(-1)
-            target[read.target_start : read.target_start + read.source_end - read.source_start].copy_(
+            read.target[read.target_start : read.target_start + read.source_end - read.source_start].copy_(
                 read.piece[read.source_start : read.source_end]
             )
-    state.restore(meta, set(saved))
+    state.restore(meta, {slot.key for slot in slots})
     return path

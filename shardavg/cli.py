@@ -47,10 +47,12 @@ def _parser() -> argparse.ArgumentParser:
         "--dtype", choices=EXPORT_DTYPES, help="cast floating tensors (default: as saved, fp32 averages)"
     )
     export.add_argument("--key", default="ema", help="the averager's key in a DCP checkpoint (default ema)")
+    export.add_argument("--average", metavar="NAME", help="which average, when the averager kept several (see inspect)")
     inspect = commands.add_parser(
         "inspect",
         help="print what a checkpoint holds",
-        description="Print step, num_updates, rule, source strategy and world size, tensor count and bytes.",
+        description="Print step, num_updates, the averages and their rules, source strategy and world size, "
+        "tensor count and bytes.",
     )
     inspect.add_argument("checkpoint", metavar="CKPT_DIR")
     inspect.add_argument("--key", default="ema", help="the averager's key in a DCP checkpoint (default ema)")
@@ -67,7 +69,10 @@ def _inspect(saved: SavedAverage) -> str:
         ("checkpoint", where),
         ("step", meta["step"]),
         ("num_updates", _updates(meta)),
-        ("rule", json.dumps(meta["rule"])),
+        *(
+            ("rule" if entry["name"] is None else f"average {entry['name']}", json.dumps(entry["rule"]))
+            for entry in meta["averages"]
+        ),
         ("strategy", f"{meta.get('strategy')} on {meta.get('world_size')} rank(s)"),
         ("tensors", f"{len(tensors)}: " + ", ".join(f"{n} {role}" for role, n in sorted(roles.items()))),
         ("bytes", f"{size} ({size / 2**20:.1f} MiB)"),
@@ -81,7 +86,8 @@ def _updates(meta: dict) -> str:
     return f"{meta['num_updates']} ({meta.get('num_skipped', 0)} skipped for non-finite weights)"
 
 
-def _export(saved: SavedAverage, out: str, max_shard_size: str, dtype_name: str | None) -> str:
+def _export(saved: SavedAverage, out: str, max_shard_size: str, dtype_name: str | None, average: str | None) -> str:
+    average = saved.average(average)
     if saved.description["num_updates"] == 0:
         raise CheckpointError(f"{saved.path} was saved before any update was applied: it holds no average to export")
     checkpoint, target = saved.path.resolve(), Path(out).resolve()
@@ -96,14 +102,16 @@ def _export(saved: SavedAverage, out: str, max_shard_size: str, dtype_name: str 
 
     def stream():
         for t in tensors:
-            full = saved.read(t["name"])
+            full = saved.read(t["name"], average)
             full = full.to(dtype) if dtype is not None and full.is_floating_point() else full
             for _ in (t["name"], *t["aliases"]):
                 yield full
             del full  # before the next tensor is read
 
-    path = write_model(out, entries, stream(), export_metadata(saved.description), parse_size(max_shard_size))
-    return f"wrote {len(entries)} tensors to {path}"
+    metadata = export_metadata(saved.description, average)
+    path = write_model(out, entries, stream(), metadata, parse_size(max_shard_size))
+    which = "" if average is None else f" of average {average!r}"
+    return f"wrote {len(entries)} tensors{which} to {path}"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -113,7 +121,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "inspect":
             print(_inspect(saved))
         else:
-            print(_export(saved, args.out, args.max_shard_size, args.dtype))
+            print(_export(saved, args.out, args.max_shard_size, args.dtype, args.average))
     except (CheckpointError, ValueError, OSError) as error:
         print(f"shardavg: error: {error}", file=sys.stderr)
         return 2

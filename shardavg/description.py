@@ -16,14 +16,15 @@ from typing import Any
 
 from .errors import CheckpointError
 from .rules import rule_from_config
-from .state import FORMAT, VERSION
+from .state import AVERAGE_NAME, FORMAT, VERSION
 from .storage import DTYPES
 from .strategies import STRATEGIES
 
 KINDS = ("param", "buffer")
 ROLES = ("average", "copy", "live")
 CHECKSUM = "checksum"
-REQUIRED = ("step", "num_updates", "num_skipped", "rule", "strategy", "world_size", "options", "tensors")
+REQUIRED = ("step", "num_updates", "num_skipped", "averages", "strategy", "world_size", "options", "tensors")
+REQUIRED_V2 = tuple("rule" if key == "averages" else key for key in REQUIRED)
 
 
 def fail(where: str, what: str) -> CheckpointError:
@@ -61,6 +62,22 @@ def _check_rule(config: Any, where: str) -> None:
         raise fail(where, f"'rule' {str(config)[:200]} is not a rule: {error!r}") from None
     if canonical != config:
         raise fail(where, f"'rule' {str(config)[:200]} is not a rule's config")
+
+
+def _check_averages(averages: Any, where: str) -> None:
+    """A non-empty list of ``{"name", "rule"}``: plain, distinct names, or one unnamed average."""
+    if not isinstance(averages, list) or not averages:
+        raise fail(where, f"'averages' must be a non-empty list, got {str(averages)[:200]}")
+    for entry in averages:
+        if not isinstance(entry, dict) or set(entry) != {"name", "rule"}:
+            raise fail(where, f"an 'averages' entry must hold 'name' and 'rule', got {str(entry)[:200]}")
+        _check_rule(entry["rule"], where)
+    names = [entry["name"] for entry in averages]
+    unnamed = names == [None]
+    if not unnamed and not all(isinstance(n, str) and AVERAGE_NAME.match(n) for n in names):
+        raise fail(where, f"average names {names} must be plain names, or one average with name null")
+    if len(set(names)) != len(names):
+        raise fail(where, f"average names {names} repeat")
 
 
 def _check_options(options: Any, where: str) -> None:
@@ -102,7 +119,9 @@ def _check_tensor(entry: Any, where: str) -> None:
 
 
 def check_description(meta: Any, where: str) -> dict[str, Any]:
-    """Refuse anything that is not a complete, well-typed description written by a shardavg."""
+    """Refuse anything that is not a complete, well-typed description written by a shardavg.
+
+    Returns it with older versions' one ``"rule"`` given as ``"averages"``, as version 3 writes."""
     if not isinstance(meta, dict) or meta.get("format") != FORMAT:
         raise CheckpointError(f"{where} is not a shardavg checkpoint description")
     version = meta.get("version")
@@ -111,14 +130,19 @@ def check_description(meta: Any, where: str) -> dict[str, Any]:
     if CHECKSUM in meta or version >= 2:
         if meta.get(CHECKSUM) != checksum(meta):
             raise fail(where, "the checksum does not match the content: the file was edited or damaged")
-    required = ("step", "num_updates", "rule", "tensors") if version == 1 else REQUIRED
+    required = ("step", "num_updates", "rule", "tensors") if version == 1 else REQUIRED_V2 if version == 2 else REQUIRED
     missing = [key for key in required if key not in meta]
     if missing:
         raise CheckpointError(f"{where} lacks {missing}")
     for key, minimum in (("step", 0), ("num_updates", 0), ("num_skipped", 0), ("world_size", 1)):
         if key in meta and not is_count(meta[key], minimum):
             raise fail(where, f"{key!r} must be an integer >= {minimum}, got {meta[key]!r}")
-    _check_rule(meta["rule"], where)
+    if version < 3:  # one unnamed average, described by "rule"
+        rule = meta["rule"]
+        meta = {key: value for key, value in meta.items() if key != "rule"} | {
+            "averages": [{"name": None, "rule": rule}]
+        }
+    _check_averages(meta["averages"], where)
     if "strategy" in meta and not (isinstance(meta["strategy"], str) and meta["strategy"] in STRATEGIES):
         raise fail(where, f"'strategy' must be one of {sorted(STRATEGIES)}, got {meta['strategy']!r}")
     if "options" in meta:

@@ -131,10 +131,13 @@ def write_model(
     return directory
 
 
-def export_metadata(description: dict) -> dict[str, str]:
-    """What goes into every file's ``__metadata__`` (safetensors wants strings)."""
-    keep = ("rule", "step", "num_updates", "strategy", "world_size")
-    return {"format": "pt", "shardavg": json.dumps({key: description.get(key) for key in keep})}
+def export_metadata(description: dict, average: str | None) -> dict[str, str]:
+    """What goes into every file's ``__metadata__`` (safetensors wants strings): which average
+    (its name and rule), after how many steps and updates, from which engine."""
+    rules = {entry["name"]: entry["rule"] for entry in description["averages"]}
+    keep = ("step", "num_updates", "strategy", "world_size")
+    content = {"average": average, "rule": rules[average]} | {key: description.get(key) for key in keep}
+    return {"format": "pt", "shardavg": json.dumps(content)}
 
 
 def export_entries(
@@ -150,15 +153,21 @@ def cast_dtype(saved: torch.dtype, dtype: torch.dtype | None) -> torch.dtype:
 
 
 def export(
-    state: AverageState, path: str | os.PathLike, max_shard_size: int | str = "5GB", dtype: torch.dtype | None = None
+    state: AverageState,
+    path: str | os.PathLike,
+    max_shard_size: int | str = "5GB",
+    dtype: torch.dtype | None = None,
+    average: str | None = None,
 ) -> Path:
-    """Collective: gather the average tensor by tensor and write it on rank 0 (see ``write_model``)."""
+    """Collective: gather ``average`` tensor by tensor and write it on rank 0 (see ``write_model``)."""
     max_bytes = parse_size(max_shard_size)
     if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
         raise ValueError(f"dtype must be a floating torch.dtype or None, got {dtype!r}")
-    gathered = state.gathered(dst=0)  # checks the averager before anything is written
+    name = state.average(average).name
+    gathered = state.gathered(dst=0, average=name)  # checks the averager before anything is written
     entries = export_entries(
-        ((list(info.names), state.piece(i).dtype, tuple(info.shape)) for i, info in enumerate(state.infos)), dtype
+        ((list(info.names), state.piece(i, name).dtype, tuple(info.shape)) for i, info in enumerate(state.infos)),
+        dtype,
     )
     error: BaseException | None = None
     if rank() == 0:
@@ -172,7 +181,7 @@ def export(
 
         stream = tensors()
         try:
-            write_model(path, entries, stream, export_metadata(state.describe()), max_bytes)
+            write_model(path, entries, stream, export_metadata(state.describe(), name), max_bytes)
         except Exception as caught:
             error = caught
         for _ in stream:  # finish the collective gather even if writing failed

@@ -25,6 +25,7 @@ from .description import is_count, numel
 from .errors import CheckpointError
 from .layout import tiles
 from .ownership import MANIFEST
+from .state import tensor_key
 from .stateful import decode_description
 from .storage import DTYPES, checked_slice, open_safetensors
 
@@ -61,7 +62,8 @@ class _MetadataUnpickler(pickle.Unpickler):
 
 
 class SavedAverage:
-    """An averager's checkpoint opened for reading: ``description`` and ``read(name)``."""
+    """An averager's checkpoint opened for reading: ``description``, ``averages`` (their names,
+    ``[None]`` for an averager with one rule) and ``read(name, average)``."""
 
     def __init__(self, path: str | Path, key: str = "ema") -> None:
         path = Path(path)
@@ -76,7 +78,26 @@ class SavedAverage:
                 f"{path} is neither a shardavg checkpoint ({MANIFEST}) nor a DCP checkpoint (.metadata)"
             )
         self.tensors = {entry["name"]: entry for entry in self.description["tensors"]}
+        self.averages: list[str | None] = [entry["name"] for entry in self.description["averages"]]
         self._handles: dict[Path, Any] = {}
+
+    def average(self, name: str | None) -> str | None:
+        """The average called ``name``; ``None`` picks the only one, when there is one."""
+        if name is None and len(self.averages) == 1:
+            return self.averages[0]
+        if name not in self.averages:
+            named = [n for n in self.averages if n is not None]
+            raise CheckpointError(
+                f"{self.path} holds averages {named}: name one (--average)"
+                if name is None
+                else f"{self.path} has no average {name!r}; it holds "
+                + (f"{named}" if named else "one, unnamed: leave --average out")
+            )
+        return name
+
+    def key(self, name: str, average: str | None) -> str:
+        """The key tensor ``name`` of ``average`` is stored under."""
+        return tensor_key(average, name) if self.tensors[name]["role"] == "average" else name
 
     # --------------------------------------------------------------- DCP
 
@@ -140,47 +161,52 @@ class SavedAverage:
     def verify(self) -> None:
         """Check every tensor's chunk table against the files it names, reading no tensor data."""
         for name in self.tensors:
-            self._chunks(name)
+            for average in self.averages:
+                self._chunks(name, self.key(name, average))
 
-    def read(self, name: str) -> torch.Tensor:
-        """The full tensor ``name`` in its original shape (one tensor in memory at a time).
+    def read(self, name: str, average: str | None = None) -> torch.Tensor:
+        """The full tensor ``name`` of ``average`` in its original shape (one tensor in memory at a time).
 
         Every stored chunk is checked (where it lies, that the chunks tile the tensor, dtype and
         size) before the tensor is allocated, so a damaged table never yields unwritten memory.
         """
+        key = self.key(name, self.average(average))
         dtype, shape = DTYPES[self.tensors[name]["dtype"]], torch.Size(self.tensors[name]["shape"])
         flat = torch.empty(shape.numel(), dtype=dtype)
-        for start, length, value in self._chunks(name):
+        for start, length, value in self._chunks(name, key):
             piece = value()
             if not isinstance(piece, torch.Tensor) or piece.dtype != dtype or piece.shape != (length,):
                 found = f"{piece.dtype} {tuple(piece.shape)}" if isinstance(piece, torch.Tensor) else type(piece)
-                raise CheckpointError(f"{self.path}: a chunk of {name!r} is {found}, expected {dtype} ({length},)")
+                raise CheckpointError(f"{self.path}: a chunk of {key!r} is {found}, expected {dtype} ({length},)")
             flat[start : start + length] = piece
         return flat.view(shape)
 
-    def _chunks(self, name: str) -> list[tuple[int, int, Callable[[], Any]]]:
-        """``(start, length, read)`` for each stored chunk of ``name``, checked to tile it."""
+    def _chunks(self, name: str, key: str) -> list[tuple[int, int, Callable[[], Any]]]:
+        """``(start, length, read)`` for each chunk stored under ``key`` of tensor ``name``, checked to tile it."""
         entry = self.tensors[name]
-        chunks = self._dcp_chunks(name, DTYPES[entry["dtype"]]) if self.kind == "dcp" else self._shard_chunks(name)
+        if self.kind == "dcp":
+            chunks = self._dcp_chunks(key, DTYPES[entry["dtype"]])
+        else:
+            chunks = self._shard_chunks(name, key)
         total = numel(entry["shape"])
         if not tiles(total, [(start, start + length) for start, length, _ in chunks]):
             spans = [(start, start + length) for start, length, _ in chunks][:8]
-            raise CheckpointError(f"{self.path}: the chunks of {name!r} {spans} do not tile its {total} items")
+            raise CheckpointError(f"{self.path}: the chunks of {key!r} {spans} do not tile its {total} items")
         return chunks
 
-    def _shard_chunks(self, name: str) -> list[tuple[int, int, Callable[[], Any]]]:
+    def _shard_chunks(self, name: str, key: str) -> list[tuple[int, int, Callable[[], Any]]]:
         chunks = []
         for chunk in self.tensors[name]["chunks"]:
             file = self.path / self.description["files"][chunk["file"]]
             if file not in self._handles:
                 self._handles[file] = open_safetensors(file)
             length = chunk["end"] - chunk["start"]
-            piece = checked_slice(self._handles[file], file, name, self.tensors[name]["dtype"], length)
+            piece = checked_slice(self._handles[file], file, key, self.tensors[name]["dtype"], length)
             chunks.append((chunk["start"], length, lambda piece=piece: piece[:]))
         return chunks
 
-    def _dcp_chunks(self, name: str, dtype: torch.dtype) -> list[tuple[int, int, Callable[[], Any]]]:
-        fqn = f"{self._prefix}tensors.{name}"
+    def _dcp_chunks(self, key: str, dtype: torch.dtype) -> list[tuple[int, int, Callable[[], Any]]]:
+        fqn = f"{self._prefix}tensors.{key}"
         stored = self._metadata.state_dict_metadata.get(fqn)
         chunks = getattr(stored, "chunks", None)
         if not isinstance(chunks, list):

@@ -4,9 +4,12 @@
 ``swapped``); checkpoints (``checkpoint.py``), DCP (``stateful.py``) and export (``export.py``)
 read and restore it through the attributes and methods documented here, and nothing else:
 
-- ``infos``, ``roles``, ``shadows``, ``layout``: what each tensor is, whether it is averaged,
-  copied or not stored, its shadow on this rank, and which rank holds which part of it;
-- ``piece(i)``: this rank's part of tensor ``i`` as it would be saved or exported;
+- ``infos``, ``roles``, ``layout``: what each tensor is, whether it is averaged, copied or not
+  stored, and which rank holds which part of it;
+- ``averages``: the averages kept, by name (``None`` for an averager built with one rule), each
+  with its rule and its shadows on this rank (copied tensors share one shadow across averages);
+- ``stored(i)``, ``keys(i)`` and ``piece(i, name)``: whether tensor ``i`` has shadows, the keys
+  its values are saved under, and this rank's part of it as saved or exported;
 - ``check_current()`` before collective I/O, ``gathered(dst)`` for full tensors;
 - ``describe()`` and ``restore(description, saved)`` for everything but the tensors' values.
 
@@ -17,6 +20,7 @@ updates and regrouped only when the engine really changed them.
 from __future__ import annotations
 
 import operator
+import re
 import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -34,7 +38,24 @@ from .strategies import Strategy
 from .strategies.base import TensorInfo
 from .update import Role, UpdateGroup, group_tensors, groups_current
 
-FORMAT, VERSION = "shardavg", 2  # the description's format, shared by checkpoints, DCP and exports (2: checksummed)
+FORMAT, VERSION = "shardavg", 3  # the description's format, shared by checkpoints, DCP and exports
+# (2: checksummed; 3: "averages", several named averages, in place of one "rule")
+AVERAGE_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_-]{0,63}$")  # never a dot or a slash: names join keys
+
+
+def tensor_key(average: str | None, name: str) -> str:
+    """The key a tensor of an average is saved under: its name, prefixed by the average's name for
+    averaged tensors of a named average (``"slow/fc.weight"``)."""
+    return name if average is None else f"{average}/{name}"
+
+
+@dataclass
+class Average:
+    """One average: its rule and its shadow of every local view (``None`` where not stored)."""
+
+    name: str | None
+    rule: Rule
+    shadows: list[torch.Tensor | None]
 
 
 @dataclass(frozen=True)
@@ -93,12 +114,12 @@ def _watch(state: AverageState) -> None:
 
 
 class AverageState:
-    """Shadows of this rank's local views, the views themselves (grouped for fused updates), the
-    layout of every tensor across ranks, and the counters. Building it is a collective."""
+    """Shadows of this rank's local views (one set per average), the views themselves (grouped for
+    fused updates), the layout of every tensor across ranks, and the counters, which all averages
+    share. Building it is a collective."""
 
-    def __init__(self, strategy: Strategy, rule: Rule, options: Options) -> None:
+    def __init__(self, strategy: Strategy, rules: dict[str | None, Rule], options: Options) -> None:
         self.strategy = strategy
-        self.rule = rule
         self.options = options
         self.step = 0  # last step seen by update()
         self.num_updates = 0  # updates applied (the first one copies)
@@ -110,15 +131,19 @@ class AverageState:
         self.live: list[torch.Tensor] = strategy.local_views()
         self.roles: list[Role] = [options.role(info) for info in self.infos]
         self.layout = ShardLayout.build(self.infos)
-        self.shadows: list[torch.Tensor | None] = self._allocate()
-        self.groups: list[UpdateGroup] = group_tensors(self.roles, self.shadows, self.live)
+        self.averages: dict[str | None, Average] = {
+            name: Average(name, rule, shadows)
+            for (name, rule), shadows in zip(rules.items(), self._allocate(len(rules)))
+        }
+        self.groups: list[UpdateGroup] = self._group()
         self._module_ids = {id(module) for module in strategy.model.modules()}
         self._structure_dirty = False
         _watch(self)
 
-    def _allocate(self) -> list[torch.Tensor | None]:
-        """Every shadow, carved in order from one zeroed slab per (device, dtype): shadows of
-        neighbouring live shards are then neighbours too, and the update fuses them."""
+    def _allocate(self, count: int) -> list[list[torch.Tensor | None]]:
+        """``count`` sets of shadows carved from one zeroed slab per (device, dtype): the copied
+        tensors once, shared by every set, then each set's averaged ones in order, so that shadows
+        of neighbouring live shards are neighbours too and the update fuses them."""
         kinds: list[tuple | None] = []
         for role, live in zip(self.roles, self.live):
             dtype = live.dtype
@@ -129,22 +154,63 @@ class AverageState:
                 None if role == "live" else (dtype, device, device.type == "cpu" and live.device.type == "cuda")
             )
         sizes: dict[tuple, int] = {}
-        for kind, live in zip(kinds, self.live):
+        for kind, live, role in zip(kinds, self.live, self.roles):
             if kind is not None:
-                sizes[kind] = sizes.get(kind, 0) + live.numel()
+                sizes[kind] = sizes.get(kind, 0) + live.numel() * (count if role == "average" else 1)
         # zeros, not empty: a checkpoint saved before the first update must not carry stray memory
         slabs = {
             kind: torch.zeros(size, dtype=kind[0], device=kind[1], pin_memory=kind[2]) for kind, size in sizes.items()
         }
         offsets = dict.fromkeys(slabs, 0)
-        shadows: list[torch.Tensor | None] = []
-        for kind, live in zip(kinds, self.live):
-            if kind is None:
-                shadows.append(None)
-                continue
-            start, offsets[kind] = offsets[kind], offsets[kind] + live.numel()
-            shadows.append(slabs[kind][start : offsets[kind]].view(live.shape))
-        return shadows
+
+        def carve(role: Role) -> list[torch.Tensor | None]:
+            shadows: list[torch.Tensor | None] = []
+            for kind, live, its_role in zip(kinds, self.live, self.roles):
+                if kind is None or its_role != role:
+                    shadows.append(None)
+                    continue
+                start, offsets[kind] = offsets[kind], offsets[kind] + live.numel()
+                shadows.append(slabs[kind][start : offsets[kind]].view(live.shape))
+            return shadows
+
+        copied = carve("copy")
+        sets = [carve("average") for _ in range(count)]
+        return [[c if a is None else a for a, c in zip(averaged, copied)] for averaged in sets]
+
+    def _group(self) -> list[UpdateGroup]:
+        return group_tensors(self.roles, [a.shadows for a in self.averages.values()], self.live)
+
+    # ------------------------------------------------------------------ averages
+
+    @property
+    def names(self) -> list[str | None]:
+        return list(self.averages)
+
+    def average(self, name: str | None) -> Average:
+        """The average called ``name``; ``None`` names the only one, when there is one."""
+        if name is None and len(self.averages) == 1:
+            return next(iter(self.averages.values()))
+        if name not in self.averages:
+            named = [n for n in self.averages if n is not None]
+            if name is None:
+                raise ValueError(f"this averager keeps several averages {named}: name one (average=...)")
+            raise ValueError(
+                f"no average called {name!r}: "
+                + (f"this averager keeps {named}" if named else "this averager keeps one, unnamed (average=None)")
+            )
+        return self.averages[name]
+
+    def stored(self, index: int) -> bool:
+        """Whether tensor ``index`` has shadows (averaged or copied), rather than being exported live."""
+        return self.roles[index] != "live"
+
+    def keys(self, index: int) -> list[tuple[str, str | None]]:
+        """``(key, average)`` under which tensor ``index`` is saved: one per average when averaged,
+        one shared (average ``None``) when copied or live."""
+        name = self.infos[index].name
+        if self.roles[index] == "average":
+            return [(tensor_key(average, name), average) for average in self.averages]
+        return [(name, None)]
 
     # ------------------------------------------------------------------ live views
 
@@ -159,11 +225,15 @@ class AverageState:
         if misshaped:
             raise ModelChangedError(f"the model's local shards changed shape after the averager was built: {misshaped}")
         if self.options.device is None:
-            for index, shadow in enumerate(self.shadows):
-                if shadow is not None and shadow.device != live[index].device:
-                    self.shadows[index] = shadow.to(live[index].device)
+            moved: dict[int, torch.Tensor] = {}  # a shadow shared by several averages moves once
+            for average in self.averages.values():
+                for index, shadow in enumerate(average.shadows):
+                    if shadow is not None and shadow.device != live[index].device:
+                        if id(shadow) not in moved:
+                            moved[id(shadow)] = shadow.to(live[index].device)
+                        average.shadows[index] = moved[id(shadow)]
         self.live = live
-        self.groups = group_tensors(self.roles, self.shadows, self.live)
+        self.groups = self._group()
 
     def verify_structure(self) -> None:
         """Rescan the model; raise ``ModelChangedError`` naming what differs from construction time."""
@@ -206,10 +276,13 @@ class AverageState:
 
     # ------------------------------------------------------------------ reading
 
-    def piece(self, index: int) -> torch.Tensor:
-        """This rank's part of tensor ``index``, flat: averaged, or live for tensors not stored."""
-        source = self.shadows[index] if self.shadows[index] is not None else self.live[index]
-        return source.detach().reshape(-1)
+    def piece(self, index: int, average: str | None = None) -> torch.Tensor:
+        """This rank's part of tensor ``index`` in ``average``, flat: its shadow, or the live value
+        for tensors not stored (``average`` may be ``None`` for copied and live tensors)."""
+        if not self.stored(index):
+            return self.live[index].detach().reshape(-1)
+        average = self.names[0] if self.roles[index] == "copy" else average
+        return self.average(average).shadows[index].detach().reshape(-1)  # type: ignore[union-attr]
 
     def require_updates(self, what: str) -> None:
         if self.num_updates == 0:
@@ -236,18 +309,20 @@ class AverageState:
         self.verify_structure()
         self.check_ranks_agree()
 
-    def gathered(self, dst: int | None) -> Iterator[tuple[TensorInfo, torch.Tensor | None]]:
-        """Collective: check the state now, then gather full tensors as the iterator is consumed.
+    def gathered(self, dst: int | None, average: str | None) -> Iterator[tuple[TensorInfo, torch.Tensor | None]]:
+        """Collective: check the state now, then gather the full tensors of ``average`` as the
+        iterator is consumed.
 
         With ``dst`` set only that rank receives (others get ``None``); with ``None`` every rank
         receives the owners' values (replicas such as per-rank BatchNorm statistics included).
         """
+        name = self.average(average).name
         self.require_updates("gathering the average")
         self.check_current()
         gathered = iter_gathered(
             self.layout,
             self.infos,
-            self.piece,
+            lambda index: self.piece(index, name),
             range(len(self.infos)),
             dst=dst,
             bucket_bytes=self.gather_bucket_bytes,
@@ -261,7 +336,12 @@ class AverageState:
         return named()
 
     def shadow_bytes(self) -> int:
-        storages = {s.untyped_storage().data_ptr(): s.untyped_storage().nbytes() for s in self.shadows if s is not None}
+        storages = {
+            s.untyped_storage().data_ptr(): s.untyped_storage().nbytes()
+            for average in self.averages.values()
+            for s in average.shadows
+            if s is not None
+        }
         return sum(storages.values())
 
     # ------------------------------------------------------------------ description
@@ -274,7 +354,7 @@ class AverageState:
             "step": self.step,
             "num_updates": self.num_updates,
             "num_skipped": self.num_skipped,
-            "rule": self.rule.to_config(),
+            "averages": [{"name": a.name, "rule": a.rule.to_config()} for a in self.averages.values()],
             "strategy": self.strategy.name,
             "world_size": world_size(),
             "options": self.options.describe(),
@@ -285,19 +365,20 @@ class AverageState:
                     "kind": info.kind,
                     "role": role,
                     "shape": list(info.shape),
-                    "dtype": dtype_name(self.piece(index).dtype),
+                    "dtype": dtype_name(self.piece(index, self.names[0]).dtype),
                 }
                 for index, (info, role) in enumerate(zip(self.infos, self.roles))
             ],
         }
 
     def restore(self, description: dict[str, Any], saved: set[str]) -> None:
-        """Take a description's counters once the shadows named in ``saved`` hold its values;
-        other shadows (a non-strict load) restart from the live weights."""
+        """Take a description's counters once the shadows whose keys are in ``saved`` hold its
+        values; other shadows (a non-strict load) restart from the live weights."""
         with torch.no_grad():
-            for info, shadow, live in zip(self.infos, self.shadows, self.live):
-                if shadow is not None and info.name not in saved:
-                    shadow.copy_(live)
+            for index, live in enumerate(self.live):
+                for key, average in self.keys(index):
+                    if self.stored(index) and key not in saved:
+                        self.piece(index, average).copy_(live.reshape(-1))
         self.step = int(description["step"])
         self.num_updates = int(description["num_updates"])
         self.num_skipped = int(description.get("num_skipped", 0))

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .checkpoint import check_compatible, loadable
+from .checkpoint import Slot, check_compatible, loadable
 from .description import check_description, with_checksum
 from .errors import CheckpointError
 from .layout import distributed, rank
@@ -42,15 +42,15 @@ def _owns(state: AverageState, index: int) -> bool:
     return any(owner == rank() for owner, _, _ in state.layout.chunks[index])
 
 
-def _dcp_value(state: AverageState, index: int, meshes: dict[str, Any]) -> torch.Tensor:
-    """Tensor ``index`` as DCP sees it: the flattened global tensor, of which this rank offers
-    the chunk it owns. Replicas offer nothing (DCP would keep an arbitrary replica's copy of,
-    say, a BatchNorm buffer); ``load_state_dict`` sends them the owner's chunk."""
+def _dcp_value(state: AverageState, index: int, average: str | None, meshes: dict[str, Any]) -> torch.Tensor:
+    """Tensor ``index`` of ``average`` as DCP sees it: the flattened global tensor, of which this
+    rank offers the chunk it owns. Replicas offer nothing (DCP would keep an arbitrary replica's
+    copy of, say, a BatchNorm buffer); ``load_state_dict`` sends them the owner's chunk."""
     info = state.infos[index]
-    piece, offset = state.piece(index), info.start
+    piece, offset = state.piece(index, average), info.start
     if not _owns(state, index):  # an empty chunk at the end can never be mistaken for another rank's
         piece, offset = piece[:0], info.numel
-    elif state.shadows[index] is None:
+    elif not state.stored(index):
         piece = piece.clone()  # a live value: loading must not write into the model
     if not distributed():
         return piece
@@ -65,18 +65,18 @@ def _dcp_value(state: AverageState, index: int, meshes: dict[str, Any]) -> torch
     return DTensor.from_local(shards, mesh, [Shard(0)], run_check=False, shape=torch.Size([info.numel]), stride=(1,))
 
 
-def _fill_replicas(state: AverageState, indices: list[int]) -> None:
+def _fill_replicas(state: AverageState, slots: list[Slot]) -> None:
     """Collective: every rank holding a copy of a chunk it does not own receives the owner's."""
     if not distributed():
         return
     me = rank()
-    for index in indices:
-        ranges = state.layout.ranges[index]
-        for owner, start, end in state.layout.chunks[index]:
+    for slot in slots:
+        ranges = state.layout.ranges[slot.index]
+        for owner, start, end in state.layout.chunks[slot.index]:
             holders = [r for r, held in enumerate(ranges) if held == (start, end) and r != owner]
             if not holders:
                 continue
-            shadow = state.shadows[index].view(-1)
+            shadow = state.piece(slot.index, slot.average)
             if me == owner or me in holders:
                 dist.broadcast(shadow, src=owner)
             else:  # takes part without a copy of its own
@@ -88,7 +88,11 @@ def state_dict(state: AverageState) -> dict[str, Any]:
     meshes: dict[str, Any] = {}
     return {
         "meta": encode_description(state.describe()),
-        "tensors": {info.name: _dcp_value(state, index, meshes) for index, info in enumerate(state.infos)},
+        "tensors": {
+            key: _dcp_value(state, index, average, meshes)
+            for index in range(len(state.infos))
+            for key, average in state.keys(index)
+        },
     }
 
 
@@ -107,20 +111,20 @@ def load_state_dict(state: AverageState, state_dict: dict[str, Any], strict: boo
     if not isinstance(state_dict, dict) or "meta" not in state_dict or not isinstance(state_dict.get("tensors"), dict):
         raise CheckpointError("not a shardavg state dict: it needs 'meta' and a 'tensors' dict")
     meta = decode_description(state_dict["meta"], "state dict")
-    saved = check_compatible(state, meta, "the state dict", strict)
+    slots = loadable(state, check_compatible(state, meta, "the state dict", strict), meta)
     tensors = state_dict["tensors"]
-    absent = sorted(state.infos[i].name for i in loadable(state, saved) if state.infos[i].name not in tensors)
+    absent = sorted(slot.key for slot in slots if slot.key not in tensors)
     if absent:
         message = f"the state dict describes {absent} but its 'tensors' lack them"
         if strict:
             raise CheckpointError(f"{message}; pass strict=False to average them from the live weights on")
         warnings.warn(f"{message}: averaged from the live weights on", stacklevel=3)
-    indices = [i for i in loadable(state, saved) if state.infos[i].name in tensors]
+    slots = [slot for slot in slots if slot.key in tensors]
     values = {}
-    for index in indices:
-        if not _owns(state, index):
+    for slot in slots:
+        if not _owns(state, slot.index):
             continue
-        name, target = state.infos[index].name, state.shadows[index].view(-1)
+        name, target = slot.key, state.piece(slot.index, slot.average)
         local = _local_part(tensors[name])
         if not isinstance(local, torch.Tensor) or local.shape != target.shape or local.dtype != target.dtype:
             found = f"{local.dtype} {tuple(local.shape)}" if isinstance(local, torch.Tensor) else type(local).__name__
@@ -128,11 +132,11 @@ def load_state_dict(state: AverageState, state_dict: dict[str, Any], strict: boo
                 f"{name!r}: the state dict holds {found} here, this rank holds {target.dtype} {tuple(target.shape)}; "
                 "load through torch.distributed.checkpoint to reshard"
             )
-        values[index] = local
+        values[slot] = local
     with torch.no_grad():
-        for index, local in values.items():
-            target = state.shadows[index].view(-1)
+        for slot, local in values.items():
+            target = state.piece(slot.index, slot.average)
             if local.data_ptr() != target.data_ptr():  # DCP loaded into the shadow itself otherwise
                 target.copy_(local)
-        _fill_replicas(state, indices)
-    state.restore(meta, set(saved) - set(absent))
+        _fill_replicas(state, slots)
+    state.restore(meta, {slot.key for slot in slots})

@@ -1,7 +1,9 @@
 """The update itself: shadows and live shards grouped for a handful of fused ``_foreach`` calls.
 
 A group holds tensors that one call can update together: the same role (averaged or
-copied), shadow device and dtype, and live dtype and device. Within a group, neighbours that
+copied), shadow device and dtype, and live dtype and device. It holds one list of shadows per
+average kept (copied tensors have one, shared by all), so each live shard is read, screened
+and staged once per update however many averages take it in. Within a group, neighbours that
 lie back to back in memory on both sides (FSDP1's flat shard, ZeRO-3's flattened partitions,
 against shadows carved from one slab) are fused into one flat view, so the kernels run over
 a few large tensors instead of one small tensor per parameter; the elementwise results are
@@ -25,6 +27,9 @@ STAGING_BYTES = 64 * 2**20  # bound on temporary copies of live shards (offload,
 # Fused views are cut into pieces of at most this many elements: on CPU a mixed-dtype add or a
 # bf16 norm over one huge tensor runs 4-6x slower than over 1M-element pieces (measured).
 FUSED_CHUNK = 2**20
+# With several averages, the fused pieces are walked in batches of about this many live bytes, so
+# each piece is still in cache when the next average reads it.
+CACHE_BYTES = 4 * 2**20
 data_ptr = torch.Tensor.data_ptr
 
 
@@ -32,25 +37,28 @@ data_ptr = torch.Tensor.data_ptr
 class UpdateGroup:
     role: Role
     indices: list[int] = field(default_factory=list)
-    shadows: list[torch.Tensor] = field(default_factory=list)
+    shadows: list[list[torch.Tensor]] = field(default_factory=list)  # one list per average (one if copied)
     lives: list[torch.Tensor] = field(default_factory=list)
     # the same elements, neighbours in memory merged into one flat view (see ``fuse``)
-    fused_shadows: list[torch.Tensor] = field(default_factory=list)
+    fused_shadows: list[list[torch.Tensor]] = field(default_factory=list)
     fused_lives: list[torch.Tensor] = field(default_factory=list)
     live_pointers: list[int] = field(default_factory=list)  # where each live shard's data was
 
 
 def group_tensors(
-    roles: Sequence[Role], shadows: Sequence[torch.Tensor | None], lives: Sequence[torch.Tensor]
+    roles: Sequence[Role], shadow_sets: Sequence[Sequence[torch.Tensor | None]], lives: Sequence[torch.Tensor]
 ) -> list[UpdateGroup]:
+    """Group the stored tensors; ``shadow_sets`` holds one list of shadows per average."""
     groups: dict[tuple, UpdateGroup] = {}
-    for index, (role, shadow, live) in enumerate(zip(roles, shadows, lives)):
+    for index, (role, live) in enumerate(zip(roles, lives)):
+        shadow = shadow_sets[0][index]
         if shadow is None:
             continue
         key = (role, shadow.device, shadow.dtype, live.dtype, live.device)
-        group = groups.setdefault(key, UpdateGroup(role))
+        group = groups.setdefault(key, UpdateGroup(role, shadows=[[] for _ in shadow_sets[: _sets(role, shadow_sets)]]))
         group.indices.append(index)
-        group.shadows.append(shadow)
+        for shadows, shadow_set in zip(group.shadows, shadow_sets):
+            shadows.append(shadow_set[index])
         group.lives.append(live)
     for group in groups.values():
         group.fused_shadows, group.fused_lives = fuse(group.shadows, group.lives)
@@ -58,28 +66,38 @@ def group_tensors(
     return list(groups.values())
 
 
-def fuse(shadows: Sequence[torch.Tensor], lives: Sequence[torch.Tensor]) -> tuple[list, list]:
-    """Merge each run of pairs that are back to back in memory on both sides into one flat view,
-    cut into ``FUSED_CHUNK`` pieces (empty shards, which have no place in memory, are left out:
-    there is nothing to update)."""
-    pairs = [(shadow, live) for shadow, live in zip(shadows, lives) if live.numel()]
-    shadows, lives = [shadow for shadow, _ in pairs], [live for _, live in pairs]
-    fused_shadows, fused_lives, start = [], [], 0
+def _sets(role: Role, shadow_sets: Sequence[Sequence]) -> int:
+    """Copied tensors have one shadow, shared by every average: it is written once."""
+    return len(shadow_sets) if role == "average" else 1
+
+
+def fuse(shadow_sets: Sequence[Sequence[torch.Tensor]], lives: Sequence[torch.Tensor]) -> tuple[list, list]:
+    """Merge each run of tensors that are back to back in memory on every side (the live shards
+    and each average's shadows) into one flat view, cut into ``FUSED_CHUNK`` pieces (empty
+    shards, which have no place in memory, are left out: there is nothing to update)."""
+    kept = [position for position, live in enumerate(lives) if live.numel()]
+    lives = [lives[p] for p in kept]
+    shadow_sets = [[shadows[p] for p in kept] for shadows in shadow_sets]
+    fused_sets: list[list[torch.Tensor]] = [[] for _ in shadow_sets]
+    fused_lives: list[torch.Tensor] = []
+    start = 0
     for stop in range(1, len(lives) + 1):
         if (
             stop < len(lives)
             and _adjacent(lives[stop - 1], lives[stop])
-            and _adjacent(shadows[stop - 1], shadows[stop])
+            and all(_adjacent(shadows[stop - 1], shadows[stop]) for shadows in shadow_sets)
         ):
             continue
-        if lives[start].is_contiguous() and shadows[start].is_contiguous():
-            fused_shadows.extend(_pieces(shadows[start:stop]))
+        if lives[start].is_contiguous() and all(shadows[start].is_contiguous() for shadows in shadow_sets):
             fused_lives.extend(_pieces(lives[start:stop]))
+            for fused, shadows in zip(fused_sets, shadow_sets):
+                fused.extend(_pieces(shadows[start:stop]))
         else:  # a strided live shard (adjacency needs dense ones, so it is alone): as it is
-            fused_shadows.append(shadows[start])
             fused_lives.append(lives[start])
+            for fused, shadows in zip(fused_sets, shadow_sets):
+                fused.append(shadows[start])
         start = stop
-    return fused_shadows, fused_lives
+    return fused_sets, fused_lives
 
 
 def _adjacent(first: torch.Tensor, second: torch.Tensor) -> bool:
@@ -128,13 +146,50 @@ def nonfinite(groups: Sequence[UpdateGroup]) -> list[int]:
     ]
 
 
-def _staged(group: UpdateGroup, dtype: torch.dtype | None) -> Iterator[tuple[list[torch.Tensor], list[torch.Tensor]]]:
-    """(shadows, lives) with the lives on the shadows' device (and ``dtype``), in bounded buckets;
-    the fused views when nothing needs staging."""
-    device = group.shadows[0].device
+# What one average does in an update: copy the live values (``None``), lerp toward them by a
+# weight, or call a custom rule's ``multi_avg_fn`` with ``num_updates`` as a device tensor.
+Step = float | None | tuple[MultiAvgFn, torch.Tensor]
+
+
+def apply(group: UpdateGroup, steps: Sequence[Step]) -> None:
+    """Apply each average's step to its shadows in ``group``, staging each live shard once for all.
+
+    A custom rule sees live shards cast to the shadow dtype, one tensor per parameter shard as
+    AveragedModel would show them (never fused: the function may look at shapes)."""
+    custom = any(isinstance(step, tuple) for step in steps)
+    dtype = group.shadows[0][0].dtype if custom else None
+    same_dtype = group.lives[0].dtype == group.shadows[0][0].dtype  # as the shards are, staged or not
+    for shadow_sets, lives in staged(group, dtype, fused=not custom):
+        for shadows, step in zip(shadow_sets, steps):
+            if step is None:
+                torch._foreach_copy_(shadows, lives)
+            elif isinstance(step, tuple):
+                step[0](shadows, lives, step[1])
+            elif same_dtype:  # bitwise as AveragedModel's EMA
+                torch._foreach_lerp_(shadows, lives, step)
+            else:  # lerp refuses mixed dtypes; this is 4x faster than casting the lives first
+                torch._foreach_mul_(shadows, 1.0 - step)
+                torch._foreach_add_(shadows, lives, alpha=step)
+
+
+def staged(
+    group: UpdateGroup, dtype: torch.dtype | None, fused: bool = True
+) -> Iterator[tuple[list[list[torch.Tensor]], list[torch.Tensor]]]:
+    """(shadows per average, lives) with the lives on the shadows' device (and ``dtype``), in
+    bounded buckets, each staged once for every average. When nothing needs staging: the fused
+    views (in cache-sized batches when several averages read the same live pieces), or with
+    ``fused=False`` the shards themselves."""
+    device = group.shadows[0][0].device
     if group.lives[0].device == device and dtype in (None, group.lives[0].dtype):
-        if group.fused_lives:  # empty when every shard in the group is
-            yield group.fused_shadows, group.fused_lives
+        if not fused:
+            yield group.shadows, group.lives
+            return
+        lives = group.fused_lives  # empty when every shard in the group is
+        batch = max(1, len(lives))
+        if len(group.shadows) > 1 and lives:
+            batch = max(1, CACHE_BYTES // lives[0].nbytes)
+        for start in range(0, len(lives), batch):
+            yield [fused[start : start + batch] for fused in group.fused_shadows], lives[start : start + batch]
         return
     start = 0
     while start < len(group.lives):
@@ -142,30 +197,6 @@ def _staged(group: UpdateGroup, dtype: torch.dtype | None) -> Iterator[tuple[lis
         while stop < len(group.lives) and (stop == start or size + group.lives[stop].nbytes <= STAGING_BYTES):
             size += group.lives[stop].nbytes
             stop += 1
-        yield group.shadows[start:stop], [live.to(device=device, dtype=dtype) for live in group.lives[start:stop]]
+        lives = [live.to(device=device, dtype=dtype) for live in group.lives[start:stop]]
+        yield [shadows[start:stop] for shadows in group.shadows], lives
         start = stop
-
-
-def copy_live(group: UpdateGroup) -> None:
-    if group.fused_lives:
-        torch._foreach_copy_(group.fused_shadows, group.fused_lives)
-
-
-def lerp(group: UpdateGroup, weight: float) -> None:
-    """``shadow += weight * (live - shadow)``."""
-    for shadows, lives in _staged(group, dtype=None):
-        if shadows[0].dtype == lives[0].dtype:  # bitwise as AveragedModel's EMA
-            torch._foreach_lerp_(shadows, lives, weight)
-        else:  # lerp refuses mixed dtypes; this is 4x faster than casting the lives first
-            torch._foreach_mul_(shadows, 1.0 - weight)
-            torch._foreach_add_(shadows, lives, alpha=weight)
-
-
-def apply_custom(group: UpdateGroup, fn: MultiAvgFn, num_updates: torch.Tensor) -> None:
-    """Call a ``multi_avg_fn`` with live shards cast to the shadow dtype, as AveragedModel would see them
-    (one tensor per parameter shard, never fused: the function may look at shapes)."""
-    if group.lives[0].device == group.shadows[0].device and group.lives[0].dtype == group.shadows[0].dtype:
-        fn(group.shadows, group.lives, num_updates)
-        return
-    for shadows, lives in _staged(group, dtype=group.shadows[0].dtype):
-        fn(shadows, lives, num_updates)

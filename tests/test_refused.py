@@ -53,11 +53,11 @@ def refused_everywhere(path: Path, match: str, capsys) -> None:
     """``load`` raises a CheckpointError and leaves the averager as it was; the CLI's inspect or
     export end with one line on stderr and exit code 2, writing nothing."""
     averager = fresh()
-    shadows = [s.clone() if s is not None else None for s in averager._state.shadows]
+    shadows = [s.clone() if s is not None else None for s in averager._state.average(None).shadows]
     with deadline(20), pytest.raises(CheckpointError, match=match):
         averager.load(path)
     assert (averager.step, averager.num_updates) == (0, 0)
-    assert all(a is None or torch.equal(a, b) for a, b in zip(shadows, averager._state.shadows))
+    assert all(a is None or torch.equal(a, b) for a, b in zip(shadows, averager._state.average(None).shadows))
     cli_refuses(["export", str(path), str(path.parent / f"{path.name}-export")], match, capsys)
     assert not (path.parent / f"{path.name}-export").exists()
 
@@ -164,10 +164,10 @@ def test_load_state_dict_checks_everything_before_changing_anything(trainer, tmp
     state = source.state_dict()
     target = fresh()
     target.update()
-    shadows = [s.clone() if s is not None else None for s in target._state.shadows]
+    shadows = [s.clone() if s is not None else None for s in target._state.average(None).shadows]
 
     def unchanged() -> bool:
-        same = all(a is None or torch.equal(a, b) for a, b in zip(shadows, target._state.shadows))
+        same = all(a is None or torch.equal(a, b) for a, b in zip(shadows, target._state.average(None).shadows))
         return same and (target.step, target.num_updates) == (1, 1)
 
     missing = {"meta": state["meta"], "tensors": {k: v for k, v in state["tensors"].items() if k != "gain"}}

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from shardavg.update import FUSED_CHUNK, copy_live, fuse, group_tensors, lerp, nonfinite
+from shardavg.update import FUSED_CHUNK, apply, fuse, group_tensors, nonfinite
 
 SHAPES = [(3, 4), (0,), (5,), (2, 2), (7,)]
 
@@ -22,16 +22,19 @@ def carved(flat: torch.Tensor, shapes=SHAPES) -> list[torch.Tensor]:
 def test_back_to_back_tensors_fuse_into_one_view_and_empty_ones_are_left_out() -> None:
     total = sum(torch.Size(s).numel() for s in SHAPES)
     shadows, lives = carved(torch.zeros(total)), carved(torch.randn(total))
-    fused_shadows, fused_lives = fuse(shadows, lives)
+    (fused_shadows,), fused_lives = fuse([shadows], lives)
     assert len(fused_lives) == len(fused_shadows) == 1 and fused_lives[0].numel() == total
     assert fused_lives[0].data_ptr() == lives[0].data_ptr()
     apart = [torch.randn(s) for s in SHAPES]  # separate storages: nothing to fuse
-    assert len(fuse(shadows, apart)[1]) == len([s for s in SHAPES if torch.Size(s).numel()])
+    assert len(fuse([shadows], apart)[1]) == len([s for s in SHAPES if torch.Size(s).numel()])
     big = torch.randn(FUSED_CHUNK + 5)  # a large tensor is cut into pieces, the same on both sides
-    pieces_shadows, pieces_lives = fuse([torch.zeros_like(big)], [big])
+    (pieces_shadows,), pieces_lives = fuse([[torch.zeros_like(big)]], [big])
     assert [p.numel() for p in pieces_lives] == [p.numel() for p in pieces_shadows] == [FUSED_CHUNK, 5]
     gap = carved(torch.randn(total + 1), [(3, 4), (1,), (5,)])  # a hole between two lives breaks the run
-    assert len(fuse(carved(torch.zeros(17), [(3, 4), (5,)]), [gap[0], gap[2]])[1]) == 2
+    assert len(fuse([carved(torch.zeros(17), [(3, 4), (5,)])], [gap[0], gap[2]])[1]) == 2
+    other = carved(torch.zeros(total + 1), [(3, 4), (1,), (0,), (5,), (2, 2), (7,)])  # a second average
+    second = [other[0], *other[2:]]  # whose shadows have a hole after the first: the run breaks there
+    assert len(fuse([shadows, second], lives)[1]) == 2
 
 
 def test_the_fused_update_has_the_bits_of_one_call_per_tensor() -> None:
@@ -39,27 +42,52 @@ def test_the_fused_update_has_the_bits_of_one_call_per_tensor() -> None:
     torch.manual_seed(0)
     for live_dtype in (torch.float32, torch.bfloat16):
         lives = carved(torch.randn(total).to(live_dtype))
-        (fused,) = group_tensors(["average"] * len(SHAPES), carved(torch.zeros(total)), lives)
+        (fused,) = group_tensors(["average"] * len(SHAPES), [carved(torch.zeros(total))], lives)
         plain = [torch.zeros(s) for s in SHAPES]
         assert len(fused.fused_lives) == 1
-        copy_live(fused)
+        apply(fused, [None])
         torch._foreach_copy_(plain, lives)
         for weight in (0.1, 0.25, 0.001):
             with torch.no_grad():
                 torch._foreach_add_(lives, 0.5)
-            lerp(fused, weight)
+            apply(fused, [weight])
             if live_dtype == torch.float32:
                 torch._foreach_lerp_(plain, lives, weight)
             else:
                 torch._foreach_mul_(plain, 1 - weight)
                 torch._foreach_add_(plain, lives, alpha=weight)
-        assert all(torch.equal(a, b) for a, b in zip(fused.shadows, plain))
+        assert all(torch.equal(a, b) for a, b in zip(fused.shadows[0], plain))
+
+
+def test_several_averages_take_the_bits_each_would_alone_in_cache_sized_batches() -> None:
+    """Two averages over one staged read give each average exactly what a lone update gives it,
+    also when the fused pieces are walked in batches (a live shard larger than a batch)."""
+    torch.manual_seed(0)
+    shapes = [(FUSED_CHUNK + 3,), (5,), (2 * FUSED_CHUNK,)]
+    total = sum(torch.Size(s).numel() for s in shapes)
+    lives = carved(torch.randn(total), shapes)
+    slab = torch.zeros(2 * total)
+    both = [carved(slab[:total], shapes), carved(slab[total:], shapes)]
+    (group,) = group_tensors(["average"] * 3, both, lives)
+    assert len(group.fused_lives) == 4 and [len(s) for s in group.fused_shadows] == [4, 4]
+    alone = [group_tensors(["average"] * 3, [carved(torch.zeros(total), shapes)], lives)[0] for _ in range(2)]
+    apply(group, [None, None])
+    for single in alone:
+        apply(single, [None])
+    for weights in ((0.1, 0.3), (0.2, 0.01)):
+        with torch.no_grad():
+            torch._foreach_add_(lives, 0.25)
+        apply(group, weights)
+        for single, weight in zip(alone, weights):
+            apply(single, [weight])
+    for shadows, single in zip(group.shadows, alone):
+        assert all(torch.equal(a, b) for a, b in zip(shadows, single.shadows[0]))
 
 
 def test_a_nonfinite_value_in_a_fused_run_is_named_by_its_own_tensor() -> None:
     total = sum(torch.Size(s).numel() for s in SHAPES)
     lives = carved(torch.randn(total))
-    groups = group_tensors(["average"] * len(SHAPES), carved(torch.zeros(total)), lives)
+    groups = group_tensors(["average"] * len(SHAPES), [carved(torch.zeros(total))], lives)
     assert nonfinite(groups) == []
     lives[3][1, 0] = float("nan")
     assert nonfinite(groups) == [3]
@@ -67,11 +95,11 @@ def test_a_nonfinite_value_in_a_fused_run_is_named_by_its_own_tensor() -> None:
 
 def test_a_strided_live_shard_is_updated_as_it_is_even_when_large() -> None:
     live = torch.randn(FUSED_CHUNK // 512 + 1, 512).t()  # transposed: not dense, more than a piece
-    (group,) = group_tensors(["average"], [torch.zeros(live.shape)], [live])
-    assert group.fused_lives == [live] and group.fused_shadows[0].shape == live.shape
+    (group,) = group_tensors(["average"], [[torch.zeros(live.shape)]], [live])
+    assert group.fused_lives == [live] and group.fused_shadows[0][0].shape == live.shape
     plain = torch.zeros(live.shape)
-    copy_live(group)
+    apply(group, [None])
     plain.copy_(live)
     live.add_(1.0)
-    lerp(group, 0.1)
-    assert torch.equal(group.shadows[0], plain.lerp_(live, 0.1))
+    apply(group, [0.1])
+    assert torch.equal(group.shadows[0][0], plain.lerp_(live, 0.1))

@@ -104,6 +104,10 @@ def variants() -> dict[str, tuple[dict, object]]:
     }
 
 
+# the named averages of one averager, each checked against the variant averaged alone
+SEVERAL = {"ema": "ema", "power": "power_ema", "fn": "custom_multi_avg_fn"}
+
+
 def load_live(module: torch.nn.Module, live: dict[str, torch.Tensor]) -> None:
     with torch.no_grad():
         for name, tensor in list(module.named_parameters()) + list(module.named_buffers()):
@@ -304,6 +308,9 @@ def main() -> None:
             references["ema_built_early"] = AveragedModel(plain, multi_avg_fn=get_ema_multi_avg_fn(0.9))
         for name, averager in averagers.items():
             assert averager.strategy.name == engine_kind, f"{name}: {averager.strategy.name}"
+        several = WeightAverager(
+            engine.model, {name: variants()[variant][0]["rule"] for name, variant in SEVERAL.items()}
+        )
         collectives: list[str] = []
         stable = StableViews()
         for step in range(1, STEPS + 1):
@@ -311,6 +318,7 @@ def main() -> None:
             with harness.CollectiveCount() as count:
                 for averager in averagers.values():
                     averager.update()
+                several.update()
             collectives += count.names
             if step > 1:  # the first forward may have set the engine up (FSDP's lazy init)
                 for name, averager in averagers.items():
@@ -346,6 +354,9 @@ def main() -> None:
                     f"{engine.name}/{name}", got, reference_state(references[name]), averaged, engine.dtype, exact
                 )
 
+        for name, variant in SEVERAL.items():  # each named average is bitwise its single-average twin
+            got, want = several.full_state_dict(name), averagers[variant].full_state_dict()
+            assert set(got) == set(want) and all(torch.equal(got[k], want[k]) for k in want), f"several/{name}"
         check_copy_to_gives_every_rank_the_same_average(averagers["ema"], averagers["ema"].full_state_dict())
         ema = averagers["ema"]
         buffers_bytes = sum(b.nbytes for n, b in engine.gather_live().items() if n in buffer_names)

@@ -31,7 +31,7 @@ from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 from torch.distributed.fsdp import StateDictType
 
 import shardavg.checkpoint
-from shardavg import EMA, WeightAverager
+from shardavg import EMA, SWA, WeightAverager
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "launch"))
 from measure import allocated_peak  # noqa: E402  (the bench's own measure of peak memory)
@@ -52,8 +52,11 @@ def build(kind: str, use_orig_params: bool | None = None) -> harness.Engine:
     }[kind]()
 
 
+RULES = {"ema": EMA(decay=0.9), "swa": SWA()}  # two named averages: every checkpoint carries both
+
+
 def averager(engine: harness.Engine) -> WeightAverager:
-    return WeightAverager(engine.model, EMA(decay=0.9))
+    return WeightAverager(engine.model, RULES)
 
 
 def train(engine: harness.Engine, avg: WeightAverager, steps: range) -> None:
@@ -64,10 +67,14 @@ def train(engine: harness.Engine, avg: WeightAverager, steps: range) -> None:
 
 
 def write_reference(path: Path, avg: WeightAverager) -> None:
-    """Collective: the full average (rank 0 writes it) and its counters, to compare loads with."""
-    state = avg.full_state_dict()
+    """Collective: the full averages (rank 0 writes them: ``reference.safetensors`` is the EMA) and
+    their counters, to compare loads with."""
+    for name in RULES:
+        state = avg.full_state_dict(name)
+        if dist.get_rank() == 0:
+            file = "reference.safetensors" if name == "ema" else f"reference-{name}.safetensors"
+            save_file({key: tensor.clone() for key, tensor in state.items()}, str(path / file))
     if dist.get_rank() == 0:
-        save_file({name: tensor.clone() for name, tensor in state.items()}, str(path / "reference.safetensors"))
         (path / "counters.json").write_text(json.dumps({"step": avg.step, "num_updates": avg.num_updates}))
 
 
@@ -87,14 +94,14 @@ def save(kind: str, root: Path) -> None:
     out = root / "saved" / f"{kind}-ws{dist.get_world_size()}"
     avg.save(out / "avg")
     dcp.save({"ema": avg}, checkpoint_id=str(out / "dcp"))
-    avg.export(out / "export")
-    avg.export(out / "export-sharded", max_shard_size=400)
+    avg.export(out / "export", average="ema")
+    avg.export(out / "export-sharded", max_shard_size=400, average="ema")
     write_reference(out, avg)
 
 
-def assert_local_shards(label: str, avg: WeightAverager, want: dict[str, torch.Tensor]) -> None:
+def assert_local_shards(label: str, avg: WeightAverager, want: dict[str, torch.Tensor], average: str) -> None:
     """Every rank's stored shard, replicas included, is its range of the reference."""
-    for info, shadow in zip(avg._state.infos, avg._state.shadows):
+    for info, shadow in zip(avg._state.infos, avg._state.average(average).shadows):
         if shadow is not None:
             expected = want[info.name].reshape(-1)[info.start : info.end]
             assert torch.equal(shadow.reshape(-1), expected), f"{label}: rank {dist.get_rank()}'s {info.name}"
@@ -103,8 +110,12 @@ def assert_local_shards(label: str, avg: WeightAverager, want: dict[str, torch.T
 def load(kind: str, root: Path) -> None:
     engine = build(kind)  # untrained: every averaged value must come from the checkpoint
     for source in sorted((root / "saved").iterdir()):
-        reference = load_file(str(source / "reference.safetensors"))
-        want = reference if dist.get_rank() == 0 else {}
+        references = {
+            name: load_file(
+                str(source / ("reference.safetensors" if name == "ema" else f"reference-{name}.safetensors"))
+            )
+            for name in RULES
+        }
         counters = json.loads((source / "counters.json").read_text())
         for how in ("avg", "dcp"):
             avg = averager(engine)
@@ -113,9 +124,10 @@ def load(kind: str, root: Path) -> None:
             else:
                 dcp.load({"ema": avg}, checkpoint_id=str(source / "dcp"))
             assert (avg.step, avg.num_updates) == (counters["step"], counters["num_updates"]), source
-            label = f"{source.name} via {how} into {kind}"
-            assert_local_shards(label, avg, reference)
-            assert_equal_state(label, avg.full_state_dict(), want)
+            for name, reference in references.items():
+                label = f"{source.name} via {how} into {kind}, average {name}"
+                assert_local_shards(label, avg, reference, name)
+                assert_equal_state(label, avg.full_state_dict(name), reference if dist.get_rank() == 0 else {})
             harness.report(
                 "LOADED", {"source": source.name, "how": how, "into": kind, "world_size": dist.get_world_size()}
             )
@@ -200,8 +212,10 @@ def resume_second(kind: str, root: Path) -> None:
     _load_everything(engine, avg, out / "checkpoint")
     assert (avg.step, avg.num_updates) == (RESUME_AT, RESUME_AT), (avg.step, avg.num_updates)
     train(engine, avg, range(RESUME_AT + 1, 2 * RESUME_AT + 1))
-    want = load_file(str(out / "reference.safetensors")) if dist.get_rank() == 0 else {}
-    assert_equal_state(f"{kind} resumed at step {RESUME_AT}", avg.full_state_dict(), want)
+    for name in RULES:
+        file = out / ("reference.safetensors" if name == "ema" else f"reference-{name}.safetensors")
+        want = load_file(str(file)) if dist.get_rank() == 0 else {}
+        assert_equal_state(f"{kind} resumed at step {RESUME_AT}, average {name}", avg.full_state_dict(name), want)
     harness.report("RESUMED", {"engine": kind, "world_size": dist.get_world_size()})
 
 

@@ -95,7 +95,7 @@ def test_resume_is_bitwise_an_uninterrupted_run(tmp_path: Path, world_size: int)
 def test_a_rank_killed_during_save_leaves_the_previous_checkpoint(tmp_path: Path) -> None:
     from harness import TiedNet
 
-    from shardavg import EMA, CheckpointError, WeightAverager
+    from shardavg import EMA, SWA, CheckpointError, WeightAverager
 
     launch = torchrun(SCRIPT, 2, "kill", "fsdp2", str(tmp_path), timeout=180)
     assert launch.returncode != 0
@@ -104,13 +104,14 @@ def test_a_rank_killed_during_save_leaves_the_previous_checkpoint(tmp_path: Path
     assert sorted(p.name for p in parent.iterdir() if p.is_dir()) == [".step-000000010.incomplete", "step-000000004"]
 
     torch.manual_seed(0)
-    averager = WeightAverager(TiedNet(), EMA(decay=0.9))
+    averager = WeightAverager(TiedNet(), {"ema": EMA(decay=0.9), "swa": SWA()})
     assert averager.load(parent) == parent / "step-000000004"
     counters = json.loads((parent / "counters.json").read_text())
     assert (averager.step, averager.num_updates) == (counters["step"], counters["num_updates"])
-    reference = load_file(str(parent / "reference.safetensors"))
-    got = averager.full_state_dict()
-    assert all(torch.equal(got[k], reference[k]) for k in reference)
+    for name, file in (("ema", "reference.safetensors"), ("swa", "reference-swa.safetensors")):
+        reference = load_file(str(parent / file))
+        got = averager.full_state_dict(name)
+        assert all(torch.equal(got[k], reference[k]) for k in reference), name
     with pytest.raises(CheckpointError, match=r"save never completed"):
         averager.load(parent / ".step-000000010.incomplete")
 
