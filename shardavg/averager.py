@@ -26,9 +26,9 @@ from .errors import NonFiniteError
 from .export import export as export_model
 from .layout import rank
 from .rules import EMA, LerpRule, MultiAvgFn, Rule, as_rule
-from .state import AVERAGE_NAME, AverageState, Options
+from .state import AVERAGE_NAME, MAX_PENDING, AverageState, Options
 from .strategies import make_strategy
-from .update import Step, UpdateGroup, apply, nonfinite
+from .update import Step, UpdateGroup, apply, apply_masked, nonfinite, screen_on_device
 
 BUFFER_POLICIES = ("copy", "average", "ignore")
 NONFINITE_POLICIES = ("raise", "skip", "off")
@@ -139,8 +139,19 @@ class WeightAverager:
     include_frozen = property(lambda self: self._state.options.include_frozen)
     on_nonfinite = property(lambda self: self._state.options.on_nonfinite)
     step = property(lambda self: self._state.step, doc="The last step seen by update() (restored by load).")
-    num_updates = property(lambda self: self._state.num_updates, doc="Updates applied (restored by load).")
-    num_skipped = property(lambda self: self._state.num_skipped, doc="Updates skipped for non-finite weights.")
+
+    @property
+    def num_updates(self) -> int:
+        """Updates applied (restored by load). Reads the pending verdicts of updates checked on an
+        accelerator first, so it waits for them there (and raises or warns for a non-finite one)."""
+        self._state.settle()
+        return self._state.num_updates
+
+    @property
+    def num_skipped(self) -> int:
+        """Updates skipped for non-finite live weights (reads pending verdicts, as ``num_updates``)."""
+        self._state.settle()
+        return self._state.num_skipped
 
     @property
     def gather_bucket_bytes(self) -> int:
@@ -173,6 +184,10 @@ class WeightAverager:
             return False
         with torch.no_grad():
             state.sync_live()
+            if state.check_on_device():
+                self._apply_on_device()
+                return True
+            state.settle()  # (nothing pending unless the model just left its accelerator)
             if self._skip_nonfinite():
                 return False
             self._apply()
@@ -205,6 +220,28 @@ class WeightAverager:
                 steps = [self._step(average.rule, group) for average in state.averages.values()]
             apply(group, steps)
 
+    def _apply_on_device(self) -> None:
+        """The update with the non-finite check left on the device (see ``AverageState.check_on_device``):
+        screened, masked and counted there, so the host never waits; its verdict is read later."""
+        state = self._state
+        state.settle(block=len(state.pending) >= MAX_PENDING)
+        verdicts, oks = screen_on_device(state.groups)
+        (live_device,) = {group.lives[0].device for group in state.groups}
+        ok = oks.get(live_device, torch.ones((), dtype=torch.bool, device=live_device))  # no floating shard: ok
+        for group in state.groups:
+            ok_here = ok.to(group.shadows[0][0].device)  # offloaded shadows: the host waits for the flag
+            counter = self._counter(group)
+            if group.role == "copy":
+                weights: list[torch.Tensor | None] = [None]
+            else:
+                dtype = group.shadows[0][0].dtype
+                weights = [state.weight(name, counter, dtype) for name in state.averages]
+            apply_masked(group, ok_here, weights)
+        for device, counter in state.device_counters.items():
+            counter.add_(ok.to(device))
+        state.pending.append((state.step, verdicts))
+        state.settle(block=False)
+
     def _step(self, rule: Rule, group: UpdateGroup) -> Step:
         if isinstance(rule, LerpRule):
             return rule.weight(self._state.num_updates)
@@ -214,6 +251,7 @@ class WeightAverager:
         """``num_updates`` as a tensor on the group's device, kept there and incremented in place."""
         counters, device = self._state.device_counters, group.shadows[0][0].device
         if device not in counters:
+            self._state.settle()  # the count must be exact when it moves to the device
             counters[device] = torch.tensor(self._state.num_updates, device=device)
         return counters[device]
 

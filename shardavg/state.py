@@ -21,7 +21,9 @@ from __future__ import annotations
 
 import operator
 import re
+import warnings
 import weakref
+from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -30,13 +32,15 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .errors import ModelChangedError
-from .layout import DEFAULT_BUCKET_BYTES, ShardLayout, distributed, iter_gathered, world_size
-from .rules import Rule
+from .errors import ModelChangedError, NonFiniteError
+from .layout import DEFAULT_BUCKET_BYTES, ShardLayout, distributed, iter_gathered, rank, world_size
+from .rules import LerpRule, Rule
 from .storage import dtype_name
 from .strategies import Strategy
 from .strategies.base import TensorInfo
-from .update import Role, UpdateGroup, group_tensors, groups_current
+from .update import Role, UpdateGroup, Verdict, group_tensors, groups_current
+
+MAX_PENDING = 64  # updates whose non-finite verdict the host may not have read yet
 
 FORMAT, VERSION = "shardavg", 3  # the description's format, shared by checkpoints, DCP and exports
 # (2: checksummed; 3: "averages", several named averages, in place of one "rule")
@@ -126,6 +130,11 @@ class AverageState:
         self.num_skipped = 0  # updates skipped for non-finite live weights
         self.device_counters: dict[torch.device, torch.Tensor] = {}  # num_updates as a tensor, per device
         self.gather_bucket_bytes = DEFAULT_BUCKET_BYTES
+        # The check on an accelerator (see ``check_on_device``): verdicts not yet read, by step, and
+        # each lerp rule's weights by update count, as device tensors.
+        self.pending: deque[tuple[int, list[Verdict]]] = deque()
+        self.weight_tables: dict[tuple, torch.Tensor] = {}
+        self.deferred: bool | None = None  # None: on an accelerator; tests force the path on CPU
 
         self.infos: list[TensorInfo] = strategy.tensors()
         self.live: list[torch.Tensor] = strategy.local_views()
@@ -274,6 +283,58 @@ class AverageState:
         if not all(map(operator.is_, live, self.live)) or not groups_current(self.groups):
             self._rebind(live)
 
+    # ------------------------------------------------------------------ the check on an accelerator
+
+    def check_on_device(self) -> bool:
+        """Whether the non-finite check runs on the device, read by the host later: with the check
+        on, built-in rules only, and every live shard on one accelerator (a host read there waits
+        for every kernel queued before it)."""
+        if self.options.on_nonfinite == "off" or self.num_updates == 0:  # the first update is checked on the host
+            return False
+        if not all(isinstance(average.rule, LerpRule) for average in self.averages.values()):
+            return False
+        if self.deferred is not None:
+            return self.deferred
+        devices = {group.lives[0].device for group in self.groups}
+        return len(devices) == 1 and next(iter(devices)).type != "cpu"
+
+    def weight(self, name: str | None, counter: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """Average ``name``'s lerp weight after ``counter`` updates (a device tensor), looked up on
+        the device in a table the host extends before the count can outgrow it."""
+        key = (name, counter.device, dtype)
+        table = self.weight_tables.get(key)
+        needed = self.num_updates + len(self.pending) + 1
+        if table is None or table.numel() <= needed:
+            rule = self.averages[name].rule
+            weights = [1.0] + [rule.weight(n) for n in range(1, 2 * needed + 64)]  # type: ignore[attr-defined]
+            table = self.weight_tables[key] = torch.tensor(weights, dtype=dtype, device=counter.device)
+        return table.index_select(0, counter.view(1))
+
+    def settle(self, block: bool = True) -> None:
+        """Read the verdicts of updates checked on the device, in order: count each one applied,
+        or (non-finite live values: the device left the average untouched) raise or warn as the
+        ``on_nonfinite`` policy says. Without ``block`` only verdicts already on the host are read."""
+        while self.pending:
+            step, verdicts = self.pending[0]
+            if any(v.event is None or not v.event.query() for v in verdicts) and not block:
+                return
+            for verdict in verdicts:
+                if verdict.event is not None:
+                    verdict.event.synchronize()
+            self.pending.popleft()
+            bad = [self.infos[i].name for v in verdicts for i, flag in zip(v.indices, v.bad.tolist()) if flag]
+            if not bad:
+                self.num_updates += 1
+                continue
+            where = f"at step {step} on rank {rank()}"
+            if self.options.on_nonfinite == "raise":
+                raise NonFiniteError(
+                    f"non-finite live values in {bad} {where} (found on the device after the update was issued: that "
+                    "update was masked out there, the average holds the others; on_nonfinite='skip' warns instead)"
+                )
+            warnings.warn(f"skipped the update {where}: non-finite live values in {bad}", RuntimeWarning, stacklevel=3)
+            self.num_skipped += 1
+
     # ------------------------------------------------------------------ reading
 
     def piece(self, index: int, average: str | None = None) -> torch.Tensor:
@@ -285,6 +346,7 @@ class AverageState:
         return self.average(average).shadows[index].detach().reshape(-1)  # type: ignore[union-attr]
 
     def require_updates(self, what: str) -> None:
+        self.settle()
         if self.num_updates == 0:
             raise RuntimeError(
                 f"{what} needs averaged weights, but no update has been applied yet "
@@ -293,6 +355,7 @@ class AverageState:
 
     def check_ranks_agree(self) -> None:
         """Collective: every rank applied the same updates, so the shards form one average."""
+        self.settle()
         if not distributed():
             return
         counts: list = [None] * dist.get_world_size()
@@ -348,6 +411,7 @@ class AverageState:
 
     def describe(self) -> dict[str, Any]:
         """Everything but the tensors' values, as JSON-able data."""
+        self.settle()
         return {
             "format": FORMAT,
             "version": VERSION,
@@ -383,3 +447,4 @@ class AverageState:
         self.num_updates = int(description["num_updates"])
         self.num_skipped = int(description.get("num_skipped", 0))
         self.device_counters.clear()
+        self.pending.clear()  # verdicts on updates the restored state replaces

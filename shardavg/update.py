@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Literal, NamedTuple
 
 import torch
 
@@ -170,6 +170,57 @@ def apply(group: UpdateGroup, steps: Sequence[Step]) -> None:
             else:  # lerp refuses mixed dtypes; this is 4x faster than casting the lives first
                 torch._foreach_mul_(shadows, 1.0 - step)
                 torch._foreach_add_(shadows, lives, alpha=step)
+
+
+class Verdict(NamedTuple):
+    """Which live shards held NaN or infinity, on the host once ``event`` (if any) has completed."""
+
+    indices: list[int]
+    bad: torch.Tensor  # bool per shard in ``indices``, on the host
+    event: torch.Event | None  # recorded after the copy to the host; None when nothing was copied
+
+
+def screen_on_device(groups: Sequence[UpdateGroup]) -> tuple[list[Verdict], dict[torch.device, torch.Tensor]]:
+    """The non-finite screen with no host read: per device, a ``Verdict`` copied to the host behind
+    an event, and ``ok[device]``, a 0-d device flag that no live shard there is non-finite. An
+    infinity-norm per shard (its largest magnitude) never overflows: a finite shard is never flagged."""
+    indices: dict[torch.device, list[int]] = {}
+    flags: dict[torch.device, list[torch.Tensor]] = {}
+    for group in groups:
+        shards = [(index, live) for index, live in zip(group.indices, group.lives) if live.numel()]
+        if not shards or not group.lives[0].dtype.is_floating_point:
+            continue
+        accumulate = torch.promote_types(group.lives[0].dtype, torch.float32)
+        norms = torch._foreach_norm([live for _, live in shards], float("inf"), dtype=accumulate)
+        device = group.lives[0].device
+        indices.setdefault(device, []).extend(index for index, _ in shards)
+        flags.setdefault(device, []).append(~torch.stack(norms).isfinite())
+    verdicts, oks = [], {}
+    for device, device_flags in flags.items():
+        bad = torch.cat(device_flags)
+        oks[device] = ~bad.any()
+        if device.type == "cpu":
+            verdicts.append(Verdict(indices[device], bad, None))
+        else:  # into pinned host memory, read once the event says it landed
+            event = torch.Event(device=device)
+            host = bad.to("cpu", non_blocking=True)
+            event.record()
+            verdicts.append(Verdict(indices[device], host, event))
+    return verdicts, oks
+
+
+def apply_masked(group: UpdateGroup, ok: torch.Tensor, weights: Sequence[torch.Tensor | None]) -> None:
+    """The update made conditional on the device: each average lerps toward ``where(ok, live,
+    shadow)`` with its weight as a 0-d device tensor (``None``: copy), so when ``ok`` is false no
+    shadow changes. One bounded piece (a fused view or a staged bucket) at a time."""
+    for shadow_sets, lives in staged(group, dtype=None):
+        for shadows, weight in zip(shadow_sets, weights):
+            for shadow, live in zip(shadows, lives):
+                masked = torch.where(ok, live, shadow)
+                if weight is None:
+                    shadow.copy_(masked)
+                else:
+                    shadow.lerp_(masked, weight)
 
 
 def staged(
