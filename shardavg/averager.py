@@ -218,7 +218,7 @@ class WeightAverager:
                 steps: list[Step] = [None] * len(group.shadows)
             else:
                 steps = [self._step(average.rule, group) for average in state.averages.values()]
-            apply(group, steps)
+            apply(group, steps, state.stager)
 
     def _apply_on_device(self) -> None:
         """The update with the non-finite check left on the device (see ``AverageState.check_on_device``):
@@ -236,7 +236,7 @@ class WeightAverager:
             else:
                 dtype = group.shadows[0][0].dtype
                 weights = [state.weight(name, counter, dtype) for name in state.averages]
-            apply_masked(group, ok_here, weights)
+            apply_masked(group, ok_here, weights, state.stager)
         for device, counter in state.device_counters.items():
             counter.add_(ok.to(device))
         state.pending.append((state.step, verdicts))

@@ -35,6 +35,7 @@ from torch import nn
 from .errors import ModelChangedError, NonFiniteError
 from .layout import DEFAULT_BUCKET_BYTES, ShardLayout, distributed, iter_gathered, rank, world_size
 from .rules import LerpRule, Rule
+from .staging import Stager
 from .storage import dtype_name
 from .strategies import Strategy
 from .strategies.base import TensorInfo
@@ -135,6 +136,7 @@ class AverageState:
         self.pending: deque[tuple[int, list[Verdict]]] = deque()
         self.weight_tables: dict[tuple, torch.Tensor] = {}
         self.deferred: bool | None = None  # None: on an accelerator; tests force the path on CPU
+        self.stager = Stager()  # staging buffers for offloaded shadows and casts, kept between updates
 
         self.infos: list[TensorInfo] = strategy.tensors()
         self.live: list[torch.Tensor] = strategy.local_views()

@@ -21,9 +21,9 @@ from typing import Literal, NamedTuple
 import torch
 
 from .rules import MultiAvgFn
+from .staging import Stager
 
 Role = Literal["average", "copy", "live"]  # averaged; copied at each update; not stored (live value exported)
-STAGING_BYTES = 64 * 2**20  # bound on temporary copies of live shards (offload, dtype casts)
 # Fused views are cut into pieces of at most this many elements: on CPU a mixed-dtype add or a
 # bf16 norm over one huge tensor runs 4-6x slower than over 1M-element pieces (measured).
 FUSED_CHUNK = 2**20
@@ -151,7 +151,7 @@ def nonfinite(groups: Sequence[UpdateGroup]) -> list[int]:
 Step = float | None | tuple[MultiAvgFn, torch.Tensor]
 
 
-def apply(group: UpdateGroup, steps: Sequence[Step]) -> None:
+def apply(group: UpdateGroup, steps: Sequence[Step], stager: Stager) -> None:
     """Apply each average's step to its shadows in ``group``, staging each live shard once for all.
 
     A custom rule sees live shards cast to the shadow dtype, one tensor per parameter shard as
@@ -159,7 +159,7 @@ def apply(group: UpdateGroup, steps: Sequence[Step]) -> None:
     custom = any(isinstance(step, tuple) for step in steps)
     dtype = group.shadows[0][0].dtype if custom else None
     same_dtype = group.lives[0].dtype == group.shadows[0][0].dtype  # as the shards are, staged or not
-    for shadow_sets, lives in staged(group, dtype, fused=not custom):
+    for shadow_sets, lives in staged(group, dtype, stager, fused=not custom):
         for shadows, step in zip(shadow_sets, steps):
             if step is None:
                 torch._foreach_copy_(shadows, lives)
@@ -209,11 +209,11 @@ def screen_on_device(groups: Sequence[UpdateGroup]) -> tuple[list[Verdict], dict
     return verdicts, oks
 
 
-def apply_masked(group: UpdateGroup, ok: torch.Tensor, weights: Sequence[torch.Tensor | None]) -> None:
+def apply_masked(group: UpdateGroup, ok: torch.Tensor, weights: Sequence[torch.Tensor | None], stager: Stager) -> None:
     """The update made conditional on the device: each average lerps toward ``where(ok, live,
     shadow)`` with its weight as a 0-d device tensor (``None``: copy), so when ``ok`` is false no
     shadow changes. One bounded piece (a fused view or a staged bucket) at a time."""
-    for shadow_sets, lives in staged(group, dtype=None):
+    for shadow_sets, lives in staged(group, None, stager):
         for shadows, weight in zip(shadow_sets, weights):
             for shadow, live in zip(shadows, lives):
                 masked = torch.where(ok, live, shadow)
@@ -223,15 +223,19 @@ def apply_masked(group: UpdateGroup, ok: torch.Tensor, weights: Sequence[torch.T
                     shadow.lerp_(masked, weight)
 
 
+def needs_staging(group: UpdateGroup, dtype: torch.dtype | None) -> bool:
+    """Whether the live shards must be copied before the update: to the shadows' device, or to ``dtype``."""
+    return group.lives[0].device != group.shadows[0][0].device or dtype not in (None, group.lives[0].dtype)
+
+
 def staged(
-    group: UpdateGroup, dtype: torch.dtype | None, fused: bool = True
+    group: UpdateGroup, dtype: torch.dtype | None, stager: Stager, fused: bool = True
 ) -> Iterator[tuple[list[list[torch.Tensor]], list[torch.Tensor]]]:
     """(shadows per average, lives) with the lives on the shadows' device (and ``dtype``), in
-    bounded buckets, each staged once for every average. When nothing needs staging: the fused
-    views (in cache-sized batches when several averages read the same live pieces), or with
-    ``fused=False`` the shards themselves."""
-    device = group.shadows[0][0].device
-    if group.lives[0].device == device and dtype in (None, group.lives[0].dtype):
+    bounded buckets (``staging.py``), each staged once for every average. When nothing needs
+    staging: the fused views (in cache-sized batches when several averages read the same live
+    pieces), or with ``fused=False`` the shards themselves."""
+    if not needs_staging(group, dtype):
         if not fused:
             yield group.shadows, group.lives
             return
@@ -242,12 +246,4 @@ def staged(
         for start in range(0, len(lives), batch):
             yield [fused[start : start + batch] for fused in group.fused_shadows], lives[start : start + batch]
         return
-    start = 0
-    while start < len(group.lives):
-        stop, size = start, 0
-        while stop < len(group.lives) and (stop == start or size + group.lives[stop].nbytes <= STAGING_BYTES):
-            size += group.lives[stop].nbytes
-            stop += 1
-        lives = [live.to(device=device, dtype=dtype) for live in group.lives[start:stop]]
-        yield [shadows[start:stop] for shadows in group.shadows], lives
-        start = stop
+    yield from stager.stage(group.shadows, group.lives, dtype or group.lives[0].dtype, split=fused)

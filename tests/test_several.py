@@ -94,8 +94,8 @@ def test_the_live_shards_are_screened_and_staged_once_for_all_averages(model, tr
         with OpCount() as ops:
             averager.update()
         counts.append(ops.counts)
-    assert counts[0].get("_to_copy", 0) > 0, "the bf16 shards were never cast: the check is vacuous"
-    assert counts[1].get("_to_copy") == counts[0]["_to_copy"]
+    assert counts[0].get("copy_", 0) > 0, "the bf16 shards were never staged: the check is vacuous"
+    assert counts[1].get("copy_") == counts[0]["copy_"]
     assert counts[1].get("_foreach_norm") == counts[0].get("_foreach_norm", 0) >= 1
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from shardavg.staging import Stager
 from shardavg.update import FUSED_CHUNK, apply, fuse, group_tensors, nonfinite
 
 SHAPES = [(3, 4), (0,), (5,), (2, 2), (7,)]
@@ -45,12 +46,12 @@ def test_the_fused_update_has_the_bits_of_one_call_per_tensor() -> None:
         (fused,) = group_tensors(["average"] * len(SHAPES), [carved(torch.zeros(total))], lives)
         plain = [torch.zeros(s) for s in SHAPES]
         assert len(fused.fused_lives) == 1
-        apply(fused, [None])
+        apply(fused, [None], Stager())
         torch._foreach_copy_(plain, lives)
         for weight in (0.1, 0.25, 0.001):
             with torch.no_grad():
                 torch._foreach_add_(lives, 0.5)
-            apply(fused, [weight])
+            apply(fused, [weight], Stager())
             if live_dtype == torch.float32:
                 torch._foreach_lerp_(plain, lives, weight)
             else:
@@ -71,15 +72,15 @@ def test_several_averages_take_the_bits_each_would_alone_in_cache_sized_batches(
     (group,) = group_tensors(["average"] * 3, both, lives)
     assert len(group.fused_lives) == 4 and [len(s) for s in group.fused_shadows] == [4, 4]
     alone = [group_tensors(["average"] * 3, [carved(torch.zeros(total), shapes)], lives)[0] for _ in range(2)]
-    apply(group, [None, None])
+    apply(group, [None, None], Stager())
     for single in alone:
-        apply(single, [None])
+        apply(single, [None], Stager())
     for weights in ((0.1, 0.3), (0.2, 0.01)):
         with torch.no_grad():
             torch._foreach_add_(lives, 0.25)
-        apply(group, weights)
+        apply(group, weights, Stager())
         for single, weight in zip(alone, weights):
-            apply(single, [weight])
+            apply(single, [weight], Stager())
     for shadows, single in zip(group.shadows, alone):
         assert all(torch.equal(a, b) for a, b in zip(shadows, single.shadows[0]))
 
@@ -98,8 +99,8 @@ def test_a_strided_live_shard_is_updated_as_it_is_even_when_large() -> None:
     (group,) = group_tensors(["average"], [[torch.zeros(live.shape)]], [live])
     assert group.fused_lives == [live] and group.fused_shadows[0][0].shape == live.shape
     plain = torch.zeros(live.shape)
-    apply(group, [None])
+    apply(group, [None], Stager())
     plain.copy_(live)
     live.add_(1.0)
-    apply(group, [0.1])
+    apply(group, [0.1], Stager())
     assert torch.equal(group.shadows[0][0], plain.lerp_(live, 0.1))
