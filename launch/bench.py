@@ -36,7 +36,7 @@ import config as configs  # noqa: E402
 import engines  # noqa: E402
 from measure import CommCounter, allocated_peak, copy_bandwidth, interleaved_ms  # noqa: E402
 
-from shardavg import EMA, WeightAverager  # noqa: E402
+from shardavg import EMA, SWA, WeightAverager  # noqa: E402
 
 log = logging.getLogger("bench")
 
@@ -101,6 +101,28 @@ def ours(wrapped: engines.Wrapped, decay: float, check: bool) -> Method:
     average = WeightAverager(wrapped.model, EMA(decay=decay), on_nonfinite="raise" if check else "off")
     name = "ours" if check else "ours, check off"
     return Method(name, "ours", average.update, average.full_state_dict, average.shadow_bytes)
+
+
+SEVERAL = {"ema": EMA(decay=0.999), "slow": EMA(decay=0.9999), "swa": SWA()}  # the first one is checked
+
+
+def several_in_one(wrapped: engines.Wrapped) -> Method:
+    """Three averages kept by one averager: one read, screen and staging of the live shards."""
+    average = WeightAverager(wrapped.model, SEVERAL)
+    result = lambda: average.full_state_dict("ema")  # noqa: E731
+    return Method("3 averages, one averager", "several", average.update, result, average.shadow_bytes)
+
+
+def several_apart(wrapped: engines.Wrapped) -> Method:
+    """The same three averages as three averagers, each reading the live shards itself."""
+    averages = [WeightAverager(wrapped.model, rule) for rule in SEVERAL.values()]
+
+    def update() -> None:
+        for average in averages:
+            average.update()
+
+    extra = lambda: sum(a.shadow_bytes() for a in averages)  # noqa: E731
+    return Method("3 averages, three averagers", "several", update, averages[0].full_state_dict, extra)
 
 
 def floor(wrapped: engines.Wrapped, decay: float) -> Method:
@@ -193,6 +215,8 @@ def methods(wrapped: engines.Wrapped, decay: float) -> list:
     return [
         lambda: ours(wrapped, decay, check=True),
         lambda: ours(wrapped, decay, check=False),
+        lambda: several_in_one(wrapped),
+        lambda: several_apart(wrapped),
         *(lambda peer=peer: peer(wrapped, decay) for peer in peers),
         lambda: floor(wrapped, decay),
     ]
@@ -245,7 +269,10 @@ def run_case(kind: str, shape_name: str, shape: dict, dtype: torch.dtype, cfg: d
     # The gathering peers change the engine's state (FSDP1 re-registers its parameters, which
     # makes our next update re-verify the model): they take their turns apart from ours, on the
     # same sequence of live weights from the same start.
-    phases = [[m for m in built if m.role in ("ours", "floor")], [m for m in built if m.role in ("reference", "peer")]]
+    phases = [
+        [m for m in built if m.role in ("ours", "floor", "several")],
+        [m for m in built if m.role in ("reference", "peer")],
+    ]
     measured = {}
     for phase in phases:
         with torch.no_grad():
@@ -269,7 +296,11 @@ def run_case(kind: str, shape_name: str, shape: dict, dtype: torch.dtype, cfg: d
             Row(kind, shape_name, str(dtype)[6:], method.name, method.role, timing.median_ms, timing.p90_ms, int(comm),
                 int(extra), "")
         )  # fmt: skip
-    checks = {"ours": "FAIL", "peer": "differs"}  # a peer in bf16 (AveragedModel's copy) loses the average
+    checks = {
+        "ours": "FAIL",
+        "several": "FAIL",
+        "peer": "differs",
+    }  # a peer in bf16 (AveragedModel's copy) loses the average
     for row, (role, result) in zip(rows, results):
         row.check = compare(result, reference, dtype, checks[role]) if role in checks else role.replace("floor", "-")
     rows.extend(export_rows(wrapped, kind, shape_name, dtype, cfg) if cfg["export"] else [])
@@ -363,8 +394,9 @@ def summary(rows: list[Row]) -> str:
     """Markdown, one line per engine, shape and live dtype: ours against the floor and the gathering peer."""
     lines = [
         "| engine | shape | live | ours / floor | check off / floor | peer / ours | MB recv / update, ours : peer "
-        "| extra MiB / rank, ours : peer | export ms, ours : torch | export rank-0 peak MiB, ours : torch | check |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "| extra MiB / rank, ours : peer | export ms, ours : torch | export rank-0 peak MiB, ours : torch "
+        "| 3 averages, one averager / three | check |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     cases = dict.fromkeys((r.engine, r.shape, r.dtype) for r in rows)
     for case in cases:
@@ -378,12 +410,13 @@ def summary(rows: list[Row]) -> str:
         exports = by_role.get("export", [])
         export_ms = " : ".join(f"{r.ms_median:.0f}" for r in exports) or "-"
         export_mib = " : ".join(f"{r.extra_bytes_per_rank / 2**20:.1f}" for r in exports) or "-"
+        one, three = by_role["several"]
         lines.append(
             f"| {' | '.join(case)} | {ours.ms_median / floor_row.ms_median:.2f} | "
             f"{off.ms_median / floor_row.ms_median:.2f} | {peer.ms_median / ours.ms_median:.1f} | "
             f"{ours.comm_bytes_per_update / 1e6:.1f} : {peer.comm_bytes_per_update / 1e6:.1f} | "
             f"{ours.extra_bytes_per_rank / 2**20:.1f} : {peer.extra_bytes_per_rank / 2**20:.1f} | "
-            f"{export_ms} | {export_mib} | {ours.check} |"
+            f"{export_ms} | {export_mib} | {one.ms_median / three.ms_median:.2f} | {ours.check} |"
         )
     return "\n".join(lines)
 
