@@ -437,6 +437,17 @@ class AverageState:
             ],
         }
 
+    def reseed(self, step: int) -> None:
+        """Restart every average from the live weights, as if its first update at ``step`` had copied them."""
+        with torch.no_grad():
+            for index, live in enumerate(self.live):
+                for _, average in self.keys(index):
+                    if self.stored(index):
+                        self.piece(index, average).copy_(live.reshape(-1))
+        self.step, self.num_updates, self.num_skipped = step, 1, 0
+        self.device_counters.clear()
+        self.pending.clear()
+
     def restore(self, description: dict[str, Any], saved: set[str]) -> None:
         """Take a description's counters once the shadows whose keys are in ``saved`` hold its
         values; other shadows (a non-strict load) restart from the live weights."""

@@ -28,13 +28,13 @@ class Launch:
         return found
 
 
-def torchrun(script: str, nproc: int, *args: str, timeout: float = 300) -> Launch:
+def torchrun(script: str, nproc: int, *args: str, timeout: float = 300, env: dict | None = None) -> Launch:
     """Launch ``script`` on ``nproc`` CPU ranks; on timeout kill the whole process group and fail."""
     command = [
         sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
         str(HERE / script), *args,
     ]  # fmt: skip
-    env = os.environ | {"OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu", "PYTHONUNBUFFERED": "1"}
+    env = os.environ | {"OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu", "PYTHONUNBUFFERED": "1"} | (env or {})
     # DeepSpeed compiles a small op on first use; build it inside this environment, where no
     # other environment's half-finished build (and its lock file) can stall the launch.
     env.setdefault("TORCH_EXTENSIONS_DIR", str(Path(sys.prefix) / "torch_extensions"))

@@ -1,0 +1,99 @@
+"""A DeepSpeed engine's checkpoint with the average inside it, committed by ``latest`` last.
+
+DeepSpeed has no hook for extra per-rank files, and its ``save_checkpoint`` writes ``latest``
+before its final barrier: a rank that dies after that leaves ``latest`` naming a tag whose
+files are incomplete. ``save_checkpoint`` here asks the engine not to write ``latest``, writes
+every rank's shard of the average into ``<save_dir>/<tag>/shardavg/`` (an atomic ``avg.save``),
+waits for every rank, and only then replaces ``latest`` atomically. A crash at any moment
+leaves ``latest`` naming the previous tag, whole. ``load_checkpoint`` follows ``latest`` (or
+the tag given), refuses a tag without an average before the engine loads anything, and
+restores both.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from pathlib import Path
+from typing import Any
+
+from ..averager import WeightAverager
+from ..errors import CheckpointError
+from ..layout import agree_or_raise, rank
+from ..storage import atomic_file
+
+AVERAGE_DIR = "shardavg"  # inside the tag's directory
+LATEST = "latest"  # DeepSpeed's pointer to the newest tag
+
+
+def save_checkpoint(
+    engine: Any,
+    avg: WeightAverager,
+    save_dir: str | os.PathLike,
+    tag: str | None = None,
+    client_state: dict | None = None,
+    save_latest: bool = True,
+    **kwargs: Any,
+) -> Any:
+    """Collective: ``engine.save_checkpoint`` and the average, then ``latest``; returns what the
+    engine returned. ``tag`` defaults to DeepSpeed's ``global_step<N>``; ``kwargs`` go to the engine."""
+    tag = f"global_step{engine.global_steps}" if tag is None else str(tag)
+    result = engine.save_checkpoint(
+        str(save_dir), tag=tag, client_state={} if client_state is None else client_state, save_latest=False, **kwargs
+    )
+    avg.save(Path(save_dir) / tag / AVERAGE_DIR)  # committed on every rank when it returns
+    error: BaseException | None = None
+    if save_latest and rank() == 0:
+        try:
+            with atomic_file(Path(save_dir) / LATEST) as handle:
+                handle.write(tag.encode())
+        except Exception as caught:
+            error = caught
+    agree_or_raise(error, f"pointing {Path(save_dir) / LATEST} at {tag}")
+    return result
+
+
+def load_checkpoint(
+    engine: Any,
+    avg: WeightAverager,
+    load_dir: str | os.PathLike,
+    tag: str | None = None,
+    strict: bool = True,
+    **kwargs: Any,
+) -> Any:
+    """Collective: ``engine.load_checkpoint`` and the average of the same tag (``latest`` when
+    ``tag`` is None); returns what the engine returned. A tag without an average is refused
+    before anything is loaded, unless ``strict=False``: it then warns and restarts the average
+    from the loaded live weights (as if its first update had just copied them)."""
+    error: BaseException | None = None
+    path = Path(load_dir)
+    try:
+        tag = _tag(Path(load_dir), tag)
+        path = Path(load_dir) / tag / AVERAGE_DIR
+        if not path.is_dir() and strict:
+            raise CheckpointError(
+                f"{Path(load_dir) / tag} holds no average ({AVERAGE_DIR}/ is missing: saved by the engine's own "
+                "save_checkpoint?); pass strict=False to load the engine and restart the average from its weights"
+            )
+    except Exception as caught:
+        error = caught
+    agree_or_raise(error, f"loading {load_dir}")
+    result = engine.load_checkpoint(str(load_dir), tag=tag, **kwargs)
+    if path.is_dir():
+        avg.load(path, strict=strict)
+    else:
+        warnings.warn(f"{path.parent} holds no average: restarted from the loaded weights", stacklevel=2)
+        avg._state.reseed(engine.global_steps)
+    return result
+
+
+def _tag(load_dir: Path, tag: str | None) -> str:
+    if tag is not None:
+        return str(tag)
+    try:
+        latest = (load_dir / LATEST).read_text().strip()
+    except OSError as error:
+        raise CheckpointError(f"{load_dir} has no readable {LATEST!r} file: pass tag=") from error
+    if not latest or "/" in latest or latest in (".", ".."):
+        raise CheckpointError(f"{load_dir / LATEST} names {latest!r}, not a tag")
+    return latest

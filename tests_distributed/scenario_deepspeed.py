@@ -1,0 +1,167 @@
+"""torchrun scenarios for ``shardavg.integrations.deepspeed``.
+
+    torchrun --standalone --nproc_per_node N tests_distributed/scenario_deepspeed.py MODE ROOT
+
+MODE is one of
+  resume      for ZeRO stages 1, 2 and 3: train, save_checkpoint, train on (the reference); a new
+              engine and averager load_checkpoint (through ``latest``) and train on: bitwise the
+              same; a tag the engine saved alone is refused, or with strict=False re-seeds
+  kill        save tag A, then SIGKILL rank 1 while it writes its shard of the average for tag B
+  after-kill  load_checkpoint follows ``latest``: tag A, whole, equal to its reference
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import warnings
+from pathlib import Path
+
+import harness
+import torch
+import torch.distributed as dist
+from safetensors.torch import load_file, save_file
+from torch import nn
+from torch.distributed.elastic.multiprocessing.errors import record
+
+import shardavg.checkpoint
+from shardavg import EMA, SWA, CheckpointError, WeightAverager
+from shardavg.integrations import deepspeed as ds_checkpoint
+
+RULES = {"ema": EMA(decay=0.9), "swa": SWA()}
+STEPS = 6
+
+
+class Run:
+    """A DeepSpeed engine at a ZeRO stage with a fresh TiedNet (the same initial weights every time)."""
+
+    def __init__(self, stage: int) -> None:
+        import deepspeed
+
+        zero: dict = {"stage": stage}
+        if stage == 3:
+            zero["stage3_param_persistence_threshold"] = 0
+        config = {
+            "train_micro_batch_size_per_gpu": 8,
+            "gradient_accumulation_steps": 1,
+            "zero_optimization": zero,
+            "zero_allow_untested_optimizer": True,
+            "bf16": {"enabled": False},
+        }
+        self.stage = stage
+        torch.manual_seed(0)
+        module = harness.TiedNet()
+        optimizer = torch.optim.SGD([p for p in module.parameters() if p.requires_grad], lr=0.2, momentum=0.9)
+        self.engine, _, _, _ = deepspeed.initialize(model=module, optimizer=optimizer, config=config)
+        self.avg = WeightAverager(self.engine, RULES)
+
+    def train(self, steps: range) -> None:
+        for step in steps:
+            tokens, targets = harness.batch(step)
+            loss = nn.functional.cross_entropy(self.engine(tokens).float(), targets)
+            self.engine.backward(loss)
+            self.engine.step()
+            self.avg.update()
+
+    def live(self) -> dict[str, torch.Tensor]:
+        """The full live parameters (gathered under ZeRO-3)."""
+        import deepspeed
+
+        params = dict(self.engine.module.named_parameters())
+        with deepspeed.zero.GatheredParameters(list(params.values()), enabled=self.stage == 3):
+            return {n: p.detach().clone() for n, p in params.items() if p.requires_grad}
+
+    def averages(self) -> dict[str, dict[str, torch.Tensor]]:
+        return {name: self.avg.full_state_dict(name) for name in RULES}
+
+
+def assert_same(label: str, got: dict, want: dict) -> None:
+    for name in RULES:
+        assert set(got[name]) == set(want[name]), f"{label}/{name}: names differ"
+        for key, value in want[name].items():
+            assert torch.equal(got[name][key], value), f"{label}/{name}: {key} differs"
+
+
+def resume(root: Path) -> None:
+    for stage in (1, 2, 3):
+        folder = root / f"stage{stage}"
+        first = Run(stage)
+        first.train(range(1, STEPS + 1))
+        ds_checkpoint.save_checkpoint(first.engine, first.avg, folder)
+        assert (folder / "latest").read_text() == f"global_step{STEPS}"
+        first.train(range(STEPS + 1, 2 * STEPS + 1))
+        reference = first.averages()
+
+        second = Run(stage)
+        ds_checkpoint.load_checkpoint(second.engine, second.avg, folder)
+        assert (second.avg.step, second.avg.num_updates) == (STEPS, STEPS)
+        second.train(range(STEPS + 1, 2 * STEPS + 1))
+        assert_same(f"stage {stage} resumed", second.averages(), reference)
+
+        # A tag the engine saved by itself: refused before the engine loads it, or re-seeded.
+        first.engine.save_checkpoint(str(folder), tag="engine-only")
+        third = Run(stage)
+        before = {n: p.detach().clone() for n, p in third.engine.module.named_parameters()}
+        with harness.expect_raises(CheckpointError, "holds no average", "strict=False"):
+            ds_checkpoint.load_checkpoint(third.engine, third.avg, folder, tag="engine-only")
+        after = dict(third.engine.module.named_parameters())
+        assert all(torch.equal(before[n], after[n]) for n in before), "the engine loaded before the refusal"
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            ds_checkpoint.load_checkpoint(third.engine, third.avg, folder, tag="engine-only", strict=False)
+        assert any("holds no average" in str(w.message) for w in caught), [str(w.message) for w in caught]
+        assert (third.avg.num_updates, third.avg.step) == (1, 2 * STEPS)
+        live, average = third.live(), third.avg.full_state_dict("ema")  # re-seeded: the loaded live weights
+        if dist.get_rank() == 0:
+            assert all(torch.equal(average[n], value) for n, value in live.items()), "not re-seeded from live"
+        harness.report("RESUMED", {"stage": stage, "world_size": dist.get_world_size()})
+
+
+def kill(root: Path) -> None:
+    run = Run(3)
+    run.train(range(1, STEPS + 1))
+    ds_checkpoint.save_checkpoint(run.engine, run.avg, root / "killed", tag="A")
+    reference = run.averages()
+    if dist.get_rank() == 0:
+        for name, state in reference.items():
+            save_file({k: v.clone() for k, v in state.items()}, str(root / f"reference-{name}.safetensors"))
+    dist.barrier()
+    run.train(range(STEPS + 1, 2 * STEPS + 1))
+    if dist.get_rank() == 1:
+        real_write = shardavg.checkpoint.write_safetensors
+
+        def write_then_die(path, entries, tensors, metadata=None):
+            def first_tensor_then_sigkill():
+                yield next(iter(tensors))
+                os.kill(os.getpid(), signal.SIGKILL)
+
+            real_write(path, entries, first_tensor_then_sigkill(), metadata)
+
+        shardavg.checkpoint.write_safetensors = write_then_die
+    ds_checkpoint.save_checkpoint(run.engine, run.avg, root / "killed", tag="B")
+    raise AssertionError("rank 1 should have been killed during the save")
+
+
+def after_kill(root: Path) -> None:
+    run = Run(3)
+    assert (root / "killed" / "latest").read_text() == "A"
+    ds_checkpoint.load_checkpoint(run.engine, run.avg, root / "killed")
+    assert (run.avg.step, run.avg.num_updates) == (STEPS, STEPS)
+    got = run.averages()
+    if dist.get_rank() == 0:
+        want = {name: load_file(str(root / f"reference-{name}.safetensors")) for name in RULES}
+        assert_same("after the kill", got, want)
+    harness.report("RECOVERED", {"world_size": dist.get_world_size()})
+
+
+@record
+def main() -> None:
+    mode, root = sys.argv[1], Path(sys.argv[2])
+    harness.init_distributed(deepspeed=True)
+    {"resume": resume, "kill": kill, "after-kill": after_kill}[mode](root)
+    harness.finish()
+
+
+if __name__ == "__main__":
+    main()
