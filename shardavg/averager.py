@@ -59,6 +59,10 @@ class WeightAverager:
         on_nonfinite: ``"raise"`` (default) or ``"skip"`` (warn and leave the average
             untouched) when a live weight holds NaN or infinity; ``"off"`` skips the check
             (one read of every live shard less per update) and averages whatever is there.
+        source: ``"live"`` (default) averages the weights the model holds; ``"master"``, for a
+            DeepSpeed ZeRO-3 engine in bf16/fp16, the optimizer's fp32 master partitions
+            (frozen parameters, which have none, are read live). ``swapped()`` writes the live
+            partitions either way.
 
     ``gather_bucket_bytes`` bounds what a gather (``full_state_dict``, ``copy_to``,
     ``export``) holds at once on a receiving rank, beyond the largest single tensor.
@@ -77,6 +81,7 @@ class WeightAverager:
         device: torch.device | str | None = None,
         include_frozen: bool = False,
         on_nonfinite: str = "raise",
+        source: str = "live",
     ) -> None:
         if isinstance(every_n_steps, bool) or not isinstance(every_n_steps, int) or every_n_steps < 1:
             raise ValueError(f"every_n_steps must be an int >= 1, got {every_n_steps!r}")
@@ -98,7 +103,7 @@ class WeightAverager:
             on_nonfinite=on_nonfinite,
         )
         rules = _named_rules(rule)
-        self._state = AverageState(make_strategy(model, strategy), rules, options)
+        self._state = AverageState(make_strategy(model, strategy, source), rules, options)
         self._swapped = False
         state = self._state
         narrowed = [
@@ -290,18 +295,19 @@ class WeightAverager:
             raise RuntimeError("swapped() blocks cannot be nested")
         state.verify_structure()
         indices = [index for index, shadow in enumerate(shadows) if shadow is not None]
+        targets = state.strategy.swap_views()  # the tensors the forward reads
         with torch.no_grad():
-            stash = [state.live[index].clone() for index in indices]
+            stash = [targets[index].clone() for index in indices]
         self._swapped = True
         try:
             with torch.no_grad():
                 state.strategy.release_gathered()
-                torch._foreach_copy_([state.live[i] for i in indices], [shadows[i] for i in indices])
+                torch._foreach_copy_([targets[i] for i in indices], [shadows[i] for i in indices])
             yield
         finally:
             with torch.no_grad():
-                live = state.strategy.local_views()  # the engine may have re-created views inside the block
-                torch._foreach_copy_([live[i] for i in indices], stash)
+                targets = state.strategy.swap_views()  # the engine may have re-created views inside the block
+                torch._foreach_copy_([targets[i] for i in indices], stash)
                 state.strategy.release_gathered()
             self._swapped = False
             state.sync_live()

@@ -487,3 +487,12 @@ def test_a_healthy_update_warns_nothing(model, trainer) -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert averager.update()
+
+
+def test_the_master_source_is_refused_where_there_is_no_zero3_master(model) -> None:
+    with pytest.raises(
+        StrategyError, match=r"source='master' averages the fp32 master partitions of a DeepSpeed ZeRO-3"
+    ):
+        WeightAverager(model, source="master")
+    with pytest.raises(StrategyError, match=r"unknown source 'fp32'"):
+        WeightAverager(model, source="fp32")

@@ -8,6 +8,7 @@ MODE is one of
               same; a tag the engine saved alone is refused, or with strict=False re-seeds
   kill        save tag A, then SIGKILL rank 1 while it writes its shard of the average for tag B
   after-kill  load_checkpoint follows ``latest``: tag A, whole, equal to its reference
+  master      bf16 ZeRO-3 with source="master": bitwise an EMA of the gathered fp32 masters
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 from torch.distributed.elastic.multiprocessing.errors import record
 
+import shardavg
 import shardavg.checkpoint
 from shardavg import EMA, SWA, CheckpointError, WeightAverager
 from shardavg.integrations import deepspeed as ds_checkpoint
@@ -36,7 +38,7 @@ STEPS = 6
 class Run:
     """A DeepSpeed engine at a ZeRO stage with a fresh TiedNet (the same initial weights every time)."""
 
-    def __init__(self, stage: int) -> None:
+    def __init__(self, stage: int, bf16: bool = False, source: str = "live") -> None:
         import deepspeed
 
         zero: dict = {"stage": stage}
@@ -47,14 +49,14 @@ class Run:
             "gradient_accumulation_steps": 1,
             "zero_optimization": zero,
             "zero_allow_untested_optimizer": True,
-            "bf16": {"enabled": False},
+            "bf16": {"enabled": bf16},
         }
         self.stage = stage
         torch.manual_seed(0)
-        module = harness.TiedNet()
+        module = harness.TiedNet().to(torch.bfloat16 if bf16 else torch.float32)  # buffers too
         optimizer = torch.optim.SGD([p for p in module.parameters() if p.requires_grad], lr=0.2, momentum=0.9)
         self.engine, _, _, _ = deepspeed.initialize(model=module, optimizer=optimizer, config=config)
-        self.avg = WeightAverager(self.engine, RULES)
+        self.avg = WeightAverager(self.engine, RULES, source=source)
 
     def train(self, steps: range) -> None:
         for step in steps:
@@ -118,6 +120,51 @@ def resume(root: Path) -> None:
         harness.report("RESUMED", {"stage": stage, "world_size": dist.get_world_size()})
 
 
+def master(root: Path) -> None:
+    """bf16 ZeRO-3: the master-source EMA is bitwise an EMA of the gathered fp32 masters; the
+    live-source one (of the bf16 partitions) is not; swapped() writes and restores the bf16 ones."""
+    import deepspeed
+    from deepspeed.utils import safe_get_full_fp32_param
+    from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
+
+    run = Run(3, bf16=True, source="master")
+    assert {p.ds_tensor.dtype for p in run.engine.module.parameters()} == {torch.bfloat16}
+    live_source = WeightAverager(run.engine, EMA(decay=0.9))
+    torch.manual_seed(0)
+    reference = AveragedModel(harness.TiedNet(), multi_avg_fn=get_ema_multi_avg_fn(0.9))
+    params = dict(run.engine.module.named_parameters())
+    for step in range(1, 2 * STEPS + 1):
+        run.train(range(step, step + 1))
+        live_source.update()
+        plain = harness.TiedNet()
+        masters = {n: safe_get_full_fp32_param(p) for n, p in params.items() if p.requires_grad}
+        with deepspeed.zero.GatheredParameters([p for p in params.values() if not p.requires_grad]):
+            frozen = {n: p.detach().float().clone() for n, p in params.items() if not p.requires_grad}
+        plain.load_state_dict(masters | frozen, strict=False)
+        reference.update_parameters(plain)
+    got, lived = run.avg.full_state_dict("ema"), live_source.full_state_dict()
+    if dist.get_rank() == 0:
+        differences = []
+        for name, want in reference.module.named_parameters():
+            if want.requires_grad:
+                assert torch.equal(got[name], want), f"master-source {name} differs from the fp32-master reference"
+                differences.append(((lived[name] - want).abs().max() / want.abs().max()).item())
+        assert max(differences) > 1e-4, f"the bf16-live average is as good as the master one: {differences}"
+        harness.report("MASTER_VS_LIVE", {"max_rel_difference": max(differences)})
+
+    shards = {n: p.ds_tensor.detach().clone() for n, p in params.items()}
+    with run.avg.swapped("ema"):
+        for info, shadow, view in zip(
+            run.avg._state.infos, run.avg._state.average("ema").shadows, run.avg.strategy.swap_views()
+        ):
+            if shadow is not None and info.kind == "param":
+                assert view.dtype == torch.bfloat16 and torch.equal(view, shadow.to(torch.bfloat16)), info.name
+    assert all(torch.equal(p.ds_tensor, shards[n]) for n, p in params.items()), "bf16 partitions not restored"
+    with harness.expect_raises(shardavg.StrategyError, "source='master'", "ZeRO-3"):
+        WeightAverager(run.engine.module, EMA(decay=0.9), source="master")  # the module: no optimizer
+    harness.report("MASTER", {"world_size": dist.get_world_size()})
+
+
 def kill(root: Path) -> None:
     run = Run(3)
     run.train(range(1, STEPS + 1))
@@ -159,7 +206,7 @@ def after_kill(root: Path) -> None:
 def main() -> None:
     mode, root = sys.argv[1], Path(sys.argv[2])
     harness.init_distributed(deepspeed=True)
-    {"resume": resume, "kill": kill, "after-kill": after_kill}[mode](root)
+    {"resume": resume, "master": master, "kill": kill, "after-kill": after_kill}[mode](root)
     harness.finish()
 
 

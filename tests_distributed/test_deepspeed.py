@@ -27,3 +27,13 @@ def test_a_rank_killed_during_the_save_leaves_latest_on_the_previous_tag(tmp_pat
     recovered = torchrun(SCRIPT, 2, "after-kill", str(tmp_path), timeout=300)
     assert recovered.returncode == 0, recovered.output[-20000:]
     assert recovered.reports("RECOVERED"), recovered.output[-5000:]
+
+
+def test_the_master_source_averages_the_fp32_masters_bitwise(tmp_path: Path) -> None:
+    launch = torchrun(SCRIPT, 2, "master", str(tmp_path), timeout=300)
+    assert launch.returncode == 0, launch.output[-20000:]
+    assert launch.reports("MASTER"), launch.output[-5000:]
+    (measured,) = launch.reports("MASTER_VS_LIVE")
+    print(
+        f"bf16-live average against the fp32-master one: max relative difference {measured['max_rel_difference']:.2e}"
+    )

@@ -22,8 +22,14 @@ def detect(model: nn.Module) -> str:
     return next(name for name, cls in STRATEGIES.items() if cls.fits(model))
 
 
-def make_strategy(model: nn.Module, strategy: str = "auto") -> Strategy:
-    """Build the adapter ``strategy`` names (or the detected one for ``"auto"``)."""
+SOURCES = ("live", "master")
+
+
+def make_strategy(model: nn.Module, strategy: str = "auto", source: str = "live") -> Strategy:
+    """Build the adapter ``strategy`` names (or the detected one for ``"auto"``), averaging the
+    live weights, or with ``source="master"`` a DeepSpeed ZeRO-3 engine's fp32 master partitions."""
+    if source not in SOURCES:
+        raise StrategyError(f"unknown source {source!r}; expected one of {SOURCES}")
     if strategy == "auto":
         strategy = detect(model)
     if strategy not in STRATEGIES:
@@ -34,6 +40,13 @@ def make_strategy(model: nn.Module, strategy: str = "auto") -> Strategy:
             f"strategy {strategy!r} does not fit this {type(model).__name__}: "
             f"its parameters are held the {detect(model)!r} way"
         )
+    if source == "master":
+        if cls is not Zero3:
+            raise StrategyError(
+                f"source='master' averages the fp32 master partitions of a DeepSpeed ZeRO-3 engine; this model is "
+                f"held the {strategy!r} way (ZeRO-1/2 masters are not supported yet): use source='live'"
+            )
+        return Zero3(model, master=True)
     return cls(model)
 
 

@@ -166,6 +166,11 @@ class Strategy(ABC):
             raise RuntimeError(f"{type(self).__name__}.local_views() before tensors(): scan the model first")
         return self._param_views() + [owner._buffers[name] for owner, name in self._buffer_slots]
 
+    def swap_views(self) -> list[torch.Tensor]:
+        """What ``swapped()`` writes the average into: the tensors the forward reads. The local
+        views, except where the average is taken from elsewhere (ZeRO-3's fp32 master partitions)."""
+        return self.local_views()
+
     def release_gathered(self) -> None:
         """Drop full (unsharded) copies of parameters, so the next forward gathers the local shards.
 

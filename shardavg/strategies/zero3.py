@@ -16,7 +16,7 @@ from ..errors import StrategyError
 from .base import Strategy, TensorInfo, grouped_by_identity, is_deepspeed_engine, unwrap
 
 
-def _partition_info(names: list[str], param: torch.Tensor) -> TensorInfo:
+def _partition_info(names: list[str], param: torch.Tensor, master: bool) -> TensorInfo:
     if getattr(param, "ds_tensor", None) is None:
         raise StrategyError(f"parameter {names[0]!r} is not partitioned by ZeRO-3 (it has no ds_tensor)")
     if getattr(param, "ds_secondary_tensor", None) is not None:
@@ -33,7 +33,7 @@ def _partition_info(names: list[str], param: torch.Tensor) -> TensorInfo:
         aliases=tuple(names[1:]),
         kind="param",
         shape=torch.Size(param.ds_shape),
-        dtype=param.ds_tensor.dtype,
+        dtype=torch.float32 if master and param.requires_grad else param.ds_tensor.dtype,
         requires_grad=param.requires_grad,
         start=start,
         end=min(start + partition, param.ds_numel),
@@ -41,8 +41,26 @@ def _partition_info(names: list[str], param: torch.Tensor) -> TensorInfo:
 
 
 class Zero3(Strategy):
+    """With ``master=True`` the local views of trained parameters are the optimizer's fp32 master
+    partitions (``safe_get_local_fp32_param``), so a bf16/fp16 run is averaged before rounding;
+    ``swapped()`` still writes the live partitions, which the forward reads. Frozen parameters
+    have no master and are read live."""
+
     name = "zero3"
     _views_key: list | None = None  # what the cached views were sliced from
+    _master_key: list | None = None
+
+    def __init__(self, model: nn.Module, master: bool = False) -> None:
+        super().__init__(model)
+        self.master = master
+        if master:
+            optimizer = getattr(model, "optimizer", None) if is_deepspeed_engine(model) else None
+            if getattr(optimizer, "fp32_partitioned_groups_flat", None) is None:
+                raise StrategyError(
+                    "source='master' needs the DeepSpeedEngine of a ZeRO-3 run with its optimizer built (pass "
+                    "the engine deepspeed.initialize returned); its fp32 master partitions are what is averaged"
+                )
+            self._flats = optimizer.fp32_partitioned_groups_flat
 
     @staticmethod
     def fits(model: nn.Module) -> bool:
@@ -53,11 +71,26 @@ class Zero3(Strategy):
     def _scan_params(self) -> list[TensorInfo]:
         groups = grouped_by_identity(self.module.named_parameters(remove_duplicate=False))
         self._params = [tensor for _, tensor in groups]
-        infos = [_partition_info(names, tensor) for names, tensor in groups]
+        infos = [_partition_info(names, tensor, self.master) for names, tensor in groups]
         self._lengths = [info.end - info.start for info in infos]
         return infos
 
     def _param_views(self) -> list[torch.Tensor]:
+        if not self.master:
+            return self._live_views()
+        key = [flat.data_ptr() for flat in self._flats]  # the masters stay put while these do
+        if key != self._master_key:
+            self._masters = [
+                p._z3_optimizer.get_local_fp32_param(p).detach().narrow(0, 0, n) if p.requires_grad else live
+                for p, n, live in zip(self._params, self._lengths, self._live_views())
+            ]
+            self._master_key = key
+        return self._masters
+
+    def swap_views(self) -> list[torch.Tensor]:
+        return self._live_views() + self.local_views()[len(self._params) :]
+
+    def _live_views(self) -> list[torch.Tensor]:
         key = [(p.ds_tensor.data_ptr(), n) for p, n in zip(self._params, self._lengths)]
         if key != self._views_key:  # new parameters, or DeepSpeed re-allocated partitions (building its optimizer)
             self._views = [p.ds_tensor.detach().narrow(0, 0, n) for p, n in zip(self._params, self._lengths)]
