@@ -1,0 +1,82 @@
+"""Run a README snippet as a user would, under torchrun, so the README cannot drift from the code.
+
+    torchrun --standalone --nproc_per_node 2 tests_distributed/scenario_readme.py NAME ROOT
+
+The snippet after ``<!-- snippet: NAME -->`` in README.md runs in ROOT with what a user brings:
+``model``, ``optimizer``, ``loader``, ``compute_loss`` (and ``ds_config`` for ``deepspeed``).
+Afterwards its average must hold one update per optimizer step and its checkpoint be complete.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import sys
+from pathlib import Path
+
+import harness
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.elastic.multiprocessing.errors import record
+
+README = Path(__file__).resolve().parents[1] / "README.md"
+STEPS = 8  # batches each rank sees
+
+
+def snippet(name: str) -> str:
+    match = re.search(rf"<!-- snippet: {name} -->\s*```python\n(.*?)```", README.read_text(), re.DOTALL)
+    assert match, f"README.md has no snippet {name!r}"
+    return match.group(1)
+
+
+def user_parts(name: str) -> dict:
+    torch.manual_seed(0)
+    model = harness.TiedNet()
+    # accelerate shards the loader it prepares over the ranks; DeepSpeed's users give each rank its own
+    ranks = int(os.environ["WORLD_SIZE"]) if name == "accelerate" else 1
+    generator = torch.Generator().manual_seed(0 if name == "accelerate" else int(os.environ["RANK"]))
+    samples = 8 * STEPS * ranks
+    data = torch.utils.data.TensorDataset(
+        torch.randint(0, harness.VOCAB, (samples, 5), generator=generator),
+        torch.randint(0, harness.VOCAB, (samples,), generator=generator),
+    )
+    parts = {
+        "model": model,
+        "optimizer": torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1),
+        "loader": torch.utils.data.DataLoader(data, batch_size=8),
+        "compute_loss": lambda m, batch: nn.functional.cross_entropy(m(batch[0]).float(), batch[1]),
+    }
+    if name == "deepspeed":
+        parts["model"] = model.to(torch.bfloat16)
+        parts["ds_config"] = {
+            "train_micro_batch_size_per_gpu": 8,
+            "zero_optimization": {"stage": 3},
+            "zero_allow_untested_optimizer": True,
+            "bf16": {"enabled": True},
+        }
+    return parts
+
+
+@record
+def main() -> None:
+    name, root = sys.argv[1], Path(sys.argv[2])
+    os.chdir(root)
+    if name == "deepspeed":
+        harness.init_distributed(deepspeed=True)
+    namespace = user_parts(name)
+    exec(compile(snippet(name), f"README.md snippet {name}", "exec"), namespace)  # noqa: S102
+    avg = namespace["avg"]
+    if name == "accelerate":
+        assert avg.num_updates == STEPS // 2, avg.num_updates  # accumulation 2
+        assert (root / "ckpt" / "shardavg" / "shardavg.json").is_file()
+    else:
+        assert avg.strategy.name == "zero3" and avg.num_updates == STEPS, (avg.strategy.name, avg.num_updates)
+        assert (root / "ckpt" / "latest").read_text() == f"global_step{STEPS}"
+        assert (root / "ckpt" / f"global_step{STEPS}" / "shardavg" / "shardavg.json").is_file()
+    harness.report("SNIPPET", {"name": name, "world_size": dist.get_world_size()})
+    harness.finish()
+
+
+if __name__ == "__main__":
+    main()

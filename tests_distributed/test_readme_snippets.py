@@ -1,0 +1,20 @@
+"""The README's integration snippets run as written, under torchrun on 2 CPU processes."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from launcher import torchrun
+
+ENVIRONMENTS = {
+    "accelerate": {"ACCELERATE_USE_CPU": "true"},
+    "deepspeed": {},
+}
+
+
+@pytest.mark.parametrize("name", sorted(ENVIRONMENTS))
+def test_the_readme_snippet_runs(name: str, tmp_path: Path) -> None:
+    launch = torchrun("scenario_readme.py", 2, name, str(tmp_path), timeout=300, env=ENVIRONMENTS[name])
+    assert launch.returncode == 0, launch.output[-20000:]
+    assert {"name": name, "world_size": 2} in launch.reports("SNIPPET"), launch.output[-5000:]
