@@ -60,9 +60,9 @@ class WeightAverager:
             untouched) when a live weight holds NaN or infinity; ``"off"`` skips the check
             (one read of every live shard less per update) and averages whatever is there.
         source: ``"live"`` (default) averages the weights the model holds; ``"master"``, for a
-            DeepSpeed ZeRO-3 engine in bf16/fp16, the optimizer's fp32 master partitions
-            (frozen parameters, which have none, are read live). ``swapped()`` writes the live
-            partitions either way.
+            DeepSpeed engine in bf16/fp16 (ZeRO-1, 2 or 3), this rank's part of the optimizer's
+            fp32 masters (frozen parameters, which have none, are read live). ``swapped()``
+            writes the live weights either way.
 
     ``gather_bucket_bytes`` bounds what a gather (``full_state_dict``, ``copy_to``,
     ``export``) holds at once on a receiving rank, beyond the largest single tensor.
@@ -286,7 +286,9 @@ class WeightAverager:
 
         The live shards are stashed and restored bit for bit on exit, also when the block
         raises. Under FSDP and ZeRO-3 the forward passes inside gather the averaged shards.
-        ``average`` names which one when the averager keeps several.
+        ``average`` names which one when the averager keeps several. With ZeRO-1/2 masters
+        (``source="master"``) every rank holds the whole live model: the average is gathered
+        into it, so there ``swapped()`` is a collective.
         """
         state = self._state
         shadows = state.average(average).shadows
@@ -302,7 +304,13 @@ class WeightAverager:
         try:
             with torch.no_grad():
                 state.strategy.release_gathered()
-                torch._foreach_copy_([targets[i] for i in indices], [shadows[i] for i in indices])
+                if state.strategy.swap_gathers:  # each rank averages a part of tensors it holds whole
+                    where = {state.infos[i].name: i for i in indices}
+                    for info, full in state.gathered(dst=None, average=average):
+                        if info.name in where:
+                            targets[where[info.name]].copy_(full.view_as(targets[where[info.name]]))
+                else:
+                    torch._foreach_copy_([targets[i] for i in indices], [shadows[i] for i in indices])
             yield
         finally:
             with torch.no_grad():

@@ -188,3 +188,21 @@ def test_a_checkpoint_of_one_unnamed_average_still_loads(trainer, tmp_path) -> N
     restored = WeightAverager(untrained(), EMA(decay=0.9))
     restored.load(averager.save(tmp_path / "ckpt"))
     assert_same_average(restored, averager)
+
+
+def test_attaching_to_an_accelerator_twice_is_refused(model) -> None:
+    from accelerate import Accelerator
+
+    from shardavg.integrations.accelerate import attach
+
+    accelerator = Accelerator(cpu=True)
+    first, second = WeightAverager(model, SWA()), WeightAverager(model, SWA())
+    save, load = attach(accelerator, first)
+    with pytest.raises(ValueError, match="already attached"):
+        attach(accelerator, first)
+    with pytest.raises(ValueError, match="another averager is attached under 'shardavg'"):
+        attach(accelerator, second)
+    attach(accelerator, second, directory="second")
+    save.remove()
+    load.remove()
+    attach(accelerator, first)  # detached by its handles: attaching again is fine

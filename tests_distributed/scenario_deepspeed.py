@@ -8,7 +8,7 @@ MODE is one of
               same; a tag the engine saved alone is refused, or with strict=False re-seeds
   kill        save tag A, then SIGKILL rank 1 while it writes its shard of the average for tag B
   after-kill  load_checkpoint follows ``latest``: tag A, whole, equal to its reference
-  master      bf16 ZeRO-3 with source="master": bitwise an EMA of the gathered fp32 masters
+  master      bf16 at ZeRO 1, 2, 3 with source="master": bitwise an EMA of the gathered fp32 masters
 """
 
 from __future__ import annotations
@@ -121,45 +121,55 @@ def resume(root: Path) -> None:
 
 
 def master(root: Path) -> None:
-    """bf16 ZeRO-3: the master-source EMA is bitwise an EMA of the gathered fp32 masters; the
-    live-source one (of the bf16 partitions) is not; swapped() writes and restores the bf16 ones."""
+    """bf16 at ZeRO 1, 2 and 3: the master-source EMA is bitwise an EMA of the gathered fp32
+    masters; the live-source one (of the bf16 weights) is not; swapped() writes the bf16 weights
+    the forward reads and restores them bit for bit."""
     import deepspeed
     from deepspeed.utils import safe_get_full_fp32_param
     from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 
-    run = Run(3, bf16=True, source="master")
-    assert {p.ds_tensor.dtype for p in run.engine.module.parameters()} == {torch.bfloat16}
-    live_source = WeightAverager(run.engine, EMA(decay=0.9))
-    torch.manual_seed(0)
-    reference = AveragedModel(harness.TiedNet(), multi_avg_fn=get_ema_multi_avg_fn(0.9))
-    params = dict(run.engine.module.named_parameters())
-    for step in range(1, 2 * STEPS + 1):
-        run.train(range(step, step + 1))
-        live_source.update()
-        plain = harness.TiedNet()
-        masters = {n: safe_get_full_fp32_param(p) for n, p in params.items() if p.requires_grad}
-        with deepspeed.zero.GatheredParameters([p for p in params.values() if not p.requires_grad]):
-            frozen = {n: p.detach().float().clone() for n, p in params.items() if not p.requires_grad}
-        plain.load_state_dict(masters | frozen, strict=False)
-        reference.update_parameters(plain)
-    got, lived = run.avg.full_state_dict("ema"), live_source.full_state_dict()
-    if dist.get_rank() == 0:
-        differences = []
-        for name, want in reference.module.named_parameters():
-            if want.requires_grad:
-                assert torch.equal(got[name], want), f"master-source {name} differs from the fp32-master reference"
-                differences.append(((lived[name] - want).abs().max() / want.abs().max()).item())
-        assert max(differences) > 1e-4, f"the bf16-live average is as good as the master one: {differences}"
-        harness.report("MASTER_VS_LIVE", {"max_rel_difference": max(differences)})
+    for stage in (1, 2, 3):
+        run = Run(stage, bf16=True, source="master")
+        assert run.avg.strategy.name == ("zero3" if stage == 3 else "zero12"), run.avg.strategy.name
+        live_source = WeightAverager(run.engine, EMA(decay=0.9))
+        torch.manual_seed(0)
+        reference = AveragedModel(harness.TiedNet(), multi_avg_fn=get_ema_multi_avg_fn(0.9))
+        params = dict(run.engine.module.named_parameters())
+        frozen_params = [p for p in params.values() if not p.requires_grad]
+        for step in range(1, 2 * STEPS + 1):
+            run.train(range(step, step + 1))
+            live_source.update()
+            plain = harness.TiedNet()
+            masters = {n: safe_get_full_fp32_param(p) for n, p in params.items() if p.requires_grad}
+            with deepspeed.zero.GatheredParameters(frozen_params, enabled=stage == 3):
+                frozen = {n: p.detach().float().clone() for n, p in params.items() if not p.requires_grad}
+            plain.load_state_dict(masters | frozen, strict=False)
+            reference.update_parameters(plain)
+        got, lived = run.avg.full_state_dict("ema"), live_source.full_state_dict()
+        if dist.get_rank() == 0:
+            differences = []
+            for name, want in reference.module.named_parameters():
+                if want.requires_grad:
+                    assert torch.equal(got[name], want), (
+                        f"stage {stage}: master-source {name} differs from the reference"
+                    )
+                    differences.append(((lived[name] - want).abs().max() / want.abs().max()).item())
+            assert max(differences) > 1e-4, f"stage {stage}: the bf16-live average is as good: {differences}"
+            harness.report("MASTER_VS_LIVE", {"stage": stage, "max_rel_difference": max(differences)})
 
-    shards = {n: p.ds_tensor.detach().clone() for n, p in params.items()}
-    with run.avg.swapped("ema"):
-        for info, shadow, view in zip(
-            run.avg._state.infos, run.avg._state.average("ema").shadows, run.avg.strategy.swap_views()
-        ):
-            if shadow is not None and info.kind == "param":
-                assert view.dtype == torch.bfloat16 and torch.equal(view, shadow.to(torch.bfloat16)), info.name
-    assert all(torch.equal(p.ds_tensor, shards[n]) for n, p in params.items()), "bf16 partitions not restored"
+        before = [view.clone() for view in run.avg.strategy.swap_views()]
+        with run.avg.swapped("ema"):
+            averaged = run.avg._state.average("ema").shadows
+            for info, shadow, view in zip(run.avg._state.infos, averaged, run.avg.strategy.swap_views()):
+                if shadow is not None and info.kind == "param":
+                    assert view.dtype == torch.bfloat16, (info.name, view.dtype)
+                    if stage == 3:  # this rank's partition of the average
+                        assert torch.equal(view, shadow.to(torch.bfloat16)), info.name
+                    else:  # the whole average, gathered: this rank's part of it is its fragment
+                        part = view.reshape(-1)[info.start : info.end]
+                        assert torch.equal(part, shadow.reshape(-1).to(torch.bfloat16)), info.name
+        after = run.avg.strategy.swap_views()
+        assert all(torch.equal(a, b) for a, b in zip(before, after)), f"stage {stage}: live weights not restored"
     with harness.expect_raises(shardavg.StrategyError, "source='master'", "ZeRO-3"):
         WeightAverager(run.engine.module, EMA(decay=0.9), source="master")  # the module: no optimizer
     harness.report("MASTER", {"world_size": dist.get_world_size()})

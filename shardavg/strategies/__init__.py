@@ -10,16 +10,15 @@ from .fsdp1 import FSDP1
 from .fsdp2 import FSDP2
 from .replicated import Replicated
 from .zero3 import Zero3
+from .zero12 import Zero12Master
 
-STRATEGIES: dict[str, type[Strategy]] = {
-    cls.name: cls
-    for cls in (Zero3, FSDP1, FSDP2, Replicated)  # detection order
-}
+DETECTED: tuple[type[Strategy], ...] = (Zero3, FSDP1, FSDP2, Replicated)  # in detection order
+STRATEGIES: dict[str, type[Strategy]] = {cls.name: cls for cls in (*DETECTED, Zero12Master)}
 
 
 def detect(model: nn.Module) -> str:
     """Name of the adapter for ``model``: the first of zero3, fsdp1, fsdp2, replicated that fits."""
-    return next(name for name, cls in STRATEGIES.items() if cls.fits(model))
+    return next(cls.name for cls in DETECTED if cls.fits(model))
 
 
 SOURCES = ("live", "master")
@@ -27,13 +26,14 @@ SOURCES = ("live", "master")
 
 def make_strategy(model: nn.Module, strategy: str = "auto", source: str = "live") -> Strategy:
     """Build the adapter ``strategy`` names (or the detected one for ``"auto"``), averaging the
-    live weights, or with ``source="master"`` a DeepSpeed ZeRO-3 engine's fp32 master partitions."""
+    live weights, or with ``source="master"`` a DeepSpeed engine's fp32 masters (ZeRO-1, 2 or 3)."""
     if source not in SOURCES:
         raise StrategyError(f"unknown source {source!r}; expected one of {SOURCES}")
     if strategy == "auto":
         strategy = detect(model)
-    if strategy not in STRATEGIES:
-        raise StrategyError(f"unknown strategy {strategy!r}; expected 'auto' or one of {sorted(STRATEGIES)}")
+    if strategy not in STRATEGIES or strategy == Zero12Master.name:
+        names = sorted(cls.name for cls in DETECTED)
+        raise StrategyError(f"unknown strategy {strategy!r}; expected 'auto' or one of {names}")
     cls = STRATEGIES[strategy]
     if not cls.fits(model):
         raise StrategyError(
@@ -41,12 +41,14 @@ def make_strategy(model: nn.Module, strategy: str = "auto", source: str = "live"
             f"its parameters are held the {detect(model)!r} way"
         )
     if source == "master":
-        if cls is not Zero3:
-            raise StrategyError(
-                f"source='master' averages the fp32 master partitions of a DeepSpeed ZeRO-3 engine; this model is "
-                f"held the {strategy!r} way (ZeRO-1/2 masters are not supported yet): use source='live'"
-            )
-        return Zero3(model, master=True)
+        if cls is Zero3:
+            return Zero3(model, master=True)
+        if Zero12Master.fits(model):
+            return Zero12Master(model)
+        raise StrategyError(
+            f"source='master' averages the fp32 master weights of a DeepSpeed engine (ZeRO-1, 2 or 3, passed as "
+            f"the engine deepspeed.initialize returned); this model is held the {strategy!r} way: use source='live'"
+        )
     return cls(model)
 
 

@@ -127,6 +127,9 @@ class Strategy(ABC):
     """Adapter between one training engine and the averager."""
 
     name: ClassVar[str]
+    # Whether ``swapped()`` must gather the average: the forward reads whole tensors of which
+    # this rank averages a part (ZeRO-1/2 masters). It is then a collective.
+    swap_gathers: ClassVar[bool] = False
 
     def __init__(self, model: nn.Module) -> None:
         self.model = model
