@@ -1,0 +1,158 @@
+"""torchrun scenarios for ``shardavg.integrations.transformers`` with a tiny random GPT-2 on CPU.
+
+    torchrun --standalone --nproc_per_node 2 tests_distributed/scenario_hf_trainer.py MODE KIND ROOT
+
+KIND is ``ddp`` or ``deepspeed`` (ZeRO-3). Training: 8 optimizer steps of 2 accumulated
+micro-batches, checkpoints at steps 3, 6 and 8 with ``save_total_limit=2``, evaluation at 4 and 8
+(under DDP: accelerate gathers eval losses under DeepSpeed with a collective gloo lacks).
+MODE is one of
+  first   train; every update is checked against an EMA of the weights gathered by the engine's
+          own API; the final average and the export are written for the second launch
+  second  resume from checkpoint-6 in a new launch: the average ends bitwise where ``first`` ended
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import harness
+import torch
+import torch.distributed as dist
+from safetensors.torch import load_file, save_file
+from torch.distributed.elastic.multiprocessing.errors import record
+from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
+from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainerCallback, TrainingArguments
+
+from shardavg import EMA
+from shardavg.integrations.transformers import DIRECTORY, with_weight_averaging
+
+STEPS, DECAY = 8, 0.9
+
+
+def tiny_gpt2() -> GPT2LMHeadModel:
+    torch.manual_seed(0)
+    config = GPT2Config(
+        n_layer=2, n_embd=32, n_head=2, vocab_size=64, n_positions=16, bos_token_id=0, eos_token_id=0,
+        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,  # a resumed run then repeats the same steps
+    )  # fmt: skip
+    return GPT2LMHeadModel(config)
+
+
+class Tokens(torch.utils.data.Dataset):
+    def __init__(self, count: int, seed: int) -> None:
+        generator = torch.Generator().manual_seed(seed)
+        self.ids = torch.randint(0, 64, (count, 12), generator=generator)
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def __getitem__(self, index: int) -> dict:
+        return {"input_ids": self.ids[index], "labels": self.ids[index]}
+
+
+class GatheredReference(TrainerCallback):
+    """An AveragedModel EMA of the live weights, gathered by the engine's own API after each step."""
+
+    def __init__(self, averaging) -> None:
+        self.averaging = averaging
+        self.reference = AveragedModel(tiny_gpt2(), multi_avg_fn=get_ema_multi_avg_fn(DECAY))
+
+    def on_step_end(self, args, state, control, model=None, **kwargs):
+        import deepspeed
+
+        params = dict(model.named_parameters())
+        with deepspeed.zero.GatheredParameters(
+            list(params.values()), enabled=hasattr(next(iter(params.values())), "ds_id")
+        ):
+            live = {n: p.detach().clone() for n, p in params.items()}
+        plain = tiny_gpt2()
+        plain.load_state_dict(live, strict=False)  # tied head: one name
+        self.reference.update_parameters(plain)
+        got = self.averaging.averager.full_state_dict()
+        if dist.get_rank() == 0:
+            for name, value in self.reference.module.named_parameters():
+                assert torch.equal(got[name], value), f"step {state.global_step}: {name} differs from the reference"
+
+
+def build(kind: str, root: Path, check: bool):
+    args = TrainingArguments(
+        output_dir=str(root / "out"),
+        per_device_train_batch_size=4,
+        per_device_eval_batch_size=4,
+        gradient_accumulation_steps=2,
+        max_steps=STEPS,
+        learning_rate=1e-2,
+        lr_scheduler_type="constant",
+        save_strategy="steps",
+        save_steps=3,
+        save_total_limit=2,
+        # (accelerate gathers eval losses with all_gather_into_tensor under DeepSpeed, which gloo lacks:
+        # evaluation runs on GPUs, here only under DDP)
+        eval_strategy="steps" if kind == "ddp" else "no",
+        eval_steps=4,
+        logging_steps=4,
+        report_to=[],
+        seed=0,
+        use_cpu=kind == "ddp",
+        deepspeed=(
+            {
+                "train_micro_batch_size_per_gpu": 4,
+                "gradient_accumulation_steps": 2,
+                "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},
+                "zero_allow_untested_optimizer": True,
+            }
+            if kind == "deepspeed"
+            else None
+        ),
+        disable_tqdm=True,
+    )
+    trainer = Trainer(model=tiny_gpt2(), args=args, train_dataset=Tokens(256, 1), eval_dataset=Tokens(16, 2))
+    averaging = with_weight_averaging(trainer, EMA(decay=DECAY), export_dir=root / "export")
+    if check:
+        trainer.add_callback(GatheredReference(averaging))
+    return trainer, averaging
+
+
+@record
+def main() -> None:
+    mode, kind, root = sys.argv[1], sys.argv[2], Path(sys.argv[3])
+    trainer, averaging = build(kind, root, check=mode == "first")
+    if mode == "first":
+        trainer.train()
+    else:
+        trainer.train(resume_from_checkpoint=str(root / "out" / "checkpoint-6"))
+    averager = averaging.averager
+    assert averager.strategy.name == {"ddp": "replicated", "deepspeed": "zero3"}[kind], averager.strategy.name
+    assert (averager.step, averager.num_updates) == (STEPS, STEPS), (averager.step, averager.num_updates)
+    final = averager.full_state_dict()
+    if dist.get_rank() == 0:
+        out = root / "out"
+        kept = sorted(p.name for p in out.iterdir() if p.name.startswith("checkpoint-"))
+        assert kept == ["checkpoint-6", "checkpoint-8"], kept  # checkpoint-3 rotated away, its average with it
+        assert all((out / name / DIRECTORY / "shardavg.json").is_file() for name in kept)
+        history = [entry for entry in trainer.state.log_history if "eval_avg_loss" in entry]
+        expected = [4, 8] if kind == "ddp" else []  # (a resumed run's history holds step 4's from the checkpoint)
+        assert [entry["step"] for entry in history] == expected, history
+        for entry in history:
+            assert entry["eval_avg_loss"] != entry.get("eval_loss"), entry
+        exported = load_file(str(root / "export" / "model.safetensors"))
+        plain = tiny_gpt2()
+        plain.load_state_dict(exported, strict=True)
+        assert all(torch.equal(exported[k], v) for k, v in final.items() if k in exported)
+        raw = {n: p.detach().clone() for n, p in trainer.model.named_parameters()} if kind == "ddp" else {}
+        if mode == "first":
+            save_file({k: v.clone() for k, v in final.items()}, str(root / "final.safetensors"))
+            save_file(raw, str(root / "raw.safetensors"))
+        else:
+            raw_want = load_file(str(root / "raw.safetensors"))
+            assert all(torch.equal(raw[k], raw_want[k]) for k in raw_want), "the raw weights differ after the resume"
+            want = load_file(str(root / "final.safetensors"))
+            assert set(want) == set(final) and all(torch.equal(final[k], want[k]) for k in want), "resume differs"
+        harness.report("TRAINER", {"mode": mode, "kind": kind, "eval": json.dumps(history[-1:])})
+    harness.finish()
+
+
+if __name__ == "__main__":
+    main()
