@@ -47,6 +47,26 @@ def user_parts(name: str) -> dict:
         "loader": torch.utils.data.DataLoader(data, batch_size=8),
         "compute_loss": lambda m, batch: nn.functional.cross_entropy(m(batch[0]).float(), batch[1]),
     }
+    if name == "transformers":
+        from scenario_hf_trainer import Tokens, tiny_gpt2
+        from transformers import TrainingArguments
+
+        parts = {
+            "model": tiny_gpt2(),
+            "args": TrainingArguments(
+                output_dir="out",
+                per_device_train_batch_size=4,
+                max_steps=STEPS,
+                save_steps=4,
+                eval_strategy="steps",
+                eval_steps=4,
+                report_to=[],
+                use_cpu=True,
+                disable_tqdm=True,
+            ),  # fmt: skip
+            "train_dataset": Tokens(64, 1),
+            "eval_dataset": Tokens(8, 2),
+        }
     if name == "deepspeed":
         parts["model"] = model.to(torch.bfloat16)
         parts["ds_config"] = {
@@ -66,6 +86,15 @@ def main() -> None:
         harness.init_distributed(deepspeed=True)
     namespace = user_parts(name)
     exec(compile(snippet(name), f"README.md snippet {name}", "exec"), namespace)  # noqa: S102
+    if name == "transformers":
+        trainer = namespace["trainer"]
+        (callback,) = [c for c in trainer.callback_handler.callbacks if hasattr(c, "averager")]
+        assert callback.averager.num_updates == STEPS, callback.averager.num_updates
+        assert any("eval_avg_loss" in entry for entry in trainer.state.log_history), trainer.state.log_history
+        assert (root / "out" / f"checkpoint-{STEPS}" / "shardavg" / "shardavg.json").is_file()
+        assert (root / "ema-model" / "model.safetensors").is_file()
+        harness.report("SNIPPET", {"name": name, "world_size": dist.get_world_size()})
+        harness.finish()
     avg = namespace["avg"]
     if name == "accelerate":
         assert avg.num_updates == STEPS // 2, avg.num_updates  # accumulation 2
