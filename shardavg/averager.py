@@ -302,15 +302,7 @@ class WeightAverager:
             stash = [targets[index].clone() for index in indices]
         self._swapped = True
         try:
-            with torch.no_grad():
-                state.strategy.release_gathered()
-                if state.strategy.swap_gathers:  # each rank averages a part of tensors it holds whole
-                    where = {state.infos[i].name: i for i in indices}
-                    for info, full in state.gathered(dst=None, average=average):
-                        if info.name in where:
-                            targets[where[info.name]].copy_(full.view_as(targets[where[info.name]]))
-                else:
-                    torch._foreach_copy_([targets[i] for i in indices], [shadows[i] for i in indices])
+            self._write_into(targets, indices, average)
             yield
         finally:
             with torch.no_grad():
@@ -319,6 +311,34 @@ class WeightAverager:
                 state.strategy.release_gathered()
             self._swapped = False
             state.sync_live()
+
+    def copy_into_model(self, average: str | None = None) -> None:
+        """Write the average into the live model for good (shard-local, as ``swapped()`` does on
+        entry): e.g. to go on from the averaged weights, or to save them with the engine's own
+        checkpointing. The live weights are lost. Collective where ``swapped()`` is."""
+        state = self._state
+        shadows = state.average(average).shadows
+        state.require_updates("copy_into_model()")
+        if self._swapped:
+            raise RuntimeError("copy_into_model() inside swapped(): the live model holds averaged weights already")
+        state.verify_structure()
+        indices = [index for index, shadow in enumerate(shadows) if shadow is not None]
+        self._write_into(state.strategy.swap_views(), indices, average)
+        state.sync_live()
+
+    def _write_into(self, targets: list[torch.Tensor], indices: list[int], average: str | None) -> None:
+        """Copy the average's tensors ``indices`` into ``targets`` (the tensors the forward reads)."""
+        state = self._state
+        shadows = state.average(average).shadows
+        with torch.no_grad():
+            state.strategy.release_gathered()
+            if state.strategy.swap_gathers:  # each rank averages a part of tensors it holds whole
+                where = {state.infos[i].name: i for i in indices}
+                for info, full in state.gathered(dst=None, average=average):
+                    if info.name in where:
+                        targets[where[info.name]].copy_(full.view_as(targets[where[info.name]]))
+            else:
+                torch._foreach_copy_([targets[i] for i in indices], [shadows[i] for i in indices])
 
     def full_state_dict(self, average: str | None = None) -> dict[str, torch.Tensor]:
         """Collective: rank 0 gets ``{name: full tensor}`` on CPU, every name of the plain model; others ``{}``.

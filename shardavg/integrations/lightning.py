@@ -1,0 +1,148 @@
+"""A Lightning callback that averages weights shard-local under DDP, FSDP, ModelParallel and DeepSpeed.
+
+Lightning's own ``WeightAveraging`` deep-copies the module into an ``AveragedModel`` and pairs
+parameters by position: under FSDP and DeepSpeed ZeRO-3 that copy holds the shards, or
+nothing. ``ShardedWeightAveraging`` takes the arguments users know from
+``EMAWeightAveraging`` and keeps a ``WeightAverager`` on the strategy's model instead: built in
+``on_fit_start`` (after the strategy has sharded the model), updated once per new
+``global_step``, swapped in for validation (and swapped back at its end, or on an exception),
+and optionally copied into the model when training ends.
+
+Checkpoints: a callback's own state is saved from rank 0 only under FSDP and ModelParallel,
+and a callback cannot add to their distributed checkpoint. So every rank's shard goes to a
+sidecar directory next to each checkpoint, ``<checkpoint>.shardavg/``, written whenever the
+strategy writes the checkpoint (saving the same path again replaces it) and removed with it;
+``trainer.fit(ckpt_path=...)`` restores it from beside that path.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import shutil
+from pathlib import Path
+from typing import Any
+
+from lightning.pytorch.callbacks import Callback
+
+from ..averager import WeightAverager
+from ..ownership import is_own_checkpoint
+from ..rules import EMA, MultiAvgFn, Rule
+
+SUFFIX = ".shardavg"  # the sidecar of checkpoint PATH is PATH.shardavg/
+
+
+def sidecar(checkpoint: str | Path) -> Path:
+    """Where the average of the checkpoint at ``checkpoint`` is kept."""
+    path = Path(checkpoint)
+    return path.with_name(path.name + SUFFIX)
+
+
+class ShardedWeightAveraging(Callback):
+    """EMA (or any shardavg rule) of the weights, kept shard by shard where the strategy keeps them.
+
+    Args:
+        decay: the EMA decay, as in Lightning's ``EMAWeightAveraging`` (ignored when ``rule`` is given).
+        rule: any shardavg rule (``SWA()``, ``PowerEMA(...)``, a ``multi_avg_fn``) instead.
+        update_every_n_steps, update_starting_at_step: update after optimizer step ``i`` (counted
+            from 0) when ``i >= update_starting_at_step`` and ``i % update_every_n_steps == 0``,
+            as ``EMAWeightAveraging`` does.
+        copy_at_end: write the average into the model when training ends.
+        averager_options: passed to ``WeightAverager`` (``dtype``, ``buffers``, ``device``, ...).
+    """
+
+    def __init__(
+        self,
+        decay: float = 0.999,
+        rule: Rule | MultiAvgFn | None = None,
+        update_every_n_steps: int = 1,
+        update_starting_at_step: int | None = None,
+        copy_at_end: bool = False,
+        **averager_options: Any,
+    ) -> None:
+        if update_every_n_steps < 1:
+            raise ValueError(f"update_every_n_steps must be >= 1, got {update_every_n_steps}")
+        self.rule = EMA(decay=decay) if rule is None else rule
+        self.update_every_n_steps = update_every_n_steps
+        self.update_starting_at_step = update_starting_at_step
+        self.copy_at_end = copy_at_end
+        self.averager_options = averager_options
+        self.averager: WeightAverager | None = None
+        self._swap: contextlib.ExitStack | None = None
+        self._resume_from: str | None = None
+        self._wrapped: tuple[Any, Any, Any] | None = None  # (strategy, save_checkpoint, remove_checkpoint)
+
+    # ------------------------------------------------------------------ building and updating
+
+    def on_fit_start(self, trainer, pl_module) -> None:
+        if self.averager is None:
+            self.averager = WeightAverager(trainer.strategy.model, self.rule, **self.averager_options)
+        self._follow_checkpoints(trainer.strategy)
+        self._restore_pending()
+
+    def should_update(self, step_idx: int) -> bool:
+        start = self.update_starting_at_step
+        return (start is None or step_idx >= start) and step_idx % self.update_every_n_steps == 0
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        step = trainer.global_step  # optimizer steps so far: a new one after each real step
+        if step > self.averager.step and self.should_update(step - 1):
+            self.averager.update(step=step)
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        if self.copy_at_end and self.averager.num_updates:
+            self.averager.copy_into_model()
+
+    # ------------------------------------------------------------------ validation with the average
+
+    def on_validation_epoch_start(self, trainer, pl_module) -> None:
+        if self.averager is not None and self.averager.num_updates and not trainer.sanity_checking:
+            self._swap = contextlib.ExitStack()
+            self._swap.enter_context(self.averager.swapped())
+
+    def on_validation_epoch_end(self, trainer, pl_module) -> None:
+        self._swap_back()
+
+    def on_exception(self, trainer, pl_module, exception: BaseException) -> None:
+        self._swap_back()
+
+    def _swap_back(self) -> None:
+        if self._swap is not None:
+            swap, self._swap = self._swap, None
+            swap.close()
+
+    # ------------------------------------------------------------------ checkpoints
+
+    def on_load_checkpoint(self, trainer, pl_module, checkpoint: dict) -> None:
+        self._resume_from = trainer.ckpt_path  # before or after on_fit_start, as the strategy restores
+        self._restore_pending()
+
+    def _restore_pending(self) -> None:
+        if self.averager is not None and self._resume_from is not None:
+            path, self._resume_from = sidecar(self._resume_from), None
+            self.averager.load(path)
+
+    def _follow_checkpoints(self, strategy) -> None:
+        """Write the sidecar whenever the strategy writes a checkpoint, remove it with it."""
+        if self._wrapped is not None and self._wrapped[0] is strategy:
+            return
+        save, remove = strategy.save_checkpoint, strategy.remove_checkpoint
+
+        def save_checkpoint(checkpoint: dict, filepath, *args: Any, **kwargs: Any) -> None:
+            save(checkpoint, filepath, *args, **kwargs)
+            self.averager.save(sidecar(filepath))  # collective: every rank's shard
+
+        def remove_checkpoint(filepath) -> None:
+            remove(filepath)
+            path = sidecar(filepath)
+            if strategy.is_global_zero and is_own_checkpoint(path):
+                shutil.rmtree(path)
+
+        strategy.save_checkpoint, strategy.remove_checkpoint = save_checkpoint, remove_checkpoint
+        self._wrapped = (strategy, save, remove)
+
+    def teardown(self, trainer, pl_module, stage: str) -> None:
+        self._swap_back()
+        if self._wrapped is not None:
+            strategy, save, remove = self._wrapped
+            strategy.save_checkpoint, strategy.remove_checkpoint = save, remove
+            self._wrapped = None

@@ -1,0 +1,256 @@
+"""torchrun scenarios for ``shardavg.integrations.lightning`` (Lightning on CPU, 2 processes).
+
+    torchrun --standalone --nproc_per_node 2 tests_distributed/scenario_lightning.py MODE STRATEGY ROOT
+
+STRATEGY is ``ddp``, ``fsdp`` (FSDPStrategy, sharded checkpoints), ``model_parallel``
+(ModelParallelStrategy: FSDP2 through ``fully_shard`` in ``configure_model``) or ``deepspeed``
+(DeepSpeedStrategy, ZeRO-3). The CPU-only adjustments live here, not in the library.
+MODE is one of
+  first    fit 8 steps (2 epochs), a checkpoint after each epoch; each update is checked bitwise
+           against an EMA of the live weights gathered by the engine's own API, and validation
+           inside the swap against the reference average's loss
+  second   fit from the step-4 checkpoint: the restored average goes on bitwise from the first
+           run's average at step 4 (Lightning's own resume of the raw weights is not bitwise here)
+  theirs   Lightning's own EMAWeightAveraging on the same set-up: it raises, or averages the wrong tensors
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import harness
+import lightning as L
+import torch
+import torch.distributed as dist
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+from safetensors.torch import load_file, save_file
+from torch import nn
+from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
+
+from shardavg.integrations.lightning import ShardedWeightAveraging, sidecar
+
+STEPS, DECAY, RESUME_AT = 8, 0.9, 4
+
+
+class Net(L.LightningModule):
+    def __init__(self, fully_shard: bool = False) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = harness.TiedNet()
+        self.fully_shard = fully_shard
+        self.val_losses: list[float] = []
+
+    def configure_model(self) -> None:
+        if self.fully_shard:
+            from torch.distributed.fsdp import fully_shard
+
+            mesh = self.device_mesh["data_parallel"]
+            for block in (self.net.block, self.net.frozen):
+                fully_shard(block, mesh=mesh)
+            fully_shard(self.net, mesh=mesh)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.net(tokens)
+
+    def training_step(self, batch, batch_idx):
+        tokens, targets = batch
+        return nn.functional.cross_entropy(self(tokens).float(), targets)
+
+    def validation_step(self, batch, batch_idx):
+        tokens, targets = batch
+        loss = nn.functional.cross_entropy(self(tokens).float(), targets)
+        self.val_losses.append(loss.item())
+
+    def configure_optimizers(self):
+        return torch.optim.SGD([p for p in self.parameters() if p.requires_grad], lr=0.2, momentum=0.9)
+
+
+def data(count: int, seed: int) -> torch.utils.data.DataLoader:
+    generator = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(0, harness.VOCAB, (count, 5), generator=generator)
+    targets = torch.randint(0, harness.VOCAB, (count,), generator=generator)
+    return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(tokens, targets), batch_size=8)
+
+
+def gathered_live(trainer, module: Net) -> dict[str, torch.Tensor]:
+    """The full live weights, gathered by the engine's own API."""
+    params = dict(module.net.named_parameters())
+    if any(hasattr(p, "ds_id") for p in params.values()):
+        import deepspeed
+
+        with deepspeed.zero.GatheredParameters(list(params.values())):
+            return {n: p.detach().float().clone() for n, p in params.items()}
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+    if isinstance(trainer.strategy.model, FSDP):
+        with FSDP.summon_full_params(trainer.strategy.model):
+            return {
+                n.replace("_fsdp_wrapped_module.", ""): p.detach().clone() for n, p in module.net.named_parameters()
+            }
+    return {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone() for n, p in params.items()}
+
+
+class Reference(Callback):
+    """After the averager's update: an AveragedModel EMA of the gathered live weights, compared bitwise."""
+
+    def __init__(self, averaging: ShardedWeightAveraging, root: Path, resumed: bool) -> None:
+        self.averaging, self.root = averaging, root
+        torch.manual_seed(0)
+        self.reference = AveragedModel(harness.TiedNet(), multi_avg_fn=get_ema_multi_avg_fn(DECAY))
+        self.updates = 0
+        self.checked_validation = 0
+        if resumed:  # go on from the average the first run had at the checkpoint
+            self.reference.module.load_state_dict(load_file(str(root / "at-checkpoint.safetensors")), strict=False)
+            self.reference.n_averaged.fill_(RESUME_AT)
+            self.updates = RESUME_AT
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        averager = self.averaging.averager
+        if averager.num_updates == self.updates:
+            return
+        self.updates = averager.num_updates
+        live = harness.TiedNet()
+        live.load_state_dict(gathered_live(trainer, pl_module), strict=False)  # tied: one name
+        self.reference.update_parameters(live)
+        buffers = {n.replace("_fsdp_wrapped_module.", ""): b.detach().clone() for n, b in pl_module.net.named_buffers()}
+        if isinstance(trainer.strategy.model, nn.parallel.DistributedDataParallel):
+            for buffer in buffers.values():  # DDP's forward broadcasts rank 0's buffers to every rank
+                dist.broadcast(buffer, 0)
+        self.reference.module.load_state_dict(buffers, strict=False)  # copied at each update, as ours are
+        got = averager.full_state_dict()
+        if self.updates == RESUME_AT and dist.get_rank() == 0:
+            state = {k: v.clone() for k, v in self.reference.module.state_dict().items() if k != "head.weight"}
+            save_file(state, str(self.root / "at-checkpoint.safetensors"))
+        if dist.get_rank() == 0:
+            for name, value in self.reference.module.named_parameters():
+                if value.requires_grad:
+                    assert torch.equal(got[f"net.{name}"], value), f"step {trainer.global_step}: {name} differs"
+
+    def on_validation_batch_end(self, trainer, pl_module, outputs, batch, batch_idx, dataloader_idx=0) -> None:
+        if trainer.sanity_checking or not self.averaging.averager.num_updates:
+            return
+        tokens, targets = batch
+        self.reference.module.eval()
+        with torch.no_grad():
+            want = nn.functional.cross_entropy(self.reference.module(tokens).float(), targets).item()
+        got = pl_module.val_losses[-1]  # computed by the sharded model inside the swap
+        assert abs(got - want) <= 1e-5 * max(1.0, abs(want)), f"validation with the average: {got} vs {want}"
+        self.checked_validation += 1
+
+
+def strategy(kind: str):
+    if kind == "ddp":
+        return "ddp"
+    if kind == "fsdp":
+        from lightning.pytorch.strategies import FSDPStrategy
+
+        class CPUFSDP(FSDPStrategy):
+            """Lightning refuses FSDPStrategy itself without a GPU (a subclass passes), and wraps with the
+            root device's index, which FSDP on CPU needs as ``device_id=cpu``: wrap here, as a user would."""
+
+            def _setup_model(self, model):
+                from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+                from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+
+                policy = ModuleWrapPolicy({harness.Block})
+                wrapped = FSDP(model, auto_wrap_policy=policy, device_id=torch.device("cpu"), use_orig_params=True)
+                return super()._setup_model(wrapped)
+
+        return CPUFSDP(state_dict_type="sharded")
+    if kind == "model_parallel":
+        from lightning.pytorch.strategies import ModelParallelStrategy
+
+        return ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1)
+    from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy
+
+    class CPUDeepSpeed(DeepSpeedStrategy):
+        """DeepSpeedStrategy refuses a CPU accelerator before setting up: skip that check (gloo then)."""
+
+        def setup_environment(self) -> None:
+            DDPStrategy.setup_environment(self)
+
+        def setup_distributed(self) -> None:  # (without the check that CUDA device indices match ranks)
+            self.set_world_ranks()
+            self._init_deepspeed_distributed()
+
+        def _setup_model_and_optimizer(self, model, optimizer, lr_scheduler=None):
+            import argparse
+
+            import deepspeed
+
+            engine, optimizer, _, _ = deepspeed.initialize(  # the CPU device has no index: the local rank
+                args=argparse.Namespace(device_rank=self.local_rank), config=self.config, model=model,
+                model_parameters=[p for p in model.parameters() if p.requires_grad], optimizer=optimizer,
+                lr_scheduler=lr_scheduler, dist_init_required=False,
+            )  # fmt: skip
+            return engine, optimizer
+
+    config = {
+        "train_micro_batch_size_per_gpu": 8,
+        "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},  # partition every parameter
+        "zero_allow_untested_optimizer": True,
+    }
+    return CPUDeepSpeed(config=config)
+
+
+def run(mode: str, kind: str, root: Path) -> None:
+    averaging = ShardedWeightAveraging(decay=DECAY)
+    reference = Reference(averaging, root, resumed=mode == "second")
+    # 4 steps an epoch (64 samples, 2 ranks, batches of 8), a checkpoint at each epoch's end
+    checkpoints = ModelCheckpoint(dirpath=root / "ckpt", every_n_epochs=1, save_top_k=-1, save_last=True)
+    trainer = L.Trainer(
+        accelerator="cpu", devices=2, strategy=strategy(kind), max_steps=STEPS,
+        callbacks=[averaging, checkpoints, reference], num_sanity_val_steps=1, logger=False,
+        enable_progress_bar=False, enable_model_summary=False,
+    )  # fmt: skip
+    module = Net(fully_shard=kind == "model_parallel")
+    at_checkpoint = root / "ckpt" / f"epoch=0-step={RESUME_AT}.ckpt"
+    trainer.fit(module, data(64, 1), data(16, 2), ckpt_path=str(at_checkpoint) if mode == "second" else None)
+    averager = averaging.averager
+    assert averager.num_updates == STEPS and averager.step == STEPS, (averager.num_updates, averager.step)
+    assert reference.updates == STEPS, f"the reference saw {reference.updates} updates"
+    assert reference.checked_validation > 0, "validation with the average was never checked"
+    if dist.get_rank() == 0:
+        assert sidecar(at_checkpoint).is_dir() and sidecar(root / "ckpt" / "last.ckpt").is_dir()
+    harness.report("LIGHTNING", {"mode": mode, "strategy": kind, "world_size": dist.get_world_size()})
+    harness.finish()
+
+
+def theirs(kind: str) -> None:
+    """Lightning's EMAWeightAveraging on the same set-up: it raises, or keeps an average of the
+    wrong tensors (reported: what it holds against the plain model's shapes)."""
+    from lightning.pytorch.callbacks import EMAWeightAveraging
+
+    ema = EMAWeightAveraging(decay=DECAY, use_buffers=False)
+    trainer = L.Trainer(
+        accelerator="cpu", devices=2, strategy=strategy(kind), max_steps=4, callbacks=[ema], logger=False,
+        enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False, limit_val_batches=0,
+    )  # fmt: skip
+    try:
+        trainer.fit(Net(fully_shard=kind == "model_parallel"), data(64, 1))
+    except Exception as error:  # noqa: BLE001 (what Lightning's callback does is the finding)
+        outcome = f"raised {type(error).__name__}: {str(error)[:300]}"
+    else:
+        shapes = {n: tuple(p.shape) for n, p in harness.TiedNet().named_parameters()}
+        held = {n.removeprefix("net."): tuple(p.shape) for n, p in ema._average_model.module.named_parameters()}
+        wrong = sorted(n for n in shapes if held.get(n) != shapes[n])
+        outcome = f"ran, holding wrong tensors {wrong}" if wrong else "ran, holding the right shapes"
+    harness.report("THEIRS", {"strategy": kind, "outcome": outcome})
+    if dist.is_initialized():
+        harness.finish()
+
+
+def main() -> None:
+    mode, kind, root = sys.argv[1], sys.argv[2], Path(sys.argv[3])
+    if mode == "theirs":
+        theirs(kind)
+    else:
+        run(mode, kind, root)
+    sys.stdout.flush()
+    json.dumps({})
+
+
+if __name__ == "__main__":
+    main()
