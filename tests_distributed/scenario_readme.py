@@ -67,6 +67,13 @@ def user_parts(name: str) -> dict:
             "train_dataset": Tokens(64, 1),
             "eval_dataset": Tokens(8, 2),
         }
+    if name == "lightning":
+        from scenario_lightning import Net, data
+
+        parts = {
+            "model": Net(), "train_loader": data(64, 1), "val_loader": data(16, 2), "strategy": "ddp",
+            "accelerator": "cpu", "devices": 2, "max_steps": STEPS,
+        }  # fmt: skip
     if name == "deepspeed":
         parts["model"] = model.to(torch.bfloat16)
         parts["ds_config"] = {
@@ -93,6 +100,11 @@ def main() -> None:
         assert any("eval_avg_loss" in entry for entry in trainer.state.log_history), trainer.state.log_history
         assert (root / "out" / f"checkpoint-{STEPS}" / "shardavg" / "shardavg.json").is_file()
         assert (root / "ema-model" / "model.safetensors").is_file()
+        harness.report("SNIPPET", {"name": name, "world_size": dist.get_world_size()})
+        harness.finish()
+    if name == "lightning":
+        (callback,) = [c for c in namespace["trainer"].callbacks if hasattr(c, "averager")]
+        assert callback.averager.num_updates == STEPS, callback.averager.num_updates
         harness.report("SNIPPET", {"name": name, "world_size": dist.get_world_size()})
         harness.finish()
     avg = namespace["avg"]

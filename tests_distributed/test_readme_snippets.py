@@ -10,6 +10,7 @@ from launcher import torchrun
 ENVIRONMENTS = {
     "accelerate": {"ACCELERATE_USE_CPU": "true"},
     "deepspeed": {},
+    "lightning": {},
     "transformers": {},
 }
 
