@@ -11,6 +11,7 @@ MODE is one of
            inside the swap against the reference average's loss
   second   fit from the step-4 checkpoint: the restored average goes on bitwise from the first
            run's average at step 4 (Lightning's own resume of the raw weights is not bitwise here)
+  extras   (ddp) copy_at_end, the swap undone when validation raises, a sidecar removed with its checkpoint
   theirs   Lightning's own EMAWeightAveraging on the same set-up: it raises, or averages the wrong tensors
 """
 
@@ -218,6 +219,59 @@ def run(mode: str, kind: str, root: Path) -> None:
     harness.finish()
 
 
+class Failing(Net):
+    """Raises in its first validation with averaged weights."""
+
+    def validation_step(self, batch, batch_idx):
+        if self.trainer.global_step > 0:
+            raise RuntimeError("validation failed on purpose")
+        return super().validation_step(batch, batch_idx)
+
+
+class LiveBefore(Callback):
+    """Keeps the live weights as they are before the averager swaps its own in."""
+
+    def on_validation_epoch_start(self, trainer, pl_module) -> None:
+        self.weights = {n: p.detach().clone() for n, p in pl_module.named_parameters()}
+
+
+def extras(root: Path) -> None:
+    """copy_at_end, the swap undone by an exception, and a sidecar removed with its checkpoint (DDP)."""
+    averaging = ShardedWeightAveraging(decay=DECAY, copy_at_end=True)
+    keep_one = ModelCheckpoint(dirpath=root / "one", every_n_epochs=1, save_top_k=1)  # removes the older
+    trainer = L.Trainer(
+        accelerator="cpu", devices=2, strategy="ddp", max_steps=STEPS, callbacks=[averaging, keep_one],
+        num_sanity_val_steps=0, logger=False, enable_progress_bar=False, enable_model_summary=False,
+    )  # fmt: skip
+    module = Net()
+    trainer.fit(module, data(64, 1), data(16, 2))
+    average = averaging.averager.full_state_dict()
+    if dist.get_rank() == 0:
+        live = {n: p.detach() for n, p in module.named_parameters()}
+        assert all(torch.equal(live[n], average[n]) for n in live if live[n].requires_grad), "not copied at the end"
+        files = sorted(p.name for p in (root / "one").iterdir())
+        assert files == [f"epoch=1-step={STEPS}.ckpt", f"epoch=1-step={STEPS}.ckpt.shardavg"], files
+
+    before = LiveBefore()
+    averaging = ShardedWeightAveraging(decay=DECAY)
+    trainer = L.Trainer(
+        accelerator="cpu", devices=2, strategy="ddp", max_steps=STEPS, callbacks=[before, averaging],
+        num_sanity_val_steps=0, logger=False, enable_progress_bar=False, enable_model_summary=False,
+        enable_checkpointing=False,
+    )  # fmt: skip
+    failing = Failing()
+    try:
+        trainer.fit(failing, data(64, 1), data(16, 2))
+    except RuntimeError as error:
+        assert "on purpose" in str(error), error
+    else:
+        raise AssertionError("the failing validation did not raise")
+    restored = dict(failing.named_parameters())
+    assert all(torch.equal(restored[n], w) for n, w in before.weights.items()), "the swap was not undone"
+    harness.report("EXTRAS", {"world_size": dist.get_world_size()})
+    harness.finish()
+
+
 def theirs(kind: str) -> None:
     """Lightning's EMAWeightAveraging on the same set-up: it raises, or keeps an average of the
     wrong tensors (reported: what it holds against the plain model's shapes)."""
@@ -246,6 +300,8 @@ def main() -> None:
     mode, kind, root = sys.argv[1], sys.argv[2], Path(sys.argv[3])
     if mode == "theirs":
         theirs(kind)
+    elif mode == "extras":
+        extras(root)
     else:
         run(mode, kind, root)
     sys.stdout.flush()

@@ -34,3 +34,9 @@ def test_lightnings_own_ema_fails_on_the_sharded_strategies(strategy: str, tmp_p
     outcomes = [r["outcome"] for r in launch.reports("THEIRS")]
     assert outcomes and all(o.startswith(THEIRS[strategy]) for o in outcomes), (outcomes, launch.output[-5000:])
     print(strategy, outcomes[0])
+
+
+def test_copy_at_end_an_exception_in_validation_and_a_removed_checkpoint(tmp_path: Path) -> None:
+    launch = torchrun(SCRIPT, 2, "extras", "ddp", str(tmp_path), timeout=300)
+    assert launch.returncode == 0, launch.output[-20000:]
+    assert launch.reports("EXTRAS"), launch.output[-5000:]
