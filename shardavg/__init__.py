@@ -2,6 +2,7 @@
 
 from .averager import WeightAverager
 from .errors import CheckpointError, LayoutError, ModelChangedError, NonFiniteError, StrategyError
+from .posthoc import PostHocEMA
 from .rules import (
     EMA,
     SWA,
@@ -25,6 +26,7 @@ __all__ = [
     "LayoutError",
     "ModelChangedError",
     "NonFiniteError",
+    "PostHocEMA",
     "PowerEMA",
     "RatioWarmup",
     "Rule",

@@ -56,7 +56,53 @@ def _parser() -> argparse.ArgumentParser:
     )
     inspect.add_argument("checkpoint", metavar="CKPT_DIR")
     inspect.add_argument("--key", default="ema", help="the averager's key in a DCP checkpoint (default ema)")
+    posthoc = commands.add_parser(
+        "posthoc",
+        help="synthesize a post-hoc EMA from PostHocEMA snapshots",
+        description="Combine the snapshots in DIR (written by shardavg.PostHocEMA at any world size) into the "
+        "power-function EMA of --sigma-rel at --step (EDM2's post-hoc EMA) and write it to OUT as safetensors, "
+        "one tensor at a time; or --list the snapshots and the sigma_rel range they synthesize well.",
+    )
+    posthoc.add_argument("snapshots", metavar="DIR")
+    posthoc.add_argument("out", metavar="OUT", nargs="?")
+    posthoc.add_argument("--sigma-rel", type=float, help="the profile's relative width, e.g. 0.08")
+    posthoc.add_argument("--step", type=int, help="a snapshot's training step (default: the last snapshot's)")
+    posthoc.add_argument("--dtype", choices=EXPORT_DTYPES, help="cast floating tensors (default fp32)")
+    posthoc.add_argument("--max-shard-size", default="5GB", help="largest file before splitting (default 5GB)")
+    posthoc.add_argument("--list", action="store_true", help="print the snapshots instead")
     return parser
+
+
+def _posthoc(args: argparse.Namespace) -> str:
+    from .posthoc import snapshots, synthesizable, synthesized_tensors
+    from .rules import PowerEMA, gamma_to_sigma_rel
+
+    if args.list:
+        found = snapshots(args.snapshots)
+        rows = [f"{'t':>10} {'step':>10} {'world':>5} {'bytes':>12}  profiles (name: gamma, sigma_rel)"]
+        for s in found:
+            profiles = ", ".join(f"{n}: {g:.3f}, {gamma_to_sigma_rel(g):.3f}" for n, g in s.gammas.items())
+            rows.append(f"{s.t:>10} {s.step:>10} {s.world_size:>5} {s.bytes:>12}  {profiles}")
+        return "\n".join([*rows, synthesizable(found)])
+    if args.out is None or args.sigma_rel is None:
+        raise ValueError("posthoc needs OUT and --sigma-rel (or --list)")
+    gamma = PowerEMA(sigma_rel=args.sigma_rel).exponent
+    description, tensors = synthesized_tensors(args.snapshots, gamma, args.step)
+    dtype = None if args.dtype is None else DTYPES[args.dtype]
+    entries = export_entries(
+        (([e["name"], *e["aliases"]], DTYPES[e["dtype"]], tuple(e["shape"])) for e in description["tensors"]), dtype
+    )
+
+    def stream():
+        for entry, full in tensors:
+            full = full.to(dtype) if dtype is not None and full.is_floating_point() else full
+            for _ in (entry["name"], *entry["aliases"]):
+                yield full
+            del full
+
+    metadata = {"format": "pt", "shardavg": json.dumps({"posthoc": {"sigma_rel": args.sigma_rel, "step": args.step}})}
+    path = write_model(args.out, entries, stream(), metadata, parse_size(args.max_shard_size))
+    return f"wrote the post-hoc EMA of sigma_rel {args.sigma_rel} ({len(entries)} tensors) to {path}"
 
 
 def _inspect(saved: SavedAverage) -> str:
@@ -117,6 +163,9 @@ def _export(saved: SavedAverage, out: str, max_shard_size: str, dtype_name: str 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
+        if args.command == "posthoc":
+            print(_posthoc(args))
+            return 0
         saved = SavedAverage(args.checkpoint, key=args.key)
         if args.command == "inspect":
             print(_inspect(saved))

@@ -1,0 +1,293 @@
+"""Post-hoc EMA (EDM2, Karras et al. 2024, section 3 and Algorithm 3), shard-local.
+
+A power-function EMA with exponent ``gamma`` after ``t`` updates weighs the training
+trajectory with the profile ``p(tau) = (gamma + 1) tau**gamma / t**(gamma + 1)`` on ``[0, t]``.
+Keeping two such averages and writing both every ``snapshot_every`` updates gives a family of
+profiles from which any other power-function profile (any ``sigma_rel``, at any snapshot time)
+is approximated, in the least-squares sense, by a linear combination: the coefficients solve
+``A x = b`` with ``A[i, j] = <p_i, p_j>`` and ``b[i] = <p_i, p_target>``, and the synthesized
+average is ``sum_i x_i * snapshot_i``, an elementwise sum that each rank computes on its own
+shards. ``PostHocEMA`` keeps the averages (several named averages of one ``WeightAverager``)
+and writes the snapshots (atomic sharded checkpoints, ``snapshot-<t>/``); ``synthesize`` reads
+them, at any world size and under any engine, and returns an averager holding the result.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from .averager import WeightAverager
+from .checkpoint import read_manifest
+from .errors import CheckpointError
+from .rules import PowerEMA, gamma_to_sigma_rel, rule_from_config, sigma_rel_to_gamma
+from .storage import DTYPES
+
+SNAPSHOT = re.compile(r"^snapshot-(\d+)$")
+FIT_TOLERANCE = 0.05  # the largest relative least-squares residual a synthesis may have
+
+
+# --------------------------------------------------------------------------- the profiles' algebra
+
+
+def profile_dot(t_a: torch.Tensor, gamma_a: torch.Tensor, t_b: torch.Tensor, gamma_b: torch.Tensor) -> torch.Tensor:
+    """``<p_a, p_b>``, the integral of the product of two power-function profiles (broadcasting,
+    float64): ``(ga + 1)(gb + 1) m**(ga + gb + 1) / ((ga + gb + 1) t_a**(ga + 1) t_b**(gb + 1))``
+    with ``m = min(t_a, t_b)``, evaluated in log space so that large ``t`` and ``gamma`` do not overflow."""
+    m = torch.minimum(t_a, t_b)
+    log = (
+        torch.log1p(gamma_a)
+        + torch.log1p(gamma_b)
+        + (gamma_a + gamma_b + 1) * torch.log(m)
+        - torch.log(gamma_a + gamma_b + 1)
+        - (gamma_a + 1) * torch.log(t_a)
+        - (gamma_b + 1) * torch.log(t_b)
+    )
+    return torch.exp(log)
+
+
+def solve_coefficients(
+    ts: list[float], gammas: list[float], t_target: float, gamma_target: float
+) -> tuple[torch.Tensor, float]:
+    """The least-squares coefficients of the snapshots ``(ts[i], gammas[i])`` for the target
+    profile, in float64, and the fit's relative residual ``|sum x_i p_i - p_target| / |p_target|``."""
+    t = torch.tensor(ts, dtype=torch.float64)
+    g = torch.tensor(gammas, dtype=torch.float64)
+    tr = torch.tensor([t_target], dtype=torch.float64)
+    gr = torch.tensor([gamma_target], dtype=torch.float64)
+    a = profile_dot(t[:, None], g[:, None], t[None, :], g[None, :])
+    b = profile_dot(t[:, None], g[:, None], tr[None, :], gr[None, :])[:, 0]
+    x = torch.linalg.lstsq(a, b[:, None], driver="gelsd").solution[:, 0]
+    target = profile_dot(tr, gr, tr, gr)[0]
+    residual = (target - 2 * x @ b + x @ a @ x).clamp_min(0)
+    return x, math.sqrt(float(residual / target))
+
+
+# --------------------------------------------------------------------------- snapshots on disk
+
+
+class Snapshot:
+    """One snapshot directory: its update count ``t``, training step, and profiles (rules, gammas) by name."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        meta = read_manifest(path)
+        self.t = int(meta["num_updates"])
+        self.step = int(meta["step"])
+        self.world_size = int(meta.get("world_size", 1))
+        self.rules: dict[str, PowerEMA] = {}
+        for entry in meta["averages"]:
+            rule = rule_from_config(entry["rule"]) if entry["rule"].get("kind") != "custom" else None
+            if not isinstance(rule, PowerEMA) or entry["name"] is None:
+                raise CheckpointError(f"{path}: average {entry['name']!r} is not a named power-function EMA profile")
+            self.rules[entry["name"]] = rule
+        self.gammas = {name: rule.exponent for name, rule in self.rules.items()}
+        self.tensors = {entry["name"]: entry for entry in meta["tensors"]}
+        missing = [name for name in meta["files"] if not (path / name).is_file()]
+        if missing:
+            raise CheckpointError(f"{path} lacks {missing}: a truncated or partly deleted snapshot")
+        self.bytes = sum((path / name).stat().st_size for name in meta["files"])
+
+
+def snapshots(directory: str | os.PathLike) -> list[Snapshot]:
+    """The committed snapshots under ``directory``, by update count; refuses mixed models and
+    fewer than two profiles."""
+    directory = Path(directory)
+    if not directory.is_dir():
+        raise CheckpointError(f"no snapshot directory at {directory}")
+    found = [
+        Snapshot(p) for p in sorted(directory.iterdir()) if SNAPSHOT.match(p.name) and (p / "shardavg.json").is_file()
+    ]
+    if not found:
+        raise CheckpointError(f"{directory} holds no committed snapshot-<t> directory")
+    found.sort(key=lambda s: s.t)
+    first = found[0]
+    for other in found[1:]:
+        shapes = {n: e["shape"] for n, e in other.tensors.items()}
+        if shapes != {n: e["shape"] for n, e in first.tensors.items()} or other.gammas != first.gammas:
+            raise CheckpointError(
+                f"{other.path} and {first.path} are snapshots of different models or profiles: one directory per run"
+            )
+    if len(first.gammas) < 2:
+        raise CheckpointError(
+            f"{directory}: the snapshots keep {len(first.gammas)} profile(s); synthesis needs at least two"
+        )
+    return found
+
+
+def plan(found: list[Snapshot], gamma: float, step: int | None) -> tuple[list[tuple[Snapshot, str, float]], int]:
+    """``[(snapshot, profile, coefficient)]`` for the target ``gamma`` at ``step`` (the last
+    snapshot's by default; snapshots after it are not used), and the target's update count."""
+    if step is None:
+        usable = found
+    else:
+        usable = [s for s in found if s.step <= step]
+        if not usable or usable[-1].step != step:
+            steps = [s.step for s in found]
+            raise ValueError(f"step {step} is not a snapshot's step; the snapshots are at steps {steps}")
+    target = usable[-1].t
+    terms = [(s, name, g) for s in usable for name, g in s.gammas.items()]
+    x, residual = solve_coefficients([s.t for s, _, _ in terms], [g for _, _, g in terms], target, gamma)
+    if residual > FIT_TOLERANCE:
+        raise ValueError(
+            f"sigma_rel {gamma_to_sigma_rel(gamma):.4g} (gamma {gamma:.4g}) cannot be synthesized well from these "
+            f"snapshots (relative residual {residual:.3f} > {FIT_TOLERANCE}): {synthesizable(found)}"
+        )
+    return [(s, name, float(c)) for (s, name, _), c in zip(terms, x)], target
+
+
+def synthesizable(found: list[Snapshot], tolerance: float = FIT_TOLERANCE) -> str:
+    """The range of sigma_rel the snapshots synthesize within ``tolerance``, at the last snapshot."""
+    target = found[-1].t
+    terms = [(s.t, g) for s in found for g in s.gammas.values()]
+    good = [
+        sigma
+        for sigma in (0.01 * k for k in range(1, 30))
+        if solve_coefficients([t for t, _ in terms], [g for _, g in terms], target, sigma_rel_to_gamma(sigma))[1]
+        <= tolerance
+    ]
+    if not good:
+        return "no sigma_rel in [0.01, 0.29] fits within tolerance"
+    return f"sigma_rel from {min(good):.2f} to {max(good):.2f} fits within {tolerance}"
+
+
+# --------------------------------------------------------------------------- during training
+
+
+class PostHocEMA:
+    """Power-function EMA profiles kept shard-local, written as sharded snapshots for post-hoc synthesis.
+
+    Args:
+        model: as for ``WeightAverager`` (any engine).
+        sigma_rels: the profiles' relative widths (EDM2 uses 0.05 and 0.10); or give ``gammas``.
+        snapshot_every: write every profile after each ``snapshot_every`` applied updates.
+        directory: where ``snapshot-<t>/`` directories go (``t``, the update count, in the name).
+        averager_options: passed to ``WeightAverager`` (``dtype``, ``buffers``, ...).
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        sigma_rels: tuple[float, ...] | None = (0.05, 0.10),
+        *,
+        gammas: tuple[float, ...] | None = None,
+        snapshot_every: int,
+        directory: str | os.PathLike,
+        **averager_options: Any,
+    ) -> None:
+        if gammas is not None:
+            rules = [PowerEMA(gamma=g) for g in gammas]
+        elif sigma_rels is not None:
+            rules = [PowerEMA(sigma_rel=s) for s in sigma_rels]
+        else:
+            raise ValueError("PostHocEMA needs sigma_rels= or gammas=")
+        if len(rules) < 2:
+            raise ValueError(f"PostHocEMA needs at least two profiles to synthesize from, got {len(rules)}")
+        if isinstance(snapshot_every, bool) or not isinstance(snapshot_every, int) or snapshot_every < 1:
+            raise ValueError(f"snapshot_every must be an int >= 1, got {snapshot_every!r}")
+        self.model = model
+        self.snapshot_every = snapshot_every
+        self.directory = Path(directory)
+        self.averager_options = averager_options
+        self.averager = WeightAverager(model, {f"profile-{i}": r for i, r in enumerate(rules)}, **averager_options)
+
+    def update(self, step: int | None = None) -> bool:
+        """``averager.update(step)``, then a snapshot after every ``snapshot_every``-th applied update."""
+        applied = self.averager.update(step)
+        if applied and self.averager.num_updates % self.snapshot_every == 0:
+            self.averager.save(self.directory / f"snapshot-{self.averager.num_updates:09d}")
+        return applied
+
+    # checkpoints of the running profiles: as a WeightAverager's (snapshots are already on disk)
+    def state_dict(self) -> dict[str, Any]:
+        return self.averager.state_dict()
+
+    def load_state_dict(self, state_dict: dict[str, Any], strict: bool = True) -> None:
+        self.averager.load_state_dict(state_dict, strict)
+
+    def save(self, directory: str | os.PathLike, keep_last: int | None = None) -> Path:
+        return self.averager.save(directory, keep_last)
+
+    def load(self, directory: str | os.PathLike, strict: bool = True) -> Path:
+        return self.averager.load(directory, strict)
+
+    def synthesize(
+        self, sigma_rel: float | None = None, *, gamma: float | None = None, step: int | None = None
+    ) -> WeightAverager:
+        """Collective: the average of profile ``sigma_rel`` (or ``gamma``) at ``step`` (the last
+        snapshot's by default), combined on each rank from its parts of the snapshots, which are
+        read at this world size whatever the one they were written at. The result is an averager
+        of its own (``swapped()``, ``export``, ``save``), holding only the synthesized average."""
+        return synthesize(self.model, self.directory, sigma_rel, gamma=gamma, step=step, **self.averager_options)
+
+
+def synthesize(
+    model: nn.Module,
+    directory: str | os.PathLike,
+    sigma_rel: float | None = None,
+    *,
+    gamma: float | None = None,
+    step: int | None = None,
+    **averager_options: Any,
+) -> WeightAverager:
+    """``PostHocEMA.synthesize`` for any model and snapshot directory (collective)."""
+    target = PowerEMA(gamma=gamma) if gamma is not None else PowerEMA(sigma_rel=sigma_rel)
+    found = snapshots(directory)
+    terms, t_target = plan(found, target.exponent, step)
+    result = WeightAverager(model, target, **averager_options)
+    scratch = WeightAverager(model, found[0].rules, **averager_options)  # each snapshot is read into it in turn
+    state, shadows = result._state, result._state.average(None).shadows
+    stored = [i for i, s in enumerate(shadows) if s is not None and state.roles[i] == "average"]
+    with torch.no_grad():
+        for snapshot in dict.fromkeys(s for s, _, _ in terms):
+            scratch.load(snapshot.path)
+            for term_snapshot, name, coefficient in terms:
+                if term_snapshot is snapshot:
+                    source = scratch._state.average(name).shadows
+                    torch._foreach_add_([shadows[i] for i in stored], [source[i] for i in stored], alpha=coefficient)
+        copied = [i for i, s in enumerate(shadows) if s is not None and state.roles[i] == "copy"]
+        last = scratch._state.average(next(iter(found[0].gammas))).shadows
+        torch._foreach_copy_([shadows[i] for i in copied], [last[i] for i in copied])  # the last snapshot's buffers
+    state.step, state.num_updates = terms[-1][0].step, t_target
+    return result
+
+
+# --------------------------------------------------------------------------- offline
+
+
+def synthesized_tensors(
+    directory: str | os.PathLike, gamma: float, step: int | None = None
+) -> tuple[dict, Iterator[tuple[dict, torch.Tensor]]]:
+    """One process, no process group: the snapshots' description (the last used one's) and
+    ``(tensor entry, full synthesized tensor)`` one tensor at a time, accumulated in the order
+    and dtype of the in-process synthesis (so both give the same bits). Averaged tensors are
+    the combination; copied and live ones the last snapshot's."""
+    from .offline import SavedAverage
+
+    terms, _ = plan(snapshots(directory), gamma, step)
+    readers = {s.path: SavedAverage(s.path) for s, _, _ in terms}
+    for reader in readers.values():
+        reader.verify()  # every chunk table checked before anything is written
+    last = readers[terms[-1][0].path]
+
+    def tensors() -> Iterator[tuple[dict, torch.Tensor]]:
+        for name, entry in last.tensors.items():
+            if entry["role"] != "average":
+                yield entry, last.read(name, next(iter(last.averages)))
+                continue
+            total = torch.zeros(entry["shape"], dtype=DTYPES[entry["dtype"]])
+            for snapshot, profile, coefficient in terms:
+                total.add_(
+                    readers[snapshot.path].read(name, profile), alpha=coefficient
+                )  # one snapshot tensor at a time
+            yield entry, total
+            del total
+
+    return last.description, tensors()
