@@ -401,12 +401,15 @@ class WeightAverager:
         """
         stateful.load_state_dict(self._state, state_dict, strict)
 
-    def save(self, directory: str | os.PathLike, keep_last: int | None = None) -> Path:
+    def save(
+        self, directory: str | os.PathLike, keep_last: int | None = None, dtype: torch.dtype | None = None
+    ) -> Path:
         """Collective: an atomic sharded checkpoint of the averager alone (safetensors + JSON).
 
         With ``keep_last=K``, saves to ``directory/step-NNNNNNNNN`` and keeps the K newest.
+        ``dtype`` (e.g. ``torch.bfloat16``) stores floating tensors in that dtype.
         """
-        return checkpoint.save(self._state, directory, keep_last)
+        return checkpoint.save(self._state, directory, keep_last, dtype)
 
     def load(self, directory: str | os.PathLike, strict: bool = True) -> Path:
         """Collective: restore from ``save``'s checkpoint (or the newest in a ``keep_last`` directory),

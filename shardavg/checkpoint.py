@@ -44,6 +44,7 @@ from .storage import (
     atomic_file,
     checked_slice,
     commit_directory,
+    dtype_name,
     open_safetensors,
     replaced_path,
     staging_path,
@@ -231,12 +232,16 @@ def _prepare(directory: Path, target: Path, keep_last: int | None) -> int:
     return sequence
 
 
-def _commit(state: AverageState, directory: Path, target: Path, files: list[str], sequence: int) -> None:
+def _commit(
+    state: AverageState, directory: Path, target: Path, files: list[str], sequence: int, dtype: torch.dtype | None
+) -> None:
     """Rank 0: write the manifest last, swap the checkpoint into place, then prune."""
     staging = staging_path(target)
     manifest = state.describe() | {"files": files, "sequence": sequence}
     for entry, chunks in zip(manifest["tensors"], state.layout.chunks):
         entry["chunks"] = [{"file": owner, "start": start, "end": end} for owner, start, end in chunks]
+        if dtype is not None and entry["role"] == "average":
+            entry["dtype"] = dtype_name(dtype)
     with atomic_file(staging / MANIFEST) as handle:
         handle.write(json.dumps(with_checksum(manifest), indent=1).encode())
     (staging / STAGING_MARKER).unlink()
@@ -254,14 +259,28 @@ def _prune(directory: Path, keep_last: int) -> None:
         shutil.rmtree(old)
 
 
-def save(state: AverageState, directory: str | os.PathLike, keep_last: int | None = None) -> Path:
+def save(
+    state: AverageState, directory: str | os.PathLike, keep_last: int | None = None, dtype: torch.dtype | None = None
+) -> Path:
     """Collective: write the averager's shards and manifest to ``directory``, atomically.
 
     With ``keep_last=K`` the checkpoint goes to ``directory/step-NNNNNNNNN`` and only the K most
-    recently saved of shardavg's own ones are kept. Returns the committed checkpoint's path.
+    recently saved of shardavg's own ones are kept. ``dtype`` stores the averaged tensors in that
+    dtype (loading casts them back to the shadows'; copied and live ones are stored as they are).
+    Returns the committed checkpoint's path.
     """
     if keep_last is not None and (isinstance(keep_last, bool) or not isinstance(keep_last, int) or keep_last < 1):
         raise ValueError(f"keep_last must be an int >= 1 or None, got {keep_last!r}")
+    if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
+        raise ValueError(f"dtype must be a floating torch.dtype or None, got {dtype!r}")
+
+    def cast(index: int) -> bool:
+        return dtype is not None and state.roles[index] == "average"
+
+    def stored(index: int, average: str | None) -> torch.Tensor:
+        piece = state.piece(index, average)
+        return piece.to(dtype) if cast(index) else piece
+
     state.check_current()
     directory = Path(directory)
     target = directory / f"step-{state.step:09d}" if keep_last else directory
@@ -287,17 +306,20 @@ def save(state: AverageState, directory: str | os.PathLike, keep_last: int | Non
             for owner, start, end in chunks
             if owner == me
         ]
-        stored = [(i, key, average, start, end) for i, start, end in owned for key, average in state.keys(i)]
+        chunks = [(i, key, average, start, end) for i, start, end in owned for key, average in state.keys(i)]
         try:
-            entries = [Entry(key, state.piece(i, a).dtype, (end - start,)) for i, key, a, start, end in stored]
-            write_safetensors(staging / files[me], entries, (state.piece(i, a) for i, _, a, _, _ in stored))
+            entries = [
+                Entry(key, dtype if cast(i) else state.piece(i, a).dtype, (end - start,))
+                for i, key, a, start, end in chunks
+            ]
+            write_safetensors(staging / files[me], entries, (stored(i, a) for i, _, a, _, _ in chunks))
         except Exception as caught:  # report it to every rank rather than leave them waiting
             error = caught
         agree_or_raise(error, f"writing shards to {staging}")
 
         if me == 0:
             try:
-                _commit(state, directory, target, files, sequence)
+                _commit(state, directory, target, files, sequence, dtype)
             except Exception as caught:
                 error = caught
         agree_or_raise(error, f"committing {target}")

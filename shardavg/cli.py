@@ -74,7 +74,7 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _posthoc(args: argparse.Namespace) -> str:
-    from .posthoc import snapshots, synthesizable, synthesized_tensors
+    from .posthoc import snapshots, synthesizable, synthesized_dtype, synthesized_tensors
     from .rules import PowerEMA, gamma_to_sigma_rel
 
     if args.list:
@@ -90,7 +90,7 @@ def _posthoc(args: argparse.Namespace) -> str:
     description, tensors = synthesized_tensors(args.snapshots, gamma, args.step)
     dtype = None if args.dtype is None else DTYPES[args.dtype]
     entries = export_entries(
-        (([e["name"], *e["aliases"]], DTYPES[e["dtype"]], tuple(e["shape"])) for e in description["tensors"]), dtype
+        (([e["name"], *e["aliases"]], synthesized_dtype(e), tuple(e["shape"])) for e in description["tensors"]), dtype
     )
 
     def stream():

@@ -18,7 +18,7 @@ from .errors import CheckpointError
 from .rules import rule_from_config
 from .state import AVERAGE_NAME, FORMAT, VERSION
 from .storage import DTYPES
-from .strategies import STRATEGIES
+from .strategies import ADAPTERS
 
 KINDS = ("param", "buffer")
 ROLES = ("average", "copy", "live")
@@ -143,8 +143,8 @@ def check_description(meta: Any, where: str) -> dict[str, Any]:
             "averages": [{"name": None, "rule": rule}]
         }
     _check_averages(meta["averages"], where)
-    if "strategy" in meta and not (isinstance(meta["strategy"], str) and meta["strategy"] in STRATEGIES):
-        raise fail(where, f"'strategy' must be one of {sorted(STRATEGIES)}, got {meta['strategy']!r}")
+    if "strategy" in meta and not (isinstance(meta["strategy"], str) and meta["strategy"] in ADAPTERS):
+        raise fail(where, f"'strategy' must be one of {sorted(ADAPTERS)}, got {meta['strategy']!r}")
     if "options" in meta:
         _check_options(meta["options"], where)
     if "sequence" in meta and not is_count(meta["sequence"]):

@@ -169,6 +169,8 @@ class PostHocEMA:
         sigma_rels: the profiles' relative widths (EDM2 uses 0.05 and 0.10); or give ``gammas``.
         snapshot_every: write every profile after each ``snapshot_every`` applied updates.
         directory: where ``snapshot-<t>/`` directories go (``t``, the update count, in the name).
+        snapshot_dtype: the dtype snapshots are stored in (fp32 by default; ``torch.bfloat16``
+            halves them, at bf16 rounding of each snapshot).
         averager_options: passed to ``WeightAverager`` (``dtype``, ``buffers``, ...).
     """
 
@@ -180,6 +182,7 @@ class PostHocEMA:
         gammas: tuple[float, ...] | None = None,
         snapshot_every: int,
         directory: str | os.PathLike,
+        snapshot_dtype: torch.dtype = torch.float32,
         **averager_options: Any,
     ) -> None:
         if gammas is not None:
@@ -195,6 +198,7 @@ class PostHocEMA:
         self.model = model
         self.snapshot_every = snapshot_every
         self.directory = Path(directory)
+        self.snapshot_dtype = snapshot_dtype
         self.averager_options = averager_options
         self.averager = WeightAverager(model, {f"profile-{i}": r for i, r in enumerate(rules)}, **averager_options)
 
@@ -202,7 +206,8 @@ class PostHocEMA:
         """``averager.update(step)``, then a snapshot after every ``snapshot_every``-th applied update."""
         applied = self.averager.update(step)
         if applied and self.averager.num_updates % self.snapshot_every == 0:
-            self.averager.save(self.directory / f"snapshot-{self.averager.num_updates:09d}")
+            path = self.directory / f"snapshot-{self.averager.num_updates:09d}"
+            self.averager.save(path, dtype=self.snapshot_dtype)
         return applied
 
     # checkpoints of the running profiles: as a WeightAverager's (snapshots are already on disk)
@@ -282,7 +287,7 @@ def synthesized_tensors(
             if entry["role"] != "average":
                 yield entry, last.read(name, next(iter(last.averages)))
                 continue
-            total = torch.zeros(entry["shape"], dtype=DTYPES[entry["dtype"]])
+            total = torch.zeros(entry["shape"], dtype=synthesized_dtype(entry))
             for snapshot, profile, coefficient in terms:
                 total.add_(
                     readers[snapshot.path].read(name, profile), alpha=coefficient
@@ -291,3 +296,10 @@ def synthesized_tensors(
             del total
 
     return last.description, tensors()
+
+
+def synthesized_dtype(entry: dict) -> torch.dtype:
+    """The dtype a tensor is synthesized in: averaged ones summed in fp32 at least (as the
+    in-process shadows are), whatever the snapshots were stored in; others as stored."""
+    saved = DTYPES[entry["dtype"]]
+    return torch.promote_types(saved, torch.float32) if entry["role"] == "average" else saved

@@ -12,13 +12,14 @@ from .replicated import Replicated
 from .zero3 import Zero3
 from .zero12 import Zero12Master
 
-DETECTED: tuple[type[Strategy], ...] = (Zero3, FSDP1, FSDP2, Replicated)  # in detection order
-STRATEGIES: dict[str, type[Strategy]] = {cls.name: cls for cls in (*DETECTED, Zero12Master)}
+# The adapters ``strategy=`` names, in detection order; ZeRO-1/2 masters are reached by source="master" only.
+STRATEGIES: dict[str, type[Strategy]] = {cls.name: cls for cls in (Zero3, FSDP1, FSDP2, Replicated)}
+ADAPTERS = frozenset({*STRATEGIES, Zero12Master.name})  # every name a saved description may carry
 
 
 def detect(model: nn.Module) -> str:
     """Name of the adapter for ``model``: the first of zero3, fsdp1, fsdp2, replicated that fits."""
-    return next(cls.name for cls in DETECTED if cls.fits(model))
+    return next(name for name, cls in STRATEGIES.items() if cls.fits(model))
 
 
 SOURCES = ("live", "master")
@@ -31,9 +32,8 @@ def make_strategy(model: nn.Module, strategy: str = "auto", source: str = "live"
         raise StrategyError(f"unknown source {source!r}; expected one of {SOURCES}")
     if strategy == "auto":
         strategy = detect(model)
-    if strategy not in STRATEGIES or strategy == Zero12Master.name:
-        names = sorted(cls.name for cls in DETECTED)
-        raise StrategyError(f"unknown strategy {strategy!r}; expected 'auto' or one of {names}")
+    if strategy not in STRATEGIES:
+        raise StrategyError(f"unknown strategy {strategy!r}; expected 'auto' or one of {sorted(STRATEGIES)}")
     cls = STRATEGIES[strategy]
     if not cls.fits(model):
         raise StrategyError(
@@ -53,6 +53,7 @@ def make_strategy(model: nn.Module, strategy: str = "auto", source: str = "live"
 
 
 __all__ = [
+    "ADAPTERS",
     "STRATEGIES",
     "Strategy",
     "StrategyError",
