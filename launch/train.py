@@ -33,7 +33,7 @@ import data  # noqa: E402
 import engines  # noqa: E402
 from model import GPT, Block, GPTConfig  # noqa: E402
 
-from shardavg import EMA, WeightAverager  # noqa: E402
+from shardavg import EMA, PostHocEMA, WeightAverager  # noqa: E402
 from shardavg.rules import Rule, rule_from_config  # noqa: E402
 
 log = logging.getLogger("train")
@@ -56,6 +56,7 @@ SCHEMA = {
     },
     "averages": dict,  # name -> a shardavg rule config, e.g. {kind: ema, decay: 0.999}
     "eval": {"every": int, "batches": int},
+    "posthoc": {"snapshot_every": int, "sigma_rels": list, "sweep": list},  # snapshot_every 0: off
     "checkpoint": {"every": int, "keep_last": int},
     "hsdp": {"replicas": (int, type(None))},  # null: one replica per node
     "deepspeed": OPTIONAL_STR,  # the DeepSpeed JSON config (zero3 only), relative to the YAML file
@@ -122,6 +123,7 @@ def load_job(args: argparse.Namespace, world: int) -> Job:
     if cfg["data"]["path"] is not None and not Path(cfg["data"]["path"]).exists():
         raise configs.ConfigError(f"config key 'data.path': {cfg['data']['path']} does not exist")
     rules = _rules(cfg["averages"])
+    _check_posthoc(cfg["posthoc"])
     deepspeed_config = _check_engine_fits(cfg, Path(args.config), world)
     out = Path(args.out or Path("runs") / Path(args.config).stem)
     found = checkpoints.finished(out / "checkpoints")
@@ -132,8 +134,25 @@ def load_job(args: argparse.Namespace, world: int) -> Job:
             f"{out} holds checkpoints of an earlier run (newest {found[-1].name}): --resume to continue it, "
             "or choose another --out"
         )
+    snapshots = sorted(p.name for p in (out / "posthoc").glob("snapshot-*")) if (out / "posthoc").is_dir() else []
+    if snapshots and not args.resume:
+        raise configs.ConfigError(
+            f"{out / 'posthoc'} holds post-hoc snapshots of an earlier run ({snapshots[-1]}): --resume to continue "
+            "it, or choose another --out"
+        )
     resume_from = found[-1] if args.resume else None
     return Job(cfg, rules, out, resume_from, deepspeed_config)
+
+
+def _check_posthoc(posthoc: dict) -> None:
+    if posthoc["snapshot_every"] < 0:
+        raise configs.ConfigError("config key 'posthoc.snapshot_every' must be 0 (off) or more")
+    for key in ("sigma_rels", "sweep"):
+        values = posthoc[key]
+        if not values or not all(isinstance(v, (int, float)) and 0 < v < 0.3 for v in values):
+            raise configs.ConfigError(f"config key 'posthoc.{key}' must list sigma_rel values in (0, 0.3)")
+    if posthoc["snapshot_every"] and len(posthoc["sigma_rels"]) < 2:
+        raise configs.ConfigError("config key 'posthoc.sigma_rels' needs at least two profiles")
 
 
 def _rules(averages: dict) -> dict:
@@ -141,8 +160,10 @@ def _rules(averages: dict) -> dict:
         raise configs.ConfigError("config key 'averages' must name at least one average")
     rules = {}
     for name, rule in averages.items():
-        if not re.fullmatch(r"[a-z][a-z0-9_]*", str(name)) or name == "raw":
-            raise configs.ConfigError(f"config key 'averages.{name}': names are lower-case words other than 'raw'")
+        if not re.fullmatch(r"[a-z][a-z0-9_]*", str(name)) or name in ("raw", "posthoc"):
+            raise configs.ConfigError(
+                f"config key 'averages.{name}': names are lower-case words other than 'raw' and 'posthoc'"
+            )
         try:
             rules[name] = rule_from_config(rule)
         except (TypeError, ValueError, KeyError) as error:
@@ -316,10 +337,20 @@ def run(job: Job) -> dict:
         ", ".join(f"{n} = {a.rule!r}" for n, a in averages.items()),
     )
 
+    posthoc = None
+    if cfg["posthoc"]["snapshot_every"]:
+        posthoc = PostHocEMA(
+            wrapped.model,
+            tuple(cfg["posthoc"]["sigma_rels"]),
+            snapshot_every=cfg["posthoc"]["snapshot_every"],
+            directory=out / "posthoc",
+        )
+    checkpointed = averages | ({"posthoc": posthoc.averager} if posthoc else {})
+
     metrics = Metrics(out / "metrics.jsonl")
     start = 0
     if job.resume_from is not None:
-        start = checkpoints.load(job.resume_from, wrapped, averages)
+        start = checkpoints.load(job.resume_from, wrapped, checkpointed)
         metrics.keep_until(start)
         log.info("resumed from %s (step %d)", job.resume_from, start)
     elif metrics.path.exists() and rank == 0:
@@ -343,6 +374,8 @@ def run(job: Job) -> dict:
             loss = train_step(wrapped, tokens, targets, lr_at(step, cfg), train["grad_clip"])
             for average in averages.values():
                 average.update(step)
+            if posthoc is not None:
+                posthoc.update(step)
             training_time += time.perf_counter() - step_began
             bar.update()
             bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{tokens_per_step * (step - start) / training_time:.0f}")
@@ -359,13 +392,16 @@ def run(job: Job) -> dict:
                 )
                 log.info("step %d: held-out %s", step, ", ".join(f"{k} {v:.4f}" for k, v in losses.items()))
             if step % cfg["checkpoint"]["every"] == 0 or step == cfg["steps"]:
-                checkpoints.save(out / "checkpoints", step, wrapped, averages, cfg["checkpoint"]["keep_last"])
+                checkpoints.save(out / "checkpoints", step, wrapped, checkpointed, cfg["checkpoint"]["keep_last"])
     bar.close()
     wall = time.perf_counter() - began
 
     exported = {}
     for name, average in {"raw": raw_weights(wrapped), **averages}.items():
         exported[name] = str(average.export(out / "export" / name))
+    sweep = posthoc_sweep(posthoc, wrapped, evaluation, cfg["posthoc"]["sweep"], out) if posthoc else None
+    if sweep is not None and sweep["best"] is not None:
+        exported["posthoc"] = str(out / "export" / "posthoc")
     shadow = torch.tensor([a.shadow_bytes() for a in averages.values()])
     dist.all_reduce(shadow, op=dist.ReduceOp.MAX)
     rows = metrics.rows() if rank == 0 else []
@@ -379,9 +415,12 @@ def run(job: Job) -> dict:
         "tokens_per_s": round(tokens_per_step * (cfg["steps"] - start) / training_time) if training_time else None,
         "shadow_bytes_per_rank": dict(zip(averages, shadow.tolist())),
         "export": exported,
+        "posthoc": sweep,
     }
     if rank == 0:
         plot(rows, out / "plot.png", f"{cfg['engine']}, {world} processes, {params / 1e6:.2f}M parameters")
+        if sweep is not None:
+            plot_posthoc(sweep, rows[-1]["heldout"] if rows else {}, out / "posthoc.png", cfg)
         (out / "summary.json").write_text(json.dumps(summary, indent=1))
         final = summary["heldout"]
         log.info("held-out loss at step %d: %s", cfg["steps"], ", ".join(f"{k} {v:.4f}" for k, v in final.items()))
@@ -393,6 +432,61 @@ def run(job: Job) -> dict:
         )
         log.info("wrote %s, %s and %s/", metrics.path, out / "plot.png", out / "export")
     return summary
+
+
+def posthoc_sweep(posthoc: PostHocEMA, wrapped: engines.Wrapped, batches: list, sigmas: list, out: Path) -> dict:
+    """Synthesize each sigma_rel of the sweep from the snapshots (shard-local), take its held-out
+    loss, and export the best; sigma_rel values the snapshots cannot fit are recorded as such."""
+    losses: dict[str, float] = {}
+    skipped: dict[str, str] = {}
+    best = None
+    if not any(posthoc.directory.glob("snapshot-*")):  # a run shorter than snapshot_every
+        log.warning(
+            "post-hoc sweep skipped: no snapshot in %s (posthoc.snapshot_every is larger than the run)",
+            posthoc.directory,
+        )
+        return {"heldout": losses, "skipped": {str(s): "no snapshot" for s in sigmas}, "best": None}
+    for sigma in sigmas:
+        try:
+            average = posthoc.synthesize(sigma)
+        except ValueError as error:
+            skipped[str(sigma)] = str(error).split(":")[0]
+            continue
+        with average.swapped():
+            losses[str(sigma)] = heldout_loss(wrapped, batches)
+        if best is None or losses[str(sigma)] < losses[best[0]]:
+            best = (str(sigma), average)
+    if best is not None:
+        best[1].export(out / "export" / "posthoc")
+    log.info("post-hoc sweep: %s", ", ".join(f"sigma_rel {k}: {v:.4f}" for k, v in losses.items()) or "nothing fit")
+    return {"heldout": losses, "skipped": skipped, "best": None if best is None else float(best[0])}
+
+
+def plot_posthoc(sweep: dict, final: dict, path: Path, cfg: dict) -> None:
+    """Held-out loss against sigma_rel of the post-hoc synthesized EMAs (EDM2's figure), with the
+    run's own averages and raw weights as reference lines."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, axes = plt.subplots(figsize=(7, 4.2), dpi=120)
+    points = sorted((float(k), v) for k, v in sweep["heldout"].items())
+    if points:
+        axes.plot(*zip(*points), marker="o", linewidth=2, label="post-hoc EMA, synthesized")
+    for name, loss in final.items():
+        axes.axhline(loss, linestyle="--", linewidth=1, color="grey" if name == "raw" else None, label=f"{name} (kept)")
+    if sweep["best"] is not None:
+        axes.axvline(sweep["best"], color="green", alpha=0.4, label=f"best sigma_rel {sweep['best']:g}")
+    profiles = ", ".join(f"{s:g}" for s in cfg["posthoc"]["sigma_rels"])
+    axes.set_xlabel("sigma_rel")
+    axes.set_ylabel("held-out loss (nats per byte)")
+    axes.set_title(f"post-hoc EMA from profiles {profiles}, {cfg['engine']}, step {cfg['steps']}")
+    axes.grid(alpha=0.3)
+    axes.legend(fontsize=8)
+    figure.tight_layout()
+    figure.savefig(path)
+    plt.close(figure)
 
 
 def raw_weights(wrapped: engines.Wrapped) -> WeightAverager:

@@ -254,12 +254,13 @@ def synthesize(
         for snapshot in dict.fromkeys(s for s, _, _ in terms):
             scratch.load(snapshot.path)
             for term_snapshot, name, coefficient in terms:
-                if term_snapshot is snapshot:
+                if term_snapshot is snapshot and stored:
                     source = scratch._state.average(name).shadows
                     torch._foreach_add_([shadows[i] for i in stored], [source[i] for i in stored], alpha=coefficient)
         copied = [i for i, s in enumerate(shadows) if s is not None and state.roles[i] == "copy"]
         last = scratch._state.average(next(iter(found[0].gammas))).shadows
-        torch._foreach_copy_([shadows[i] for i in copied], [last[i] for i in copied])  # the last snapshot's buffers
+        for i in copied:  # the last snapshot's buffers
+            shadows[i].copy_(last[i])
     state.step, state.num_updates = terms[-1][0].step, t_target
     return result
 

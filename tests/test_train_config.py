@@ -61,6 +61,9 @@ FSDP2 = str(CONFIGS / "fsdp2.yaml")
         (["--config", str(CONFIGS / "zero3.yaml"), "--set", "deepspeed=gone.json"], "'deepspeed': cannot read"),
         (["--config", str(CONFIGS / "hsdp.yaml"), "--set", "hsdp.replicas=3"], "2 processes cannot form 3 replicas"),
         (["--config", FSDP2, "--set", "model.heads=0"], "config key 'model.heads' must be at least 1"),
+        (["--config", FSDP2, "--set", "posthoc.sigma_rels=[0.05]"], "'posthoc.sigma_rels' needs at least two"),
+        (["--config", FSDP2, "--set", "posthoc.sweep=[0.05, 0.5]"], "'posthoc.sweep' must list sigma_rel values"),
+        (["--config", FSDP2, "--set", "posthoc.snapshot_every=-1"], "'posthoc.snapshot_every' must be 0 (off)"),
     ],
 )
 def test_a_bad_config_is_refused_naming_the_key(caplog, monkeypatch, argv, message) -> None:
@@ -96,6 +99,20 @@ def test_a_new_run_into_a_folder_with_finished_checkpoints_is_refused(caplog, mo
     message = refused(caplog, monkeypatch, "--config", FSDP2, "--out", str(tmp_path))
     assert "holds checkpoints of an earlier run (newest step-00000200): --resume to continue it" in message
     assert finished.is_dir()
+
+
+def test_an_average_named_posthoc_is_refused(caplog, monkeypatch, tmp_path) -> None:
+    def named_posthoc(config):
+        config["averages"]["posthoc"] = {"kind": "swa"}
+
+    message = refused(caplog, monkeypatch, "--config", edited(tmp_path, named_posthoc))
+    assert "config key 'averages.posthoc': names are lower-case words other than 'raw' and 'posthoc'" in message
+
+
+def test_a_new_run_into_a_folder_with_post_hoc_snapshots_is_refused(caplog, monkeypatch, tmp_path) -> None:
+    (tmp_path / "posthoc" / "snapshot-000000050").mkdir(parents=True)
+    message = refused(caplog, monkeypatch, "--config", FSDP2, "--out", str(tmp_path))
+    assert "holds post-hoc snapshots of an earlier run (snapshot-000000050): --resume to continue it" in message
 
 
 def test_every_shipped_config_is_valid(monkeypatch) -> None:

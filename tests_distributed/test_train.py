@@ -26,10 +26,10 @@ STEPS = 8
 TINY = {
     "model.dim": 32, "model.layers": 2, "model.heads": 4, "model.context": 32, "data.max_bytes": 200_000,
     "train.batch_size": 4, "train.warmup_steps": 2, "eval.every": 4, "eval.batches": 2,
-    "checkpoint.every": 4, "checkpoint.keep_last": 2,
+    "checkpoint.every": 4, "checkpoint.keep_last": 2, "posthoc.snapshot_every": 2,
 }  # fmt: skip
 ENGINES = ("ddp", "fsdp1", "fsdp2", "hsdp", "zero3")
-NAMES = ("raw", "ema", "power")
+NAMES = ("raw", "ema", "power", "posthoc")  # posthoc: the best of the post-hoc sweep
 
 
 def job_args(engine: str, out: Path, *extra: str) -> list[str]:
@@ -75,6 +75,10 @@ def test_the_job_trains_evaluates_and_exports_what_the_plain_model_loads(runs, e
     assert set(rows[-1]["heldout"]) == set(NAMES) and rows[-1]["heldout"]["raw"] < rows[0]["heldout"]["raw"]
     assert summary["engine"] == engine and summary["processes"] == 2 and summary["tokens_per_s"] > 0
     assert (out / "plot.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert (out / "posthoc.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    sweep = summary["posthoc"]
+    assert len(sweep["heldout"]) >= 2 and sweep["best"] is not None, sweep
+    assert sorted(p.name for p in (out / "posthoc").iterdir()) == [f"snapshot-{t:09d}" for t in (2, 4, 6, 8)]
     sizes = {k: v for k, v in TINY.items() if k.startswith("model.")}
     plain = GPT(GPTConfig(**{k.split(".")[1]: v for k, v in sizes.items()}))
     weights = exported(out)
@@ -102,10 +106,13 @@ def test_resume_from_a_mid_run_checkpoint_ends_bitwise_where_the_uninterrupted_r
     middle = runs[engine] / "checkpoints" / "step-00000004"
     assert (middle / "train.json").is_file(), sorted(p.name for p in middle.parent.iterdir())
     shutil.copytree(middle, tmp_path / "checkpoints" / middle.name)
+    for snapshot in ("snapshot-000000002", "snapshot-000000004"):  # what the run had written by step 4
+        shutil.copytree(runs[engine] / "posthoc" / snapshot, tmp_path / "posthoc" / snapshot)
     summary = train(engine, tmp_path, "--resume")
     assert summary["resumed_from"] == 4
     assert_bitwise(exported(tmp_path), exported(runs[engine]), f"{engine} resumed at step 4")
-    assert summary["heldout"] == json.loads((runs[engine] / "summary.json").read_text())["heldout"]
+    uninterrupted = json.loads((runs[engine] / "summary.json").read_text())
+    assert summary["heldout"] == uninterrupted["heldout"] and summary["posthoc"] == uninterrupted["posthoc"]
 
 
 def free_port() -> int:
