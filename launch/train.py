@@ -474,8 +474,8 @@ def plot_posthoc(sweep: dict, final: dict, path: Path, cfg: dict) -> None:
     points = sorted((float(k), v) for k, v in sweep["heldout"].items())
     if points:
         axes.plot(*zip(*points), marker="o", linewidth=2, label="post-hoc EMA, synthesized")
-    for name, loss in final.items():
-        axes.axhline(loss, linestyle="--", linewidth=1, color="grey" if name == "raw" else None, label=f"{name} (kept)")
+    for (name, loss), color in zip(final.items(), ("grey", "tab:orange", "tab:red", "tab:purple", "tab:brown")):
+        axes.axhline(loss, linestyle="--", linewidth=1, color=color, label=f"{name} (kept)")
     if sweep["best"] is not None:
         axes.axvline(sweep["best"], color="green", alpha=0.4, label=f"best sigma_rel {sweep['best']:g}")
     profiles = ", ".join(f"{s:g}" for s in cfg["posthoc"]["sigma_rels"])
