@@ -512,10 +512,15 @@ def main(argv: list[str] | None = None) -> int:
         job.out.mkdir(parents=True, exist_ok=True)
     try:
         run(job)
+        dist.barrier()  # every rank done before any leaves
     finally:
         dist.destroy_process_group()
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)  # without the interpreter's teardown, where gloo's C++ threads now and then abort
