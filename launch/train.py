@@ -345,7 +345,7 @@ def run(job: Job) -> dict:
             snapshot_every=cfg["posthoc"]["snapshot_every"],
             directory=out / "posthoc",
         )
-    checkpointed = averages | ({"posthoc": posthoc.averager} if posthoc else {})
+    checkpointed = averages | ({"posthoc": posthoc} if posthoc else {})  # PostHocEMA checkpoints like an averager
 
     metrics = Metrics(out / "metrics.jsonl")
     start = 0

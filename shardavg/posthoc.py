@@ -201,13 +201,17 @@ class PostHocEMA:
         self.snapshot_dtype = snapshot_dtype
         self.averager_options = averager_options
         self.averager = WeightAverager(model, {f"profile-{i}": r for i, r in enumerate(rules)}, **averager_options)
+        self._issued = 0  # updates applied (or issued to the device) since the profiles began
 
     def update(self, step: int | None = None) -> bool:
-        """``averager.update(step)``, then a snapshot after every ``snapshot_every``-th applied update."""
+        """``averager.update(step)``, then a snapshot after every ``snapshot_every``-th applied update
+        (counted here, so that an update checked on an accelerator is not waited for)."""
         applied = self.averager.update(step)
-        if applied and self.averager.num_updates % self.snapshot_every == 0:
-            path = self.directory / f"snapshot-{self.averager.num_updates:09d}"
-            self.averager.save(path, dtype=self.snapshot_dtype)
+        if applied:
+            self._issued += 1
+            if self._issued % self.snapshot_every == 0:  # the name takes the settled count
+                path = self.directory / f"snapshot-{self.averager.num_updates:09d}"
+                self.averager.save(path, dtype=self.snapshot_dtype)
         return applied
 
     # checkpoints of the running profiles: as a WeightAverager's (snapshots are already on disk)
@@ -216,12 +220,15 @@ class PostHocEMA:
 
     def load_state_dict(self, state_dict: dict[str, Any], strict: bool = True) -> None:
         self.averager.load_state_dict(state_dict, strict)
+        self._issued = self.averager.num_updates
 
     def save(self, directory: str | os.PathLike, keep_last: int | None = None) -> Path:
         return self.averager.save(directory, keep_last)
 
     def load(self, directory: str | os.PathLike, strict: bool = True) -> Path:
-        return self.averager.load(directory, strict)
+        path = self.averager.load(directory, strict)
+        self._issued = self.averager.num_updates
+        return path
 
     def synthesize(
         self, sigma_rel: float | None = None, *, gamma: float | None = None, step: int | None = None
