@@ -22,9 +22,7 @@ from torch import nn
 
 from . import checkpoint, stateful
 from ._logging import log
-from .errors import NonFiniteError
 from .export import export as export_model
-from .layout import rank
 from .rules import EMA, LerpRule, MultiAvgFn, Rule, as_rule
 from .state import AVERAGE_NAME, MAX_PENDING, AverageState, Options
 from .strategies import make_strategy
@@ -268,14 +266,13 @@ class WeightAverager:
         bad = [state.infos[index].name for index in nonfinite(state.groups)]
         if not bad:
             return False
-        where = f"at step {state.step} on rank {rank()}"
-        if state.options.on_nonfinite == "raise":
-            raise NonFiniteError(
-                f"non-finite live values in {bad} {where}; the average was not updated "
-                "(on_nonfinite='skip' skips such updates instead)"
-            )
-        warnings.warn(f"skipping the update {where}: non-finite live values in {bad}", RuntimeWarning, stacklevel=3)
-        state.num_skipped += 1
+        state.nonfinite_found(
+            bad,
+            state.step,
+            raised="non-finite live values in {bad} {where}; the average was not updated "
+            "(on_nonfinite='skip' skips such updates instead)",
+            warned="skipping the update {where}: non-finite live values in {bad}",
+        )
         return True
 
     # ------------------------------------------------------------------ using the average
@@ -291,12 +288,7 @@ class WeightAverager:
         into it, so there ``swapped()`` is a collective.
         """
         state = self._state
-        shadows = state.average(average).shadows
-        state.require_updates("swapped()")
-        if self._swapped:
-            raise RuntimeError("swapped() blocks cannot be nested")
-        state.verify_structure()
-        indices = [index for index, shadow in enumerate(shadows) if shadow is not None]
+        indices = self._stored_indices(average, "swapped()", "swapped() blocks cannot be nested")
         targets = state.strategy.swap_views()  # the tensors the forward reads
         with torch.no_grad():
             stash = [targets[index].clone() for index in indices]
@@ -317,14 +309,24 @@ class WeightAverager:
         entry): e.g. to go on from the averaged weights, or to save them with the engine's own
         checkpointing. The live weights are lost. Collective where ``swapped()`` is."""
         state = self._state
-        shadows = state.average(average).shadows
-        state.require_updates("copy_into_model()")
-        if self._swapped:
-            raise RuntimeError("copy_into_model() inside swapped(): the live model holds averaged weights already")
-        state.verify_structure()
-        indices = [index for index, shadow in enumerate(shadows) if shadow is not None]
+        indices = self._stored_indices(
+            average,
+            "copy_into_model()",
+            "copy_into_model() inside swapped(): the live model holds averaged weights already",
+        )
         self._write_into(state.strategy.swap_views(), indices, average)
         state.sync_live()
+
+    def _stored_indices(self, average: str | None, what: str, nested: str) -> list[int]:
+        """Before the average is written into the model: it exists and has updates, no swap is
+        active (``nested`` otherwise), the model is the one averaged; the tensors to write."""
+        state = self._state
+        shadows = state.average(average).shadows
+        state.require_updates(what)
+        if self._swapped:
+            raise RuntimeError(nested)
+        state.verify_structure()
+        return [index for index, shadow in enumerate(shadows) if shadow is not None]
 
     def _write_into(self, targets: list[torch.Tensor], indices: list[int], average: str | None) -> None:
         """Copy the average's tensors ``indices`` into ``targets`` (the tensors the forward reads)."""

@@ -328,14 +328,22 @@ class AverageState:
             if not bad:
                 self.num_updates += 1
                 continue
-            where = f"at step {step} on rank {rank()}"
-            if self.options.on_nonfinite == "raise":
-                raise NonFiniteError(
-                    f"non-finite live values in {bad} {where} (found on the device after the update was issued: that "
-                    "update was masked out there, the average holds the others; on_nonfinite='skip' warns instead)"
-                )
-            warnings.warn(f"skipped the update {where}: non-finite live values in {bad}", RuntimeWarning, stacklevel=3)
-            self.num_skipped += 1
+            self.nonfinite_found(
+                bad,
+                step,
+                raised="non-finite live values in {bad} {where} (found on the device after the update was issued: "
+                "that update was masked out there, the average holds the others; on_nonfinite='skip' warns instead)",
+                warned="skipped the update {where}: non-finite live values in {bad}",
+            )
+
+    def nonfinite_found(self, bad: list[str], step: int, raised: str, warned: str) -> None:
+        """The ``on_nonfinite`` policy for an update whose live shards ``bad`` were not finite:
+        raise ``raised``, or warn ``warned`` and count the update skipped."""
+        where = f"at step {step} on rank {rank()}"
+        if self.options.on_nonfinite == "raise":
+            raise NonFiniteError(raised.format(bad=bad, where=where))
+        warnings.warn(warned.format(bad=bad, where=where), RuntimeWarning, stacklevel=4)
+        self.num_skipped += 1
 
     # ------------------------------------------------------------------ reading
 

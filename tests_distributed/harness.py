@@ -418,3 +418,23 @@ def report(kind: str, payload: dict) -> None:
     if dist.is_initialized() and dist.get_rank() != 0:
         return
     print(f"SHARDAVG_{kind} {json.dumps(payload, sort_keys=True)}", flush=True)
+
+
+def die_while_writing_shards(rank: int) -> None:
+    """On ``rank``: the next shard file it writes gets its first tensor, then the process is SIGKILLed."""
+    if dist.get_rank() != rank:
+        return
+    import signal
+
+    import shardavg.checkpoint
+
+    real_write = shardavg.checkpoint.write_safetensors
+
+    def write_then_die(path, entries, tensors, metadata=None):
+        def first_tensor_then_sigkill():
+            yield next(iter(tensors))
+            os.kill(os.getpid(), signal.SIGKILL)
+
+        real_write(path, entries, first_tensor_then_sigkill(), metadata)
+
+    shardavg.checkpoint.write_safetensors = write_then_die

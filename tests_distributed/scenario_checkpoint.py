@@ -14,8 +14,6 @@ ENGINES is a comma-separated list of replicated, fsdp2, fsdp1, zero3 (or "all");
 from __future__ import annotations
 
 import json
-import os
-import signal
 import sys
 from pathlib import Path
 
@@ -30,7 +28,6 @@ from torch.distributed.elastic.multiprocessing.errors import record
 from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 from torch.distributed.fsdp import StateDictType
 
-import shardavg.checkpoint
 from shardavg import EMA, SWA, WeightAverager
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "launch"))
@@ -140,17 +137,7 @@ def kill(kind: str, root: Path) -> None:
     avg.save(root / "killed", keep_last=3)
     write_reference(root / "killed", avg)
     train(engine, avg, range(5, STEPS + 1))
-    if dist.get_rank() == 1:
-        real_write = shardavg.checkpoint.write_safetensors
-
-        def write_then_die(path, entries, tensors, metadata=None):
-            def first_tensor_then_sigkill():
-                yield next(iter(tensors))
-                os.kill(os.getpid(), signal.SIGKILL)
-
-            real_write(path, entries, first_tensor_then_sigkill(), metadata)
-
-        shardavg.checkpoint.write_safetensors = write_then_die
+    harness.die_while_writing_shards(rank=1)
     avg.save(root / "killed", keep_last=3)
     raise AssertionError("rank 1 should have been killed during the save")
 

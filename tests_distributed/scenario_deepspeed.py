@@ -13,8 +13,6 @@ MODE is one of
 
 from __future__ import annotations
 
-import os
-import signal
 import sys
 import warnings
 from pathlib import Path
@@ -27,7 +25,6 @@ from torch import nn
 from torch.distributed.elastic.multiprocessing.errors import record
 
 import shardavg
-import shardavg.checkpoint
 from shardavg import EMA, SWA, CheckpointError, WeightAverager
 from shardavg.integrations import deepspeed as ds_checkpoint
 
@@ -185,17 +182,7 @@ def kill(root: Path) -> None:
             save_file({k: v.clone() for k, v in state.items()}, str(root / f"reference-{name}.safetensors"))
     dist.barrier()
     run.train(range(STEPS + 1, 2 * STEPS + 1))
-    if dist.get_rank() == 1:
-        real_write = shardavg.checkpoint.write_safetensors
-
-        def write_then_die(path, entries, tensors, metadata=None):
-            def first_tensor_then_sigkill():
-                yield next(iter(tensors))
-                os.kill(os.getpid(), signal.SIGKILL)
-
-            real_write(path, entries, first_tensor_then_sigkill(), metadata)
-
-        shardavg.checkpoint.write_safetensors = write_then_die
+    harness.die_while_writing_shards(rank=1)
     ds_checkpoint.save_checkpoint(run.engine, run.avg, root / "killed", tag="B")
     raise AssertionError("rank 1 should have been killed during the save")
 
