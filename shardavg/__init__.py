@@ -2,6 +2,8 @@
 
 from .averager import WeightAverager
 from .errors import CheckpointError, LayoutError, ModelChangedError, NonFiniteError, StrategyError
+from .offline import check_dcp
+from .ownership import TargetLock
 from .posthoc import PostHocEMA
 from .rules import (
     EMA,
@@ -31,7 +33,9 @@ __all__ = [
     "RatioWarmup",
     "Rule",
     "StrategyError",
+    "TargetLock",
     "WeightAverager",
+    "check_dcp",
     "detect",
     "rule_from_config",
 ]

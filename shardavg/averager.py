@@ -413,10 +413,12 @@ class WeightAverager:
         """
         return checkpoint.save(self._state, directory, keep_last, dtype)
 
-    def load(self, directory: str | os.PathLike, strict: bool = True) -> Path:
+    def load(self, directory: str | os.PathLike, strict: bool = True, verify: bool = False) -> Path:
         """Collective: restore from ``save``'s checkpoint (or the newest in a ``keep_last`` directory),
-        at any world size and strategy. Returns the checkpoint loaded."""
-        return checkpoint.load(self._state, directory, strict)
+        at any world size and strategy, reading one save whole even while another process saves
+        there. ``verify`` first hashes every file against the SHA-256 recorded when it was written
+        (the ranks share the work). Returns the checkpoint loaded."""
+        return checkpoint.load(self._state, directory, strict, verify)
 
     def export(
         self,

@@ -8,9 +8,12 @@ reads the parts of the saved chunks that overlap its own range.
 ``save(directory)`` writes one safetensors file per rank and a checksummed ``shardavg.json``
 manifest into a staging directory; the manifest is written last and the directory swapped
 into place, so a crash at any point leaves the previous checkpoint intact and an uncommitted
-directory that ``load`` refuses. It replaces only a checkpoint of its own (``ownership.py``),
-holds a lock on the target while writing, and with ``keep_last`` removes only its own older
-``step-*`` checkpoints. Nothing is ever unpickled: JSON and safetensors only.
+directory that ``load`` refuses. Every shard carries the save's id, and the manifest the id and
+every file's size and SHA-256, hashed as the file was written. It replaces only a checkpoint of
+its own (``ownership.py``), holds a lock on the target while writing, and with ``keep_last``
+removes only its own older ``step-*`` checkpoints. ``load`` reads one save whole even while
+another process saves into the same place (``reading.py``). Nothing is ever unpickled: JSON
+and safetensors only.
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import re
+import secrets
 import shutil
 import warnings
 from pathlib import Path
@@ -26,32 +29,42 @@ from typing import Any, NamedTuple
 
 import torch
 
-from .description import check_description, fail, is_count, numel, with_checksum
+from .description import with_checksum
 from .errors import CheckpointError
-from .layout import agree_or_raise, rank, tiles, world_size
+from .layout import agree_or_raise, all_gathered, gather_or_raise, rank, world_size
 from .ownership import (
-    CHECKPOINT_FILE,
     MANIFEST,
     STAGING_MARKER,
     TargetLock,
+    enclosing_checkpoint,
     foreign_in_checkpoint,
     is_own_checkpoint,
     is_own_staging,
+    target_path,
+)
+from .reading import (
+    ATTEMPTS,
+    SAVE_ID_KEY,
+    STEP_DIR,
+    CheckpointReplaced,
+    OpenCheckpoint,
+    busy,
+    committed_steps,
+    open_checkpoint,
+    reserve_descriptors,
 )
 from .state import AverageState, tensor_key
 from .storage import (
     Entry,
+    FileDigest,
+    SafetensorsFile,
     atomic_file,
-    checked_slice,
     commit_directory,
     dtype_name,
-    open_safetensors,
     replaced_path,
     staging_path,
     write_safetensors,
 )
-
-STEP_DIR = re.compile(r"^step-(\d+)$")
 
 
 def check_compatible(state: AverageState, meta: dict[str, Any], where: str, strict: bool) -> dict[str, dict]:
@@ -144,41 +157,19 @@ def loadable(state: AverageState, saved: dict[str, dict], meta: dict[str, Any]) 
 # ------------------------------------------------------------------------- save / load
 
 
-def _sequence(path: Path) -> int:
-    """The save's place in its directory's history (older checkpoints without one come first)."""
-    try:
-        meta = json.loads((path / MANIFEST).read_text())
-    except (OSError, UnicodeDecodeError, ValueError, RecursionError) as error:
-        raise CheckpointError(f"cannot read {path / MANIFEST}: {error}") from error
-    sequence = meta.get("sequence", -1) if isinstance(meta, dict) else None
-    if not is_count(sequence, -1):
-        raise CheckpointError(f"{path / MANIFEST}: 'sequence' must be an integer, got {sequence!r}")
-    return sequence
-
-
-def committed_steps(
-    directory: Path, own_only: bool = False, readable_only: bool = False
-) -> list[tuple[int, int, Path]]:
-    """``(sequence, step, path)`` of the committed ``step-*`` checkpoints, oldest save first.
-
-    A manifest that cannot be read raises (which one is newest is then unknown), or with
-    ``readable_only`` is left out with a warning (a save or a prune goes on without it)."""
-    found = []
-    for path in directory.iterdir():
-        match = STEP_DIR.match(path.name)
-        if match and (is_own_checkpoint(path) if own_only else (path / MANIFEST).is_file()):
-            try:
-                found.append((_sequence(path), int(match.group(1)), path))
-            except CheckpointError as error:
-                if not readable_only:
-                    raise
-                warnings.warn(f"{error}: left out of the save order and never pruned", stacklevel=2)
-    return sorted(found)
-
-
 def _check_not_a_file(path: Path) -> None:
     if path.is_symlink() or (path.exists() and not path.is_dir()):
         raise CheckpointError(f"{path} exists and is not a directory: shardavg will not replace it")
+
+
+def _check_outside_checkpoints(directory: Path, target: Path) -> None:
+    """A checkpoint holds only its own files: nothing is saved inside one (a single checkpoint at
+    ``directory`` itself is refused by ``_prepare``, with what to do instead)."""
+    enclosing = enclosing_checkpoint(directory.parent)
+    if enclosing is not None:
+        raise CheckpointError(
+            f"{target} would be inside the checkpoint {enclosing}, which holds only its own files: save elsewhere"
+        )
 
 
 def _make_directory(directory: Path) -> None:
@@ -191,13 +182,13 @@ def _prepare(directory: Path, target: Path, keep_last: int | None) -> int:
     left (only when it is provably ours), and create the staging directory. Returns the save's
     sequence number in ``directory``."""
     _check_not_a_file(directory)
+    if keep_last and (directory / MANIFEST).exists():
+        raise CheckpointError(
+            f"{directory} is a single checkpoint; keep_last=K writes step-* checkpoints into a directory "
+            "of their own: save without keep_last, or into another directory"
+        )
     sequence = 0
     if keep_last:
-        if (directory / MANIFEST).exists():
-            raise CheckpointError(
-                f"{directory} is a single checkpoint; keep_last=K writes step-* checkpoints into a directory "
-                "of their own: save without keep_last, or into another directory"
-            )
         committed = committed_steps(directory, readable_only=True)
         sequence = 1 + max((number for number, _, _ in committed), default=-1)
         step = int(STEP_DIR.match(target.name).group(1))  # type: ignore[union-attr]
@@ -233,11 +224,23 @@ def _prepare(directory: Path, target: Path, keep_last: int | None) -> int:
 
 
 def _commit(
-    state: AverageState, directory: Path, target: Path, files: list[str], sequence: int, dtype: torch.dtype | None
+    state: AverageState,
+    target: Path,
+    files: list[str],
+    digests: list[FileDigest],
+    identity: tuple[int, str],
+    dtype: torch.dtype | None,
 ) -> None:
-    """Rank 0: write the manifest last, swap the checkpoint into place, then prune."""
+    """Rank 0: write the manifest last (with every file's size and hash, and the save's sequence
+    number and id), then swap the checkpoint into place."""
     staging = staging_path(target)
-    manifest = state.describe() | {"files": files, "sequence": sequence}
+    sequence, save_id = identity
+    manifest = state.describe() | {
+        "files": files,
+        "digests": [{"bytes": d.bytes, "sha256": d.sha256} for d in digests],
+        "save_id": save_id,
+        "sequence": sequence,
+    }
     for entry, chunks in zip(manifest["tensors"], state.layout.chunks):
         entry["chunks"] = [{"file": owner, "start": start, "end": end} for owner, start, end in chunks]
         if dtype is not None and entry["role"] == "average":
@@ -282,23 +285,24 @@ def save(
         return piece.to(dtype) if cast(index) else piece
 
     state.check_current()
-    directory = Path(directory)
+    directory = target_path(directory, "save", replaced_whole=not keep_last)
     target = directory / f"step-{state.step:09d}" if keep_last else directory
     staging = staging_path(target)
     me, ranks = rank(), world_size()
     files = [f"rank-{r:05d}-of-{ranks:05d}.safetensors" for r in range(ranks)]
     with contextlib.ExitStack() as held:
         error: BaseException | None = None
-        sequence = 0
+        identity = None  # the save's sequence number in its directory and its id, decided by rank 0
         if me == 0:
             try:
+                _check_outside_checkpoints(directory, target)
                 if keep_last:
                     _make_directory(directory)
                 held.enter_context(TargetLock.inside(directory) if keep_last else TargetLock.beside(directory))
-                sequence = _prepare(directory, target, keep_last)
+                identity = (_prepare(directory, target, keep_last), secrets.token_hex(16))
             except Exception as caught:
                 error = caught
-        agree_or_raise(error, f"preparing {target}")
+        sequence, save_id = gather_or_raise(error, identity, f"preparing {target}")[0]
 
         owned = [
             (index, start, end)
@@ -307,19 +311,21 @@ def save(
             if owner == me
         ]
         chunks = [(i, key, average, start, end) for i, start, end in owned for key, average in state.keys(i)]
+        digest = None
         try:
             entries = [
                 Entry(key, dtype if cast(i) else state.piece(i, a).dtype, (end - start,))
                 for i, key, a, start, end in chunks
             ]
-            write_safetensors(staging / files[me], entries, (stored(i, a) for i, _, a, _, _ in chunks))
+            stream = (stored(i, a) for i, _, a, _, _ in chunks)
+            digest = write_safetensors(staging / files[me], entries, stream, {SAVE_ID_KEY: save_id})
         except Exception as caught:  # report it to every rank rather than leave them waiting
             error = caught
-        agree_or_raise(error, f"writing shards to {staging}")
+        digests = gather_or_raise(error, digest, f"writing shards to {staging}")
 
         if me == 0:
             try:
-                _commit(state, directory, target, files, sequence, dtype)
+                _commit(state, target, files, digests, (sequence, save_id), dtype)
             except Exception as caught:
                 error = caught
         agree_or_raise(error, f"committing {target}")
@@ -331,85 +337,23 @@ def save(
     return target
 
 
-def resolve(directory: str | os.PathLike) -> Path:
-    """The committed checkpoint at ``directory``: itself, or its most recently saved ``step-*``."""
-    directory = Path(directory)
-    if (directory / MANIFEST).is_file():
-        return directory
-    if not directory.exists():
-        replaced = replaced_path(directory)
-        if (replaced / MANIFEST).is_file():
-            raise CheckpointError(
-                f"no checkpoint at {directory}: a save into it was interrupted between its two renames and left "
-                f"the previous checkpoint complete at {replaced}; rename it to {directory.name} to use it"
-            )
-        raise CheckpointError(f"no checkpoint at {directory}")
-    if not directory.is_dir():
-        raise CheckpointError(f"no checkpoint at {directory}: it is not a directory")
-    committed = committed_steps(directory)
-    if committed:
-        return committed[-1][2]
-    uncommitted = sorted(p.name for p in directory.iterdir() if STEP_DIR.match(p.name)) or [directory.name]
-    raise CheckpointError(
-        f"{directory} holds no committed shardavg checkpoint: {uncommitted} lack {MANIFEST}, "
-        "so their save never completed"
-    )
-
-
-def check_chunk_table(meta: dict[str, Any], where: str) -> None:
-    """The manifest's files are shardavg's own names, and each tensor's chunks tile it exactly."""
-    if meta["version"] >= 2 and "sequence" not in meta:
-        raise fail(where, "lacks 'sequence'")
-    files = meta.get("files")
-    if not isinstance(files, list) or not all(isinstance(f, str) and CHECKPOINT_FILE.match(f) for f in files):
-        raise fail(where, f"'files' must list rank-NNNNN-of-NNNNN.safetensors names, got {str(files)[:200]}")
-    if not files or MANIFEST in files:
-        raise fail(where, f"'files' must list the shard files, got {files}")
-    for entry in meta["tensors"]:
-        chunks = entry.get("chunks")
-        if not isinstance(chunks, list) or not all(
-            isinstance(c, dict)
-            and is_count(c.get("file"))
-            and c["file"] < len(files)
-            and is_count(c.get("start"))
-            and is_count(c.get("end"))
-            for c in chunks
-        ):
-            raise fail(where, f"tensor {entry['name']!r} has a malformed chunk table: {str(chunks)[:200]}")
-        spans = [(c["start"], c["end"]) for c in chunks]
-        if not tiles(numel(entry["shape"]), spans):
-            raise fail(
-                where,
-                f"the chunks of {entry['name']!r} {spans[:8]} do not cover its {numel(entry['shape'])} elements "
-                "exactly once",
-            )
-
-
-def read_manifest(path: Path) -> dict[str, Any]:
-    """The manifest of the checkpoint at ``path``, checked whole (description, checksum, chunk table)."""
-    manifest_path = path / MANIFEST
-    try:
-        meta = json.loads(manifest_path.read_text())
-    except (OSError, UnicodeDecodeError, ValueError, RecursionError) as error:
-        raise CheckpointError(f"cannot read {manifest_path}: {error}") from error
-    meta = check_description(meta, str(manifest_path))
-    check_chunk_table(meta, str(manifest_path))
-    return meta
-
-
 class _Read(NamedTuple):
     """Copy elements ``[source_start, source_end)`` of a saved chunk to ``[target_start, ...)`` of a shadow."""
 
     target: torch.Tensor  # the shadow, flat
-    piece: Any  # a lazy safetensors slice of the saved chunk
+    file: SafetensorsFile
+    key: str  # of the saved chunk in the file
     source_start: int
     source_end: int
     target_start: int
 
 
-def _plan_reads(state: AverageState, path: Path, meta: dict, slots: list[Slot], handles: dict) -> list[_Read]:
-    """Every read this rank needs, each checked against the file it comes from."""
+def _plan_reads(state: AverageState, opened: OpenCheckpoint, slots: list[Slot]) -> list[_Read]:
+    """Every read this rank needs, each checked against the file it comes from (opened here, so
+    what is read later is this save's whatever happens to the folder)."""
+    meta = opened.meta
     saved = {entry["name"]: entry for entry in meta["tensors"]}
+    reserve_descriptors(len(meta["files"]))
     reads = []
     for slot in slots:
         info = state.infos[slot.index]
@@ -418,32 +362,57 @@ def _plan_reads(state: AverageState, path: Path, meta: dict, slots: list[Slot], 
             low, high = max(chunk["start"], info.start), min(chunk["end"], info.end)
             if low >= high:
                 continue
-            file = path / meta["files"][chunk["file"]]
-            if file not in handles:
-                handles[file] = open_safetensors(file)
-            piece = checked_slice(handles[file], file, slot.saved_key, entry["dtype"], chunk["end"] - chunk["start"])
-            reads.append(_Read(target, piece, low - chunk["start"], high - chunk["start"], low - info.start))
+            file = opened.shard(chunk["file"])
+            file.checked(slot.saved_key, entry["dtype"], chunk["end"] - chunk["start"])
+            reads.append(
+                _Read(target, file, slot.saved_key, low - chunk["start"], high - chunk["start"], low - info.start)
+            )
     return reads
 
 
-def load(state: AverageState, directory: str | os.PathLike, strict: bool = True) -> Path:
+def _open_for_load(
+    state: AverageState, directory: str | os.PathLike, strict: bool, verify: bool
+) -> tuple[OpenCheckpoint, list[Slot], list[_Read]]:
+    """Collective: the checkpoint opened on every rank, the same save on all of them (a save
+    committed while the ranks open it makes them all open the newer one), checked whole, with
+    every read planned. With ``verify`` the ranks share the hashing of its files."""
+    for _ in range(ATTEMPTS):
+        error: BaseException | None = None
+        opened, slots, reads, replaced = None, [], [], False
+        try:
+            opened = open_checkpoint(directory)
+            meta = opened.meta
+            slots = loadable(state, check_compatible(state, meta, str(opened.path), strict), meta)
+            reads = _plan_reads(state, opened, slots)
+            if verify:
+                opened.verify(list(range(len(meta["files"])))[rank() :: world_size()])
+        except CheckpointReplaced:
+            replaced = True
+        except Exception as caught:
+            error = caught
+        reports = all_gathered((None if error is None else f"{type(error).__name__}: {error}", replaced,
+                                None if opened is None else opened.identity))  # fmt: skip
+        failed = "; ".join(f"rank {r}: {e}" for r, (e, _, _) in enumerate(reports) if e is not None)
+        if failed:
+            if opened is not None:
+                opened.close()
+            raise CheckpointError(f"loading {directory} failed: {failed}") from error
+        if not any(again for _, again, _ in reports) and len({identity for _, _, identity in reports}) == 1:
+            return opened, slots, reads  # type: ignore[return-value]
+        if opened is not None:  # some rank saw another save: all open again
+            opened.close()
+    raise busy(directory)
+
+
+def load(state: AverageState, directory: str | os.PathLike, strict: bool = True, verify: bool = False) -> Path:
     """Collective: restore the averager from a checkpoint written by ``save``, at any world size
-    or strategy. Everything is checked on every rank before any shadow changes."""
+    or strategy. Everything is checked on every rank before any shadow changes; ``verify`` also
+    hashes every file against the manifest first."""
     state.verify_structure()
-    error: BaseException | None = None
-    path = Path(directory)
-    try:
-        path = resolve(directory)
-        meta = read_manifest(path)
-        slots = loadable(state, check_compatible(state, meta, str(path), strict), meta)
-        reads = _plan_reads(state, path, meta, slots, handles={})
-    except Exception as caught:
-        error = caught
-    agree_or_raise(error, f"loading {path}")
-    with torch.no_grad():
+    opened, slots, reads = _open_for_load(state, directory, strict, verify)
+    with opened, torch.no_grad():
         for read in reads:
-            read.target[read.target_start : read.target_start + read.source_end - read.source_start].copy_(
-                read.piece[read.source_start : read.source_end]
-            )
-    state.restore(meta, {slot.key for slot in slots})
-    return path
+            target = read.target[read.target_start : read.target_start + read.source_end - read.source_start]
+            read.file.read_into(target, read.key, read.source_start)
+    state.restore(opened.meta, {slot.key for slot in slots})
+    return opened.path

@@ -11,6 +11,7 @@ import json
 import sys
 from collections import Counter
 from pathlib import Path
+from typing import NoReturn
 
 from .description import numel
 from .errors import CheckpointError
@@ -21,8 +22,15 @@ from .storage import DTYPES
 EXPORT_DTYPES = ("float32", "bfloat16", "float16")
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse, with a usage mistake reported in one line like every other error."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"shardavg: error: {self.prog}: {message} (see {self.prog} --help)\n")
+
+
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="shardavg",
         description="Work with shardavg checkpoints offline: one process, no process group, "
         "one tensor in memory at a time.",
@@ -48,6 +56,9 @@ def _parser() -> argparse.ArgumentParser:
     )
     export.add_argument("--key", default="ema", help="the averager's key in a DCP checkpoint (default ema)")
     export.add_argument("--average", metavar="NAME", help="which average, when the averager kept several (see inspect)")
+    export.add_argument(
+        "--verify", action="store_true", help="first hash every file against the SHA-256 recorded when it was written"
+    )
     inspect = commands.add_parser(
         "inspect",
         help="print what a checkpoint holds",
@@ -56,6 +67,11 @@ def _parser() -> argparse.ArgumentParser:
     )
     inspect.add_argument("checkpoint", metavar="CKPT_DIR")
     inspect.add_argument("--key", default="ema", help="the averager's key in a DCP checkpoint (default ema)")
+    inspect.add_argument(
+        "--verify",
+        action="store_true",
+        help="also hash every file and compare it with the SHA-256 recorded when it was written",
+    )
     posthoc = commands.add_parser(
         "posthoc",
         help="synthesize a post-hoc EMA from PostHocEMA snapshots",
@@ -74,8 +90,8 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _posthoc(args: argparse.Namespace) -> str:
-    from .posthoc import snapshots, synthesizable, synthesized_dtype, synthesized_tensors
-    from .rules import PowerEMA, gamma_to_sigma_rel
+    from .posthoc import snapshots, synthesizable, synthesized_dtype, synthesized_tensors, target_gamma
+    from .rules import gamma_to_sigma_rel
 
     if args.list:
         found = snapshots(args.snapshots)
@@ -86,7 +102,8 @@ def _posthoc(args: argparse.Namespace) -> str:
         return "\n".join([*rows, synthesizable(found)])
     if args.out is None or args.sigma_rel is None:
         raise ValueError("posthoc needs OUT and --sigma-rel (or --list)")
-    gamma = PowerEMA(sigma_rel=args.sigma_rel).exponent
+    _check_out(args.out)
+    gamma = target_gamma(sigma_rel=args.sigma_rel)
     description, tensors = synthesized_tensors(args.snapshots, gamma, args.step)
     dtype = None if args.dtype is None else DTYPES[args.dtype]
     entries = export_entries(
@@ -105,7 +122,13 @@ def _posthoc(args: argparse.Namespace) -> str:
     return f"wrote the post-hoc EMA of sigma_rel {args.sigma_rel} ({len(entries)} tensors) to {path}"
 
 
-def _inspect(saved: SavedAverage) -> str:
+def _check_out(out: str) -> None:
+    """OUT must name a folder: an empty argument would mean the current directory."""
+    if not out:
+        raise ValueError("OUT is empty: name the folder to write the model into (use . for the current directory)")
+
+
+def _inspect(saved: SavedAverage, verify: bool) -> str:
     meta = saved.description
     tensors = meta["tensors"]
     size = sum(DTYPES[t["dtype"]].itemsize * numel(t["shape"]) for t in tensors)
@@ -123,6 +146,9 @@ def _inspect(saved: SavedAverage) -> str:
         ("tensors", f"{len(tensors)}: " + ", ".join(f"{n} {role}" for role, n in sorted(roles.items()))),
         ("bytes", f"{size} ({size / 2**20:.1f} MiB)"),
     ]
+    if verify:
+        files, checked = saved.verify_contents()
+        rows.append(("verified", f"{files} file(s), {checked} bytes: every SHA-256 matches the manifest"))
     return "\n".join(f"{label:<12} {value}" for label, value in rows)
 
 
@@ -132,7 +158,9 @@ def _updates(meta: dict) -> str:
     return f"{meta['num_updates']} ({meta.get('num_skipped', 0)} skipped for non-finite weights)"
 
 
-def _export(saved: SavedAverage, out: str, max_shard_size: str, dtype_name: str | None, average: str | None) -> str:
+def _export(saved: SavedAverage, args: argparse.Namespace) -> str:
+    out, max_shard_size, dtype_name, average = args.out, args.max_shard_size, args.dtype, args.average
+    _check_out(out)
     average = saved.average(average)
     if saved.description["num_updates"] == 0:
         raise CheckpointError(f"{saved.path} was saved before any update was applied: it holds no average to export")
@@ -140,6 +168,8 @@ def _export(saved: SavedAverage, out: str, max_shard_size: str, dtype_name: str 
     if target == checkpoint or checkpoint in target.parents:
         raise CheckpointError(f"OUT {out} is inside the checkpoint {saved.path}: export to a directory of its own")
     saved.verify()  # a damaged chunk table is refused before anything is written
+    if args.verify:
+        saved.verify_contents()
     dtype = None if dtype_name is None else DTYPES[dtype_name]
     tensors = saved.description["tensors"]
     entries = export_entries(
@@ -161,17 +191,24 @@ def _export(saved: SavedAverage, out: str, max_shard_size: str, dtype_name: str 
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+    try:
+        args = _parser().parse_args(argv)
+    except SystemExit as stop:  # --help, or a usage mistake already reported in one line
+        return stop.code if isinstance(stop.code, int) else 2
+    saved = None
     try:
         if args.command == "posthoc":
             print(_posthoc(args))
             return 0
         saved = SavedAverage(args.checkpoint, key=args.key)
         if args.command == "inspect":
-            print(_inspect(saved))
+            print(_inspect(saved, args.verify))
         else:
-            print(_export(saved, args.out, args.max_shard_size, args.dtype, args.average))
+            print(_export(saved, args))
     except (CheckpointError, ValueError, OSError) as error:
         print(f"shardavg: error: {error}", file=sys.stderr)
         return 2
+    finally:
+        if saved is not None:
+            saved.close()
     return 0

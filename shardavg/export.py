@@ -21,7 +21,7 @@ import torch
 
 from .errors import CheckpointError
 from .layout import agree_or_raise, rank
-from .ownership import INDEX_FILE, MANIFEST, TargetLock, export_files
+from .ownership import INDEX_FILE, MANIFEST, TargetLock, enclosing_checkpoint, export_files, target_path
 from .state import AverageState
 from .storage import Entry, atomic_file, write_safetensors
 
@@ -65,12 +65,18 @@ def plan_files(entries: list[Entry], max_bytes: int) -> list[list[Entry]]:
 
 
 def _check_target(directory: Path) -> dict[str, bool]:
-    """Refuse a target that is a file, a checkpoint, or holds weight files shardavg did not write;
-    return the weight files it holds, each with whether it is shardavg's own."""
+    """Refuse a target that is a file, a checkpoint or inside one, or holds weight files shardavg
+    did not write; return the weight files it holds, each with whether it is shardavg's own."""
     if directory.is_symlink() or (directory.exists() and not directory.is_dir()):
         raise CheckpointError(f"{directory} exists and is not a directory: shardavg will not replace it")
     if (directory / MANIFEST).exists() or (directory / ".metadata").exists():
         raise CheckpointError(f"{directory} is a checkpoint: export into a model folder of its own")
+    enclosing = enclosing_checkpoint(directory)
+    if enclosing is not None:
+        raise CheckpointError(
+            f"{directory} is inside the checkpoint {enclosing}, which holds only its own files: export into a "
+            "model folder of its own"
+        )
     present = export_files(directory)
     foreign = sorted(name for name, own in present.items() if not own)
     if foreign:
@@ -94,7 +100,7 @@ def write_model(
     appears atomically; the last one written (the single file, or the index of a split model)
     is the switch from the previous export, whose other weight files are then removed.
     """
-    directory = Path(directory)
+    directory = target_path(directory, "export", replaced_whole=False)
     files = plan_files(entries, parse_size(max_shard_size))
     names = (
         [SINGLE_FILE]
@@ -161,6 +167,7 @@ def export(
 ) -> Path:
     """Collective: gather ``average`` tensor by tensor and write it on rank 0 (see ``write_model``)."""
     max_bytes = parse_size(max_shard_size)
+    path = target_path(path, "export", replaced_whole=False)
     if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
         raise ValueError(f"dtype must be a floating torch.dtype or None, got {dtype!r}")
     name = state.average(average).name

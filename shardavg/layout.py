@@ -40,16 +40,28 @@ def world_size() -> int:
     return dist.get_world_size() if distributed() else 1
 
 
-def agree_or_raise(error: BaseException | None, what: str) -> None:
-    """Collective: raise everywhere if any rank failed, naming the ranks and their errors."""
-    mine = None if error is None else f"{type(error).__name__}: {error}"
-    errors = [mine]
+def all_gathered(value: object) -> list:
+    """Collective: every rank's ``value`` (small, plain data), in rank order."""
+    values = [value]
     if distributed():
-        errors = [None] * dist.get_world_size()
-        dist.all_gather_object(errors, mine)
-    failed = "; ".join(f"rank {r}: {e}" for r, e in enumerate(errors) if e is not None)
+        values = [None] * dist.get_world_size()
+        dist.all_gather_object(values, value)
+    return values
+
+
+def gather_or_raise(error: BaseException | None, value: object, what: str) -> list:
+    """Collective: every rank's ``value``, or raise everywhere if any rank failed, naming the
+    ranks and their errors."""
+    reports = all_gathered((None if error is None else f"{type(error).__name__}: {error}", value))
+    failed = "; ".join(f"rank {r}: {e}" for r, (e, _) in enumerate(reports) if e is not None)
     if failed:
         raise CheckpointError(f"{what} failed: {failed}") from error
+    return [value for _, value in reports]
+
+
+def agree_or_raise(error: BaseException | None, what: str) -> None:
+    """Collective: raise everywhere if any rank failed, naming the ranks and their errors."""
+    gather_or_raise(error, None, what)
 
 
 def tiles(numel: int, spans: Sequence[tuple[int, int]]) -> bool:

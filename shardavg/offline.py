@@ -20,14 +20,14 @@ from typing import Any
 
 import torch
 
-from .checkpoint import STEP_DIR, read_manifest, resolve
 from .description import is_count, numel
 from .errors import CheckpointError
 from .layout import tiles
 from .ownership import MANIFEST
+from .reading import STEP_DIR, open_checkpoint
 from .state import tensor_key
 from .stateful import decode_description
-from .storage import DTYPES, checked_slice, open_safetensors
+from .storage import DTYPES
 
 PLAIN_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]*$")  # a file inside the checkpoint, never a path
 
@@ -63,23 +63,28 @@ class _MetadataUnpickler(pickle.Unpickler):
 
 class SavedAverage:
     """An averager's checkpoint opened for reading: ``description``, ``averages`` (their names,
-    ``[None]`` for an averager with one rule) and ``read(name, average)``."""
+    ``[None]`` for an averager with one rule) and ``read(name, average)``.
+
+    A shardavg checkpoint is opened whole when this is built (``reading.open_checkpoint``): every
+    file of one save, kept open until ``close()``, so a save into the same place meanwhile
+    cannot mix into what is read."""
 
     def __init__(self, path: str | Path, key: str = "ema") -> None:
+        if not os.fspath(path):
+            raise CheckpointError("the checkpoint path is empty: name a checkpoint directory")
         path = Path(path)
+        self._opened = None
         if _regular(path / ".metadata"):
             self._open_dcp(path, key)
         elif not path.exists() or (path / MANIFEST).is_file() or any(STEP_DIR.match(p.name) for p in path.iterdir()):
-            self.path = resolve(path)
-            self.description = read_manifest(self.path)
-            self.kind = "shardavg"
+            self._opened = open_checkpoint(path, every_file=True)  # one save, whatever is saved there meanwhile
+            self.path, self.description, self.kind = self._opened.path, self._opened.meta, "shardavg"
         else:
             raise CheckpointError(
                 f"{path} is neither a shardavg checkpoint ({MANIFEST}) nor a DCP checkpoint (.metadata)"
             )
         self.tensors = {entry["name"]: entry for entry in self.description["tensors"]}
         self.averages: list[str | None] = [entry["name"] for entry in self.description["averages"]]
-        self._handles: dict[Path, Any] = {}
 
     def average(self, name: str | None) -> str | None:
         """The average called ``name``; ``None`` picks the only one, when there is one."""
@@ -102,18 +107,9 @@ class SavedAverage:
     # --------------------------------------------------------------- DCP
 
     def _open_dcp(self, path: Path, key: str) -> None:
-        where = str(path / ".metadata")
-        try:
-            with open(path / ".metadata", "rb") as handle:
-                self._metadata = _MetadataUnpickler(handle, where).load()
-        except CheckpointError:
-            raise
-        except Exception as error:
-            raise CheckpointError(f"cannot read {where}: {error}") from error
+        self._metadata = read_dcp_metadata(path)
         self.path, self.kind, self._prefix = path, "dcp", f"{key}."
-        entries = getattr(self._metadata, "state_dict_metadata", None)
-        if not isinstance(entries, dict) or not isinstance(getattr(self._metadata, "storage_data", None), dict):
-            raise CheckpointError(f"{where} is not DCP metadata")
+        entries = self._metadata.state_dict_metadata
         if f"{key}.meta" not in entries:
             found = sorted({str(name).split(".")[0] for name in entries})
             raise CheckpointError(f"{path} has no averager under key {key!r} (top-level keys: {found})")
@@ -128,21 +124,9 @@ class SavedAverage:
         info = self._metadata.storage_data.get(MetadataIndex(fqn, offset))
         if info is None:
             raise CheckpointError(f"{self.path}: no stored data for {fqn} at {offset}")
-        if getattr(info, "transform_descriptors", None):
-            raise CheckpointError(
-                f"{self.path}: {fqn} is stored with transforms {info.transform_descriptors}, unsupported"
-            )
-        name, start, length = (getattr(info, key, None) for key in ("relative_path", "offset", "length"))
-        if not (isinstance(name, str) and PLAIN_NAME.match(name) and is_count(start) and is_count(length)):
-            raise CheckpointError(f"{self.path}: {fqn} is stored at {name!r} [{start!r}, +{length!r}), refused")
-        file = self.path / name
-        if not _regular(file):
-            raise CheckpointError(f"{file} is missing or not a regular file: refused")
-        size = file.stat().st_size
-        if length > limit or start + length > size:
-            raise CheckpointError(
-                f"{file}: {fqn} claims bytes {start}..{start + length} of a {size}-byte file (at most {limit} expected)"
-            )
+        file, start, length = _dcp_item_location(self.path, fqn, info)
+        if length > limit:
+            raise CheckpointError(f"{file}: {fqn} claims {length} bytes (at most {limit} expected)")
         return file, start, length
 
     def _dcp_item(self, fqn: str, offset: Any, limit: int) -> Any:
@@ -164,6 +148,18 @@ class SavedAverage:
             for average in self.averages:
                 self._chunks(name, self.key(name, average))
 
+    def verify_contents(self) -> tuple[int, int]:
+        """Hash every file and compare it with the SHA-256 recorded when it was written; returns
+        (files, bytes) checked. A DCP checkpoint records none: refused."""
+        if self._opened is None:
+            raise CheckpointError(f"{self.path} is a DCP checkpoint, which records no checksums: nothing to verify")
+        return len(self.description["files"]), self._opened.verify()
+
+    def close(self) -> None:
+        """Let go of the open files (they are closed when this object is collected, too)."""
+        if self._opened is not None:
+            self._opened.close()
+
     def read(self, name: str, average: str | None = None) -> torch.Tensor:
         """The full tensor ``name`` of ``average`` in its original shape (one tensor in memory at a time).
 
@@ -173,16 +169,13 @@ class SavedAverage:
         key = self.key(name, self.average(average))
         dtype, shape = DTYPES[self.tensors[name]["dtype"]], torch.Size(self.tensors[name]["shape"])
         flat = torch.empty(shape.numel(), dtype=dtype)
-        for start, length, value in self._chunks(name, key):
-            piece = value()
-            if not isinstance(piece, torch.Tensor) or piece.dtype != dtype or piece.shape != (length,):
-                found = f"{piece.dtype} {tuple(piece.shape)}" if isinstance(piece, torch.Tensor) else type(piece)
-                raise CheckpointError(f"{self.path}: a chunk of {key!r} is {found}, expected {dtype} ({length},)")
-            flat[start : start + length] = piece
+        for start, length, fill in self._chunks(name, key):
+            fill(flat[start : start + length])
         return flat.view(shape)
 
-    def _chunks(self, name: str, key: str) -> list[tuple[int, int, Callable[[], Any]]]:
-        """``(start, length, read)`` for each chunk stored under ``key`` of tensor ``name``, checked to tile it."""
+    def _chunks(self, name: str, key: str) -> list[tuple[int, int, Callable[[torch.Tensor], None]]]:
+        """``(start, length, fill)`` for each chunk stored under ``key`` of tensor ``name``, checked to
+        tile it; ``fill(out)`` reads the chunk into ``out``."""
         entry = self.tensors[name]
         if self.kind == "dcp":
             chunks = self._dcp_chunks(key, DTYPES[entry["dtype"]])
@@ -194,18 +187,16 @@ class SavedAverage:
             raise CheckpointError(f"{self.path}: the chunks of {key!r} {spans} do not tile its {total} items")
         return chunks
 
-    def _shard_chunks(self, name: str, key: str) -> list[tuple[int, int, Callable[[], Any]]]:
+    def _shard_chunks(self, name: str, key: str) -> list[tuple[int, int, Callable[[torch.Tensor], None]]]:
         chunks = []
         for chunk in self.tensors[name]["chunks"]:
-            file = self.path / self.description["files"][chunk["file"]]
-            if file not in self._handles:
-                self._handles[file] = open_safetensors(file)
+            file = self._opened.shard(chunk["file"])  # type: ignore[union-attr]
             length = chunk["end"] - chunk["start"]
-            piece = checked_slice(self._handles[file], file, key, self.tensors[name]["dtype"], length)
-            chunks.append((chunk["start"], length, lambda piece=piece: piece[:]))
+            file.checked(key, self.tensors[name]["dtype"], length)
+            chunks.append((chunk["start"], length, lambda out, file=file: file.read_into(out, key)))
         return chunks
 
-    def _dcp_chunks(self, key: str, dtype: torch.dtype) -> list[tuple[int, int, Callable[[], Any]]]:
+    def _dcp_chunks(self, key: str, dtype: torch.dtype) -> list[tuple[int, int, Callable[[torch.Tensor], None]]]:
         fqn = f"{self._prefix}tensors.{key}"
         stored = self._metadata.state_dict_metadata.get(fqn)
         chunks = getattr(stored, "chunks", None)
@@ -219,8 +210,71 @@ class SavedAverage:
             if sizes[0]:
                 limit = sizes[0] * dtype.itemsize + 2**16  # the tensor's bytes and torch.save's framing
                 self._dcp_location(fqn, offsets, limit)
-                found.append((offsets[0], sizes[0], lambda at=offsets, limit=limit: self._dcp_item(fqn, at, limit)))
+                found.append(
+                    (offsets[0], sizes[0], lambda out, at=offsets, limit=limit: self._fill(out, fqn, at, limit))
+                )
         return found
+
+    def _fill(self, out: torch.Tensor, fqn: str, offset: Any, limit: int) -> None:
+        piece = self._dcp_item(fqn, offset, limit)
+        if not isinstance(piece, torch.Tensor) or piece.dtype != out.dtype or piece.shape != out.shape:
+            found = f"{piece.dtype} {tuple(piece.shape)}" if isinstance(piece, torch.Tensor) else type(piece)
+            raise CheckpointError(
+                f"{self.path}: a chunk of {fqn!r} is {found}, expected {out.dtype} {tuple(out.shape)}"
+            )
+        out.copy_(piece)
+
+
+def read_dcp_metadata(path: str | os.PathLike) -> Any:
+    """The ``.metadata`` of the DCP checkpoint at ``path``, unpickled with an unpickler that builds
+    nothing but DCP's metadata classes (``dcp.load`` would unpickle anything in it)."""
+    where = Path(path) / ".metadata"
+    if not _regular(where):
+        raise CheckpointError(f"{where} is missing or not a regular file: not a DCP checkpoint")
+    try:
+        with open(where, "rb") as handle:
+            metadata = _MetadataUnpickler(handle, str(where)).load()
+    except CheckpointError:
+        raise
+    except Exception as error:  # a truncated or garbage pickle fails in many ways
+        raise CheckpointError(f"cannot read {where}: {type(error).__name__}: {error}") from error
+    if not isinstance(getattr(metadata, "state_dict_metadata", None), dict) or not isinstance(
+        getattr(metadata, "storage_data", None), dict
+    ):
+        raise CheckpointError(f"{where} is not DCP metadata")
+    return metadata
+
+
+def check_dcp(path: str | os.PathLike) -> Any:
+    """Check a ``torch.distributed.checkpoint`` folder before ``dcp.load`` trusts it; returns its metadata.
+
+    ``.metadata`` is read with the restricted unpickler, and every item it lists must lie in a
+    regular file of the folder (a plain name, never a path), within that file's size: a missing
+    or truncated ``.distcp`` file, or garbage metadata, is refused with one message naming it.
+    The items' bytes are not read (DCP records no checksum of them)."""
+    path = Path(path)
+    metadata = read_dcp_metadata(path)
+    for index, info in metadata.storage_data.items():
+        _dcp_item_location(path, getattr(index, "fqn", index), info)
+    return metadata
+
+
+def _dcp_item_location(path: Path, fqn: Any, info: Any) -> tuple[Path, int, int]:
+    """``(file, offset, length)`` of an item DCP stored, checked to lie in a regular file of ``path``."""
+    if getattr(info, "transform_descriptors", None):
+        raise CheckpointError(f"{path}: {fqn} is stored with transforms {info.transform_descriptors}, unsupported")
+    name, start, length = (getattr(info, key, None) for key in ("relative_path", "offset", "length"))
+    if not (isinstance(name, str) and PLAIN_NAME.match(name) and is_count(start) and is_count(length)):
+        raise CheckpointError(f"{path}: {fqn} is stored at {name!r} [{start!r}, +{length!r}), refused")
+    file = path / name
+    if not _regular(file):
+        raise CheckpointError(f"{file} is missing or not a regular file: refused")
+    size = file.stat().st_size
+    if start + length > size:
+        raise CheckpointError(
+            f"{file}: {fqn} claims bytes {start}..{start + length} of a {size}-byte file (truncated?)"
+        )
+    return file, start, length
 
 
 def _regular(path: Path) -> bool:

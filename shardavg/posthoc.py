@@ -25,13 +25,14 @@ import torch
 from torch import nn
 
 from .averager import WeightAverager
-from .checkpoint import read_manifest
 from .errors import CheckpointError
-from .rules import PowerEMA, gamma_to_sigma_rel, rule_from_config, sigma_rel_to_gamma
+from .reading import read_manifest
+from .rules import PowerEMA, gamma_to_sigma_rel, rule_from_config, shown, sigma_rel_to_gamma
 from .storage import DTYPES
 
 SNAPSHOT = re.compile(r"^snapshot-(\d+)$")
 FIT_TOLERANCE = 0.05  # the largest relative least-squares residual a synthesis may have
+MAX_T = 2**53  # updates a snapshot may record: exact in the float64 the coefficients are solved in
 
 
 # --------------------------------------------------------------------------- the profiles' algebra
@@ -40,15 +41,17 @@ FIT_TOLERANCE = 0.05  # the largest relative least-squares residual a synthesis 
 def profile_dot(t_a: torch.Tensor, gamma_a: torch.Tensor, t_b: torch.Tensor, gamma_b: torch.Tensor) -> torch.Tensor:
     """``<p_a, p_b>``, the integral of the product of two power-function profiles (broadcasting,
     float64): ``(ga + 1)(gb + 1) m**(ga + gb + 1) / ((ga + gb + 1) t_a**(ga + 1) t_b**(gb + 1))``
-    with ``m = min(t_a, t_b)``, evaluated in log space so that large ``t`` and ``gamma`` do not overflow."""
+    with ``m = min(t_a, t_b)``, evaluated in log space so that large ``t`` and ``gamma`` do not
+    overflow, and with the powers of ``m`` grouped against ``t_a`` and ``t_b``
+    (``(ga + 1) log(m / t_a) + (gb + 1) log(m / t_b) - log m``) so that no two large terms cancel."""
     m = torch.minimum(t_a, t_b)
     log = (
         torch.log1p(gamma_a)
         + torch.log1p(gamma_b)
-        + (gamma_a + gamma_b + 1) * torch.log(m)
         - torch.log(gamma_a + gamma_b + 1)
-        - (gamma_a + 1) * torch.log(t_a)
-        - (gamma_b + 1) * torch.log(t_b)
+        + (gamma_a + 1) * torch.log(m / t_a)
+        + (gamma_b + 1) * torch.log(m / t_b)
+        - torch.log(m)
     )
     return torch.exp(log)
 
@@ -57,17 +60,57 @@ def solve_coefficients(
     ts: list[float], gammas: list[float], t_target: float, gamma_target: float
 ) -> tuple[torch.Tensor, float]:
     """The least-squares coefficients of the snapshots ``(ts[i], gammas[i])`` for the target
-    profile, in float64, and the fit's relative residual ``|sum x_i p_i - p_target| / |p_target|``."""
+    profile, in float64, and the fit's relative residual ``|sum x_i p_i - p_target| / |p_target|``.
+
+    Every ``t`` must be >= 1 and every gamma > -0.5 (``target_gamma``); inner products that still
+    come out non-finite are refused here rather than handed to LAPACK."""
     t = torch.tensor(ts, dtype=torch.float64)
     g = torch.tensor(gammas, dtype=torch.float64)
     tr = torch.tensor([t_target], dtype=torch.float64)
     gr = torch.tensor([gamma_target], dtype=torch.float64)
     a = profile_dot(t[:, None], g[:, None], t[None, :], g[None, :])
     b = profile_dot(t[:, None], g[:, None], tr[None, :], gr[None, :])[:, 0]
-    x = torch.linalg.lstsq(a, b[:, None], driver="gelsd").solution[:, 0]
     target = profile_dot(tr, gr, tr, gr)[0]
+    if not (bool(torch.isfinite(a).all()) and bool(torch.isfinite(b).all()) and float(target) > 0):
+        raise ValueError(
+            f"the profiles' inner products are not finite for t {ts} and gamma {gammas} (target t {t_target}, "
+            f"gamma {gamma_target}): every t must be >= 1 and every gamma > -0.5"
+        )
+    x = torch.linalg.lstsq(a, b[:, None], driver="gelsd").solution[:, 0]
+    if not bool(torch.isfinite(x).all()):
+        raise ValueError(f"the least-squares solution for gamma {gamma_target} at t {t_target} is not finite")
     residual = (target - 2 * x @ b + x @ a @ x).clamp_min(0)
     return x, math.sqrt(float(residual / target))
+
+
+def target_gamma(sigma_rel: float | None = None, gamma: float | None = None) -> float:
+    """The exponent of a post-hoc profile or synthesis target given by ``sigma_rel`` or ``gamma``,
+    checked: a valid ``PowerEMA`` whose profile has a finite inner product with itself (the
+    integral of ``tau**(2 gamma)`` from 0 exists only for ``gamma > -0.5``; every ``sigma_rel``
+    gives a gamma above -0.4). ValueError otherwise."""
+    exponent = PowerEMA(gamma=gamma, sigma_rel=sigma_rel).exponent
+    if not exponent > -0.5:
+        raise ValueError(
+            f"gamma {shown(gamma)} is too wide for post-hoc EMA: a profile needs gamma > -0.5, or its inner "
+            "products (the integral of tau**(2 gamma) from 0) do not exist"
+        )
+    return exponent
+
+
+def _profile_rules(sigma_rels: Any, gammas: Any) -> list[PowerEMA]:
+    """The profiles ``PostHocEMA`` keeps, each given as it was (``sigma_rel`` or ``gamma``) and
+    checked by ``target_gamma``."""
+    if gammas is not None:
+        values, key = gammas, "gamma"
+    elif sigma_rels is not None:
+        values, key = sigma_rels, "sigma_rel"
+    else:
+        raise ValueError("PostHocEMA needs sigma_rels= or gammas=")
+    if isinstance(values, (str, bytes)) or not isinstance(values, (list, tuple)):
+        raise ValueError(f"PostHocEMA {key}s must be a list or tuple of numbers, got {shown(values)}")
+    for value in values:
+        target_gamma(**{key: value})
+    return [PowerEMA(**{key: value}) for value in values]
 
 
 # --------------------------------------------------------------------------- snapshots on disk
@@ -80,6 +123,11 @@ class Snapshot:
         self.path = path
         meta = read_manifest(path)
         self.t = int(meta["num_updates"])
+        if not 1 <= self.t <= MAX_T:
+            raise CheckpointError(
+                f"{path} was written after {self.t} updates: a snapshot holds at least one and at most 2**53 (its "
+                "profiles' inner products exist for t >= 1)"
+            )
         self.step = int(meta["step"])
         self.world_size = int(meta.get("world_size", 1))
         self.rules: dict[str, PowerEMA] = {}
@@ -87,6 +135,10 @@ class Snapshot:
             rule = rule_from_config(entry["rule"]) if entry["rule"].get("kind") != "custom" else None
             if not isinstance(rule, PowerEMA) or entry["name"] is None:
                 raise CheckpointError(f"{path}: average {entry['name']!r} is not a named power-function EMA profile")
+            try:
+                target_gamma(gamma=rule.exponent)
+            except ValueError as error:
+                raise CheckpointError(f"{path}: profile {entry['name']!r}: {error}") from None
             self.rules[entry["name"]] = rule
         self.gammas = {name: rule.exponent for name, rule in self.rules.items()}
         self.tensors = {entry["name"]: entry for entry in meta["tensors"]}
@@ -185,16 +237,13 @@ class PostHocEMA:
         snapshot_dtype: torch.dtype = torch.float32,
         **averager_options: Any,
     ) -> None:
-        if gammas is not None:
-            rules = [PowerEMA(gamma=g) for g in gammas]
-        elif sigma_rels is not None:
-            rules = [PowerEMA(sigma_rel=s) for s in sigma_rels]
-        else:
-            raise ValueError("PostHocEMA needs sigma_rels= or gammas=")
+        rules = _profile_rules(sigma_rels, gammas)
         if len(rules) < 2:
             raise ValueError(f"PostHocEMA needs at least two profiles to synthesize from, got {len(rules)}")
         if isinstance(snapshot_every, bool) or not isinstance(snapshot_every, int) or snapshot_every < 1:
             raise ValueError(f"snapshot_every must be an int >= 1, got {snapshot_every!r}")
+        if not (isinstance(snapshot_dtype, torch.dtype) and snapshot_dtype.is_floating_point):
+            raise ValueError(f"snapshot_dtype must be a floating torch.dtype, got {snapshot_dtype!r}")
         self.model = model
         self.snapshot_every = snapshot_every
         self.directory = Path(directory)
@@ -250,7 +299,7 @@ def synthesize(
     **averager_options: Any,
 ) -> WeightAverager:
     """``PostHocEMA.synthesize`` for any model and snapshot directory (collective)."""
-    target = PowerEMA(gamma=gamma) if gamma is not None else PowerEMA(sigma_rel=sigma_rel)
+    target = PowerEMA(gamma=target_gamma(sigma_rel, gamma))
     found = snapshots(directory)
     terms, t_target = plan(found, target.exponent, step)
     result = WeightAverager(model, target, **averager_options)
@@ -284,7 +333,7 @@ def synthesized_tensors(
     the combination; copied and live ones the last snapshot's."""
     from .offline import SavedAverage
 
-    terms, _ = plan(snapshots(directory), gamma, step)
+    terms, _ = plan(snapshots(directory), target_gamma(gamma=gamma), step)
     readers = {s.path: SavedAverage(s.path) for s, _, _ in terms}
     for reader in readers.values():
         reader.verify()  # every chunk table checked before anything is written

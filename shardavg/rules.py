@@ -17,6 +17,7 @@ accepted as well (see ``CustomRule``), e.g. ``torch.optim.swa_utils.get_ema_mult
 from __future__ import annotations
 
 import math
+import numbers
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -26,11 +27,39 @@ import torch
 
 MultiAvgFn = Callable[[list[torch.Tensor], list[torch.Tensor], torch.Tensor], None]
 
+# The ranges where a rule's weights are right in float64 (measured; see tests/test_numbers.py):
+MAX_HALF_LIFE = 1e16  # above ln(2) 2**54 = 1.25e16, 0.5 ** (1 / half_life) rounds to 1.0: the average never moves
+MAX_GAMMA = 1e6  # PowerEMA: gamma ~ 1 / sigma_rel; EDM2's profiles use 3 to 100 or so
+MIN_SIGMA_REL = 1e-6  # ~ gamma 1e6 (sigma_rel_to_gamma itself goes wrong near 1e-10 and overflows below 1e-100)
+MAX_SIGMA_REL = 0.3003  # the widest profile (gamma -> -1)
+
+
+def shown(value: Any) -> str:
+    """A value as an error message shows it: one short line, whatever it is."""
+    text = repr(value)
+    return text if len(text) <= 40 else f"{text[:37]}..."
+
+
+def _number(rule: Any, name: str) -> float:
+    """The field ``name`` of a frozen rule or warm-up, checked by ``_check_number`` and stored back
+    as a plain float (so a numpy scalar or a Fraction computes and compares like one)."""
+    number = _check_number(type(rule).__name__, name, getattr(rule, name))
+    object.__setattr__(rule, name, number)
+    return number
+
 
 def _check_number(owner: str, name: str, value: Any) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        raise ValueError(f"{owner}: {name} must be a finite number, got {value!r}")
-    return float(value)
+    """``value`` as a finite float: any real number (numpy's included), never a bool, a string,
+    NaN, an infinity, or an int too large for a float."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise ValueError(f"{owner}: {name} must be a finite number, got {shown(value)}")
+    try:
+        number = float(value)
+    except OverflowError:
+        number = math.inf
+    if not math.isfinite(number):
+        raise ValueError(f"{owner}: {name} must be a finite number, got {shown(value)}")
+    return number
 
 
 # --------------------------------------------------------------------------- warm-ups
@@ -59,8 +88,8 @@ class InverseGammaWarmup(Warmup):
 
     def __post_init__(self) -> None:
         for name in ("inv_gamma", "power"):
-            if _check_number("InverseGammaWarmup", name, getattr(self, name)) <= 0:
-                raise ValueError(f"InverseGammaWarmup: {name} must be > 0, got {getattr(self, name)!r}")
+            if _number(self, name) <= 0:
+                raise ValueError(f"InverseGammaWarmup: {name} must be > 0, got {shown(getattr(self, name))}")
 
     def decay(self, num_updates: int) -> float:
         return 1.0 - (1.0 + num_updates / self.inv_gamma) ** -self.power
@@ -84,8 +113,8 @@ def warmup_from_config(config: Mapping[str, Any]) -> Warmup:
     if not isinstance(config, Mapping):
         raise TypeError(f"a warm-up config must be a mapping with a 'kind', got {config!r}")
     kind = config.get("kind")
-    if kind == "inverse_gamma":
-        return InverseGammaWarmup(inv_gamma=config["inv_gamma"], power=config["power"])
+    if kind == "inverse_gamma":  # a missing value is refused by the warm-up's own check
+        return InverseGammaWarmup(inv_gamma=config.get("inv_gamma"), power=config.get("power"))
     if kind == "ratio":
         return RatioWarmup()
     raise ValueError(f"unknown warm-up kind {kind!r}; expected 'inverse_gamma' or 'ratio'")
@@ -130,12 +159,16 @@ class EMA(LerpRule):
             given = "both" if self.decay is not None else "neither"
             raise ValueError(f"EMA takes exactly one of decay= or half_life=, got {given}")
         if self.decay is not None:
-            decay = _check_number("EMA", "decay", self.decay)
+            decay = _number(self, "decay")
             if not 0.0 < decay < 1.0:
-                raise ValueError(f"EMA decay must be in the open interval (0, 1), got {self.decay!r}")
+                raise ValueError(f"EMA decay must be in the open interval (0, 1), got {shown(self.decay)}")
         else:
-            if _check_number("EMA", "half_life", self.half_life) <= 0:
-                raise ValueError(f"EMA half_life must be > 0 updates, got {self.half_life!r}")
+            half_life = _number(self, "half_life")
+            if not 0 < half_life <= MAX_HALF_LIFE:
+                raise ValueError(
+                    f"EMA half_life must be > 0 updates and at most {MAX_HALF_LIFE:g} (beyond, the decay rounds "
+                    f"to 1.0 and the average never moves), got {shown(self.half_life)}"
+                )
         if self.warmup is not None and not isinstance(self.warmup, Warmup):
             raise TypeError(f"EMA warmup must be InverseGammaWarmup(...), RatioWarmup() or None, got {self.warmup!r}")
 
@@ -201,8 +234,8 @@ def gamma_to_sigma_rel(gamma: float) -> float:
 class PowerEMA(LerpRule):
     """EDM2's power-function EMA: ``beta_t = (1 - 1/t) ** (gamma + 1)`` at the ``t``-th update.
 
-    Give exactly one of ``gamma`` (> -1; EDM2 uses about 3 to 17) or ``sigma_rel`` (the
-    relative width of the averaging profile, in (0, 0.3003); EDM2 uses 0.05 to 0.15).
+    Give exactly one of ``gamma`` (in (-1, 1e6]; EDM2 uses about 3 to 17) or ``sigma_rel`` (the
+    relative width of the averaging profile, in [1e-6, 0.3003); EDM2 uses 0.05 to 0.15).
     ``gamma = 0`` is SWA. The
     update after ``n`` earlier ones is update ``t = n + 1``, so its weight is ``1 - beta_t``.
     """
@@ -215,15 +248,15 @@ class PowerEMA(LerpRule):
             given = "both" if self.gamma is not None else "neither"
             raise ValueError(f"PowerEMA takes exactly one of gamma= or sigma_rel=, got {given}")
         if self.gamma is not None:
-            if _check_number("PowerEMA", "gamma", self.gamma) <= -1.0:
-                raise ValueError(f"PowerEMA gamma must be > -1, got {self.gamma!r}")
+            if not -1.0 < _number(self, "gamma") <= MAX_GAMMA:
+                raise ValueError(f"PowerEMA gamma must be > -1 and at most {MAX_GAMMA:g}, got {shown(self.gamma)}")
         else:
-            sigma_rel = _check_number("PowerEMA", "sigma_rel", self.sigma_rel)
-            gamma = sigma_rel_to_gamma(sigma_rel) if sigma_rel > 0 else math.nan
+            sigma_rel = _number(self, "sigma_rel")
+            gamma = sigma_rel_to_gamma(sigma_rel) if MIN_SIGMA_REL <= sigma_rel < MAX_SIGMA_REL else math.nan
             if not (gamma > -1.0 and math.isclose(gamma_to_sigma_rel(gamma), sigma_rel, rel_tol=1e-9)):
                 raise ValueError(
-                    f"PowerEMA sigma_rel must be in (0, 0.3003) (the widest power-function profile), "
-                    f"got {self.sigma_rel!r}"
+                    f"PowerEMA sigma_rel must be in [{MIN_SIGMA_REL:g}, {MAX_SIGMA_REL}) (from a profile a millionth "
+                    f"of the run wide to the widest power-function profile), got {shown(self.sigma_rel)}"
                 )
 
     @property

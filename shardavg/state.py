@@ -43,8 +43,9 @@ from .update import Role, UpdateGroup, Verdict, group_tensors, groups_current
 
 MAX_PENDING = 64  # updates whose non-finite verdict the host may not have read yet
 
-FORMAT, VERSION = "shardavg", 3  # the description's format, shared by checkpoints, DCP and exports
-# (2: checksummed; 3: "averages", several named averages, in place of one "rule")
+FORMAT, VERSION = "shardavg", 4  # the description's format, shared by checkpoints, DCP and exports
+# (2: checksummed; 3: "averages", several named averages, in place of one "rule"; 4: a checkpoint's
+# manifest records its save's id and every file's size and SHA-256)
 AVERAGE_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_-]{0,63}$")  # never a dot or a slash: names join keys
 
 

@@ -1,16 +1,21 @@
-"""Files on disk: streaming safetensors, and files and directories that appear atomically.
+"""Files on disk: streaming safetensors, read and written without mapping, and atomic files and directories.
 
 ``safetensors.torch.save_file`` serialises a whole dict in memory; an export or a checkpoint
 shard must instead hold one tensor at a time. The format is simple (an 8-byte header length,
 a JSON header of dtypes, shapes and byte offsets, then the raw bytes), so the header is
-written from the planned entries first and the tensors follow as they arrive. Files are
-read back with the ``safetensors`` library itself, which never unpickles anything.
+written from the planned entries first and the tensors follow as they arrive, hashed as they
+are written. Reading is the same in reverse: the header is checked whole (as the
+``safetensors`` library checks it), then exactly the bytes asked for are read with positioned
+reads from one open descriptor, straight into the destination tensor. Nothing is mapped, so
+memory holds what was read and no more, and a file opened once stays the same file while it
+is read, whatever is renamed or removed around it. Nothing is ever unpickled.
 """
 
 from __future__ import annotations
 
 import ctypes
 import errno
+import hashlib
 import json
 import os
 import shutil
@@ -20,7 +25,7 @@ from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import BinaryIO
+from typing import Any, BinaryIO
 
 import torch
 
@@ -48,6 +53,9 @@ def dtype_name(dtype: torch.dtype) -> str:
 
 
 DTYPES = {dtype_name(dtype): dtype for dtype in DTYPE_CODES}
+CODE_DTYPES = {code: dtype for dtype, code in DTYPE_CODES.items()}
+HEADER_LIMIT = 2**27  # bytes of JSON header a reader accepts (the safetensors library's own bound is 100 MB)
+READ_PIECE = 16 * 2**20  # bytes read at a time when a range must be converted on its way in
 
 
 @dataclass(frozen=True)
@@ -72,17 +80,59 @@ def fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+@dataclass(frozen=True)
+class FileDigest:
+    """A written file's size and SHA-256, recorded so that a reader can tell it is the same file."""
+
+    bytes: int
+    sha256: str
+
+
+class _HashingWriter:
+    """Writes through to ``handle`` and hashes what it writes."""
+
+    def __init__(self, handle: BinaryIO) -> None:
+        self.handle, self.hash, self.size = handle, hashlib.sha256(), 0
+
+    def write(self, data: Any) -> None:
+        self.handle.write(data)
+        self.hash.update(data)
+        self.size += memoryview(data).nbytes
+
+    def digest(self) -> FileDigest:
+        return FileDigest(self.size, self.hash.hexdigest())
+
+
+def open_exclusive(path: Path) -> BinaryIO:
+    """A new file at ``path`` for writing, created here: never through a link, never someone's file.
+
+    A regular file already at the name is an earlier write's leftover (temporary names are
+    shardavg's by their ``.NAME.incomplete`` form) and is replaced; anything else is refused."""
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0)
+    try:
+        return os.fdopen(os.open(path, flags, 0o644), "wb")
+    except FileExistsError:
+        if not stat.S_ISREG(os.lstat(path).st_mode):
+            raise CheckpointError(
+                f"{path} is in the way of a temporary file shardavg writes and is not a regular file "
+                "(a link?): shardavg will not write through it; move it"
+            ) from None
+        os.unlink(path)  # a leftover of an interrupted write, shardavg's own by its name
+        return os.fdopen(os.open(path, flags, 0o644), "wb")
+
+
 @contextmanager
 def atomic_file(path: Path) -> Iterator[BinaryIO]:
     """Write ``path`` under a temporary name; it appears, complete and synced, only on success."""
     temporary = path.with_name(f".{path.name}.incomplete")
     try:
-        with open(temporary, "wb") as handle:
+        with open_exclusive(temporary) as handle:
             yield handle
             handle.flush()
             os.fsync(handle.fileno())
     except BaseException:
-        temporary.unlink(missing_ok=True)
+        if temporary.is_file() and not temporary.is_symlink():
+            temporary.unlink()
         raise
     os.replace(temporary, path)
     fsync_dir(path.parent)
@@ -152,7 +202,7 @@ def _header(entries: Sequence[Entry], metadata: dict[str, str] | None) -> bytes:
     return struct.pack("<Q", len(encoded)) + encoded
 
 
-def _write_tensor(handle: BinaryIO, tensor: torch.Tensor) -> None:
+def _write_tensor(handle: Any, tensor: torch.Tensor) -> None:
     tensor = tensor.detach().to("cpu").contiguous()
     if tensor.numel():
         handle.write((ctypes.c_ubyte * tensor.nbytes).from_address(tensor.data_ptr()))  # no copy
@@ -163,10 +213,12 @@ def write_safetensors(
     entries: Sequence[Entry],
     tensors: Iterable[torch.Tensor],
     metadata: dict[str, str] | None = None,
-) -> None:
-    """Write ``tensors`` (one per entry, in order, produced lazily) to ``path`` atomically."""
+) -> FileDigest:
+    """Write ``tensors`` (one per entry, in order, produced lazily) to ``path`` atomically; returns
+    the file's size and SHA-256, computed as it was written."""
     with atomic_file(path) as handle:
-        handle.write(_header(entries, metadata))
+        writer = _HashingWriter(handle)
+        writer.write(_header(entries, metadata))
         stream = iter(tensors)
         for entry in entries:
             tensor = next(stream)
@@ -174,44 +226,193 @@ def write_safetensors(
                 raise ValueError(
                     f"{entry.key!r}: got {tensor.dtype} {tuple(tensor.shape)}, planned {entry.dtype} {entry.shape}"
                 )
-            _write_tensor(handle, tensor)
+            _write_tensor(writer, tensor)
             del tensor  # let it go before the next one is produced
+    return writer.digest()
+
+
+def open_regular(name: str | Path, dir_fd: int | None = None, where: str | Path | None = None) -> int:
+    """A read-only descriptor of the regular file ``name`` (relative to ``dir_fd`` when given;
+    ``where`` names it in errors): never through a link, never a pipe or a device (opening
+    does not block on a FIFO). A missing file raises FileNotFoundError."""
+    flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0)
+    where = name if where is None else where
+    try:
+        fd = os.open(name, flags, dir_fd=dir_fd)
+    except OSError as error:
+        if error.errno == errno.ELOOP:
+            raise CheckpointError(f"{where} is a link, which is not a regular file: refused") from None
+        if isinstance(error, FileNotFoundError):
+            raise
+        raise CheckpointError(f"cannot open {where}: {error.strerror}") from None
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise CheckpointError(f"{where} is not a regular file: refused")
+    return fd
+
+
+@dataclass(frozen=True)
+class StoredTensor:
+    """Where a tensor's bytes lie in a safetensors file."""
+
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    begin: int  # absolute byte offsets in the file
+    end: int
+
+    @property
+    def numel(self) -> int:
+        return (self.end - self.begin) // self.dtype.itemsize
+
+
+class SafetensorsFile:
+    """A safetensors file opened once and read with positioned reads (see the module docstring).
+
+    The header is checked whole when the file is opened: a JSON object, known dtypes, shapes
+    that match their byte ranges, and ranges that tile the data exactly up to the file's end.
+    ``where`` names the file in every error."""
+
+    def __init__(self, fd: int, where: str) -> None:
+        """Takes ``fd`` over: it is closed with this object, or here if the header is refused."""
+        try:
+            self._file = os.fdopen(fd, "rb", buffering=0)
+        except BaseException:
+            os.close(fd)
+            raise
+        self.where = where
+        try:
+            self.size = os.fstat(fd).st_size
+            self.metadata, self.tensors = self._parse_header()
+        except BaseException:
+            self._file.close()
+            raise
+
+    @classmethod
+    def open(cls, path: str | Path, dir_fd: int | None = None, where: str | Path | None = None) -> SafetensorsFile:
+        """Open ``path`` (a name inside ``dir_fd`` when given; ``where`` names it in errors); a
+        missing file raises FileNotFoundError."""
+        where = path if where is None else where
+        return cls(open_regular(path, dir_fd, where), str(where))
+
+    def close(self) -> None:
+        self._file.close()
+
+    def __enter__(self) -> SafetensorsFile:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _fail(self, what: str) -> CheckpointError:
+        return CheckpointError(f"{self.where} is not a readable safetensors file (truncated or foreign?): {what}")
+
+    def _parse_header(self) -> tuple[dict[str, str], dict[str, StoredTensor]]:
+        if self.size < 8:
+            raise self._fail(f"{self.size} bytes, shorter than the header length")
+        (length,) = struct.unpack("<Q", self._pread(0, 8))
+        if length > min(self.size - 8, HEADER_LIMIT):
+            raise self._fail(f"a header of {length} bytes in a {self.size}-byte file")
+        try:
+            header = json.loads(self._pread(8, length))
+        except (UnicodeDecodeError, ValueError, RecursionError) as error:
+            raise self._fail(f"the header is not JSON ({error})") from None
+        if not isinstance(header, dict):
+            raise self._fail("the header is not a JSON object")
+        metadata = header.pop("__metadata__", {})
+        if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
+            raise self._fail("__metadata__ is not a map of strings")
+        data_start, tensors = 8 + length, {}
+        for key, entry in header.items():
+            tensors[key] = self._entry(key, entry, data_start)
+        position = data_start
+        for stored in sorted(tensors.values(), key=lambda t: (t.begin, t.end)):
+            if stored.begin != position:
+                raise self._fail(f"tensor data at byte {stored.begin - data_start}, expected {position - data_start}")
+            position = stored.end
+        if position != self.size:
+            raise self._fail(f"the tensors end at byte {position}, the file at {self.size}")
+        return metadata, tensors
+
+    def _entry(self, key: str, entry: Any, data_start: int) -> StoredTensor:
+        if not isinstance(entry, dict):
+            raise self._fail(f"{key!r} is not described by an object")
+        dtype, shape, offsets = entry.get("dtype"), entry.get("shape"), entry.get("data_offsets")
+        if dtype not in CODE_DTYPES:
+            raise self._fail(f"{key!r} has dtype {str(dtype)[:40]!r}, not one shardavg reads")
+        counts = (shape or []) + (offsets or [])
+        if not (isinstance(shape, list) and isinstance(offsets, list) and len(offsets) == 2) or not all(
+            isinstance(n, int) and not isinstance(n, bool) and 0 <= n < 2**63 for n in counts
+        ):
+            raise self._fail(f"{key!r} has shape {str(shape)[:80]} and offsets {str(offsets)[:80]}")
+        numel = 1
+        for dim in shape:
+            numel *= dim
+        if offsets[1] - offsets[0] != numel * CODE_DTYPES[dtype].itemsize:
+            raise self._fail(f"{key!r}: shape {shape} does not fill bytes {offsets}")
+        return StoredTensor(CODE_DTYPES[dtype], tuple(shape), data_start + offsets[0], data_start + offsets[1])
+
+    def checked(self, key: str, dtype: str, length: int) -> StoredTensor:
+        """Tensor ``key``, checked to be ``length`` elements of ``dtype`` (a description's spelling), flat."""
+        stored = self.tensors.get(key)
+        if stored is None:
+            raise CheckpointError(f"{self.where} lacks tensor {key!r}")
+        if (stored.dtype, stored.shape) != (DTYPES[dtype], (length,)):
+            found, expected = (DTYPE_CODES[stored.dtype], list(stored.shape)), (DTYPE_CODES[DTYPES[dtype]], [length])
+            raise CheckpointError(f"{self.where}: {key!r} is {found}, the manifest says {expected}")
+        return stored
+
+    def read(self, key: str, first: int = 0, count: int | None = None) -> torch.Tensor:
+        """Elements ``[first, first + count)`` of the flattened tensor ``key``, as a new CPU tensor."""
+        stored = self.tensors[key]
+        count = stored.numel - first if count is None else count
+        out = torch.empty(count, dtype=stored.dtype)
+        self.read_into(out, key, first)
+        return out
+
+    def read_into(self, out: torch.Tensor, key: str, first: int = 0) -> None:
+        """Fill ``out`` (1-D) with elements ``[first, first + out.numel())`` of tensor ``key``: read
+        straight into it when it is contiguous on the CPU in the stored dtype, else a bounded piece
+        at a time, converted on the way."""
+        stored = self.tensors[key]
+        if first < 0 or first + out.numel() > stored.numel:
+            raise CheckpointError(f"{self.where}: elements {first}..{first + out.numel()} of {key!r} do not exist")
+        size = stored.dtype.itemsize
+        if out.dtype == stored.dtype and out.device.type == "cpu" and out.is_contiguous():
+            if out.numel():
+                buffer = (ctypes.c_ubyte * (out.numel() * size)).from_address(out.data_ptr())
+                self._pread_into(memoryview(buffer).cast("B"), stored.begin + first * size)
+            return
+        step = max(1, READ_PIECE // size)
+        for start in range(0, out.numel(), step):
+            count = min(step, out.numel() - start)
+            piece = torch.empty(count, dtype=stored.dtype)
+            self.read_into(piece, key, first + start)
+            out[start : start + count].copy_(piece)
+
+    def sha256(self) -> str:
+        """The SHA-256 of the whole file, read a bounded piece at a time."""
+        digest, position = hashlib.sha256(), 0
+        while position < self.size:
+            data = self._pread(position, min(READ_PIECE, self.size - position))
+            digest.update(data)
+            position += len(data)
+        return digest.hexdigest()
+
+    def _pread(self, offset: int, length: int) -> bytes:
+        buffer = bytearray(length)
+        self._pread_into(memoryview(buffer), offset)
+        return bytes(buffer)
+
+    def _pread_into(self, buffer: memoryview, offset: int) -> None:
+        done = 0
+        while done < len(buffer):
+            got = os.preadv(self._file.fileno(), [buffer[done:]], offset + done)
+            if got == 0:
+                raise self._fail(f"it ends at byte {offset + done}, before the {len(buffer)} bytes read from {offset}")
+            done += got
 
 
 def safetensors_metadata(path: Path) -> dict:
-    """The ``__metadata__`` of a safetensors file, read from its header alone (nothing mapped)."""
-    with open(path, "rb") as handle:
-        (length,) = struct.unpack("<Q", handle.read(8))
-        if length > min(os.fstat(handle.fileno()).st_size, 2**27):
-            raise ValueError(f"{path}: a {length}-byte header")
-        header = json.loads(handle.read(length))
-    metadata = header.get("__metadata__") if isinstance(header, dict) else None
-    return metadata if isinstance(metadata, dict) else {}
-
-
-def open_safetensors(path: Path):
-    """``safetensors.safe_open`` on a regular file (never a link, pipe or device), with errors that name it."""
-    from safetensors import safe_open
-
-    try:
-        regular = stat.S_ISREG(os.lstat(path).st_mode)
-    except FileNotFoundError:
-        raise CheckpointError(f"missing checkpoint file {path}") from None
-    if not regular:
-        raise CheckpointError(f"{path} is not a regular file: refused")
-    try:
-        return safe_open(str(path), framework="pt", device="cpu")
-    except Exception as error:  # safetensors raises its own error types for bad headers and sizes
-        raise CheckpointError(f"{path} is not a readable safetensors file (truncated or foreign?): {error}") from error
-
-
-def checked_slice(handle, path: Path, key: str, dtype: str, length: int):
-    """The lazy slice ``key`` of an open file, checked to be ``length`` elements of ``dtype`` before any read."""
-    if key not in handle.keys():
-        raise CheckpointError(f"{path} lacks tensor {key!r}")
-    piece = handle.get_slice(key)
-    expected = (DTYPE_CODES[DTYPES[dtype]], [length])
-    if (piece.get_dtype(), piece.get_shape()) != expected:
-        found = (piece.get_dtype(), piece.get_shape())
-        raise CheckpointError(f"{path}: {key!r} is {found}, the manifest says {expected}")
-    return piece
+    """The ``__metadata__`` of a safetensors file (a regular file, its header checked whole)."""
+    with SafetensorsFile.open(path) as file:
+        return file.metadata

@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 from harness import TiedNet
-from helpers import assert_same_average, fresh, trained
+from helpers import assert_same_average, fresh, replace_shard, trained
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from torch import nn
@@ -151,13 +151,16 @@ def test_truncated_and_foreign_files_are_named(trainer, tmp_path) -> None:
     ):
         fresh().load(path)
     save_file({"something.else": torch.zeros(3)}, str(shard))
+    with pytest.raises(CheckpointError, match=rf"{shard} has 92 bytes, the manifest says \d+: truncated, or not this"):
+        fresh().load(path)
+    replace_shard(path, shard.name, {"something.else": torch.zeros(3)})  # the manifest made to agree
     with pytest.raises(CheckpointError, match=rf"{shard} lacks tensor 'gain'"):
         fresh().load(path)
     (path / "shardavg.json").write_text("{not json")
     with pytest.raises(CheckpointError, match=rf"cannot read {path / 'shardavg.json'}"):
         fresh().load(path)
     (path / "shardavg.json").write_text(json.dumps({"format": "shardavg", "version": 99}))
-    with pytest.raises(CheckpointError, match="format version 99; this shardavg reads up to 3"):
+    with pytest.raises(CheckpointError, match="format version 99; this shardavg reads up to 4"):
         fresh().load(path)
     (path / "shardavg.json").write_text(json.dumps({"hello": "world"}))
     with pytest.raises(CheckpointError, match="is not a shardavg checkpoint description"):

@@ -48,7 +48,7 @@ def damage_bytes(data: bytearray, rng: random.Random, low: int = 0, high: int | 
     elif kind == "cut":
         del data[at:]
     else:  # a digit for another digit keeps JSON valid and changes a number
-        digits = [i for i in range(low, high) if chr(data[i]).isdigit()]
+        digits = [i for i in range(low, high) if 48 <= data[i] <= 57]  # ASCII digits only
         if digits:
             at = rng.choice(digits)
             data[at] = ord(str((int(chr(data[at])) + rng.randint(1, 9)) % 10))
@@ -138,6 +138,36 @@ def craft(path: Path, rng: random.Random) -> None:
     meta.pop("checksum")
     craft_value(meta, rng)
     (path / "shardavg.json").write_text(json.dumps(with_checksum(meta)))
+
+
+def test_damaged_tensor_bytes_are_refused_by_every_verifying_reader(trainer, tmp_path, capsys) -> None:
+    """Bytes changed inside the tensor data (not the header) pass every structural check; the
+    SHA-256 recorded at save time catches each one."""
+    pristine = trained(trainer, steps=3).save(tmp_path / "pristine")
+    original = (pristine / SHARD).read_bytes()
+    data_start = 8 + struct.unpack("<Q", original[:8])[0]
+    rng = random.Random("shardavg-tensor-bytes")
+    outcomes: Counter[str] = Counter()
+    for case in range(CASES):
+        path = tmp_path / f"case-{case}"
+        shutil.copytree(pristine, path)
+        damaged = bytes(damage_bytes(bytearray(original), rng, data_start))
+        (path / SHARD).write_bytes(damaged)
+        if damaged == original:  # (a digit swap in data without any digit byte changes nothing)
+            shutil.rmtree(path)
+            continue
+        averager = fresh()
+        with deadline(20), pytest.raises(CheckpointError):
+            averager.load(path, verify=True)
+        assert averager.num_updates == 0, f"case {case}: changed before refusing"
+        with deadline(20):
+            code = cli_main(["inspect", str(path), "--verify"])
+        err = capsys.readouterr().err
+        assert code == 2 and err.startswith("shardavg: error:") and len(err.strip().splitlines()) == 1, err
+        outcomes["size" if len(damaged) != len(original) else "sha256"] += 1
+        shutil.rmtree(path)
+    print(dict(outcomes))
+    assert outcomes["sha256"] >= CASES // 4 and outcomes["size"] >= CASES // 4, outcomes
 
 
 def test_the_crafted_family_reaches_every_field(trainer, tmp_path) -> None:

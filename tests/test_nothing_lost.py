@@ -15,7 +15,8 @@ from harness import TiedNet
 from helpers import fresh, trained
 from safetensors.torch import load_file, save_file
 
-from shardavg import EMA, CheckpointError, WeightAverager
+from shardavg import EMA, CheckpointError, PostHocEMA, WeightAverager
+from shardavg.cli import main as cli_main
 from shardavg.ownership import TargetLock
 
 USER_FILES = {"config.json": "{}", "train.log": "step 1\n", "model_ckpt/optimizer.pt": "opaque"}
@@ -225,3 +226,64 @@ def test_shadows_start_as_zeros_not_stray_memory(trainer, tmp_path) -> None:
     manifest = json.loads((path / "shardavg.json").read_text())
     averaged = [t["name"] for t in manifest["tensors"] if t["role"] == "average"]
     assert averaged and all(not stored[name].any() for name in averaged)
+
+
+def test_a_target_must_name_a_directory_of_its_own(trainer, tmp_path, monkeypatch, capsys) -> None:
+    averager = trained(trainer, steps=3)
+    monkeypatch.chdir(tmp_path)
+    put(tmp_path, USER_FILES)
+    for where in (".", "..", "run/..", ""):
+        with pytest.raises(ValueError, match=r"save: (the path is empty|'.*' names the current or a parent)"):
+            averager.save(where)
+    with pytest.raises(ValueError, match="save: the path is empty"):
+        averager.save("", keep_last=2)
+    with pytest.raises(ValueError, match="export: the path is empty"):
+        averager.export("")
+    assert sorted(os.listdir(tmp_path)) == sorted(["config.json", "train.log", "model_ckpt"]) and intact(
+        tmp_path, USER_FILES
+    )
+    checkpoint = averager.save(tmp_path / "ckpt")
+    for args in (["export", str(checkpoint), ""], ["export", "", "out"], ["inspect", ""]):
+        capsys.readouterr()
+        assert cli_main(args) == 2, args
+        said = capsys.readouterr().err
+        assert said.startswith("shardavg: error:") and len(said.strip().splitlines()) == 1 and "empty" in said, said
+    assert averager.save(".", keep_last=2) == Path("step-000000003")  # step checkpoints into the current folder
+    assert intact(tmp_path, USER_FILES)
+
+
+def test_nothing_is_written_inside_a_checkpoint_or_a_snapshot(trainer, tmp_path, capsys) -> None:
+    averager = trained(trainer, steps=3)
+    checkpoint = averager.save(tmp_path / "ckpt")
+    for write in (
+        lambda: averager.save(checkpoint / "nested"),
+        lambda: averager.save(checkpoint / "deeper" / "still", keep_last=2),
+        lambda: averager.export(checkpoint / "model"),
+    ):
+        with pytest.raises(CheckpointError, match=rf"inside the checkpoint {checkpoint}"):
+            write()
+    assert sorted(os.listdir(checkpoint)) == ["rank-00000-of-00001.safetensors", "shardavg.json"]
+    posthoc = PostHocEMA(trainer.model, snapshot_every=2, directory=tmp_path / "snapshots")
+    for _ in range(4):
+        trainer.step()
+        posthoc.update()
+    snapshot = tmp_path / "snapshots" / "snapshot-000000004"
+    capsys.readouterr()
+    code = cli_main(["posthoc", str(tmp_path / "snapshots"), str(snapshot / "sub"), "--sigma-rel", "0.07"])
+    said = capsys.readouterr().err
+    assert code == 2 and f"inside the checkpoint {snapshot}" in said and len(said.strip().splitlines()) == 1, said
+    assert sorted(os.listdir(snapshot)) == ["rank-00000-of-00001.safetensors", "shardavg.json"]
+    assert cli_main(["posthoc", str(tmp_path / "snapshots"), "", "--sigma-rel", "0.07"]) == 2
+    assert "OUT is empty" in capsys.readouterr().err
+    beside = tmp_path / "snapshots" / "ema-0.07"  # beside the snapshots is fine: it is no snapshot
+    assert cli_main(["posthoc", str(tmp_path / "snapshots"), str(beside), "--sigma-rel", "0.07"]) == 0
+    posthoc.update()  # a resumed run still finds its snapshots its own
+    assert (beside / "model.safetensors").is_file()
+
+
+def test_a_cli_usage_mistake_is_one_line(capsys) -> None:
+    for args in (["export"], ["posthoc", "dir", "out", "--step", "x"], ["frobnicate"], ["inspect", "a", "--nope"]):
+        assert cli_main(args) == 2, args
+        said = capsys.readouterr().err
+        assert said.startswith("shardavg: error:") and len(said.strip().splitlines()) == 1, said
+    assert cli_main(["--help"]) == 0 and "usage: shardavg" in capsys.readouterr().out

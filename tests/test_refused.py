@@ -17,8 +17,8 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from helpers import deadline, fresh, trained
-from safetensors.torch import load_file, save_file
+from helpers import deadline, fresh, replace_shard, trained
+from safetensors.torch import load_file
 
 from shardavg import CheckpointError, WeightAverager
 from shardavg.cli import main as cli_main
@@ -89,7 +89,7 @@ def test_the_offline_reader_checks_dtype_and_shape_like_load(trainer, tmp_path, 
     path = averager.save(tmp_path / "ints")
     stored = load_file(str(path / SHARD))
     stored["gain"] = torch.zeros_like(stored["gain"], dtype=torch.int32)  # int32 bytes under an F32 entry
-    save_file(stored, str(path / SHARD))
+    replace_shard(path, SHARD, stored)
     refused_everywhere(path, r"'gain' is \('I32', \[1\]\), the manifest says \('F32', \[1\]\)", capsys)
     path = averager.save(tmp_path / "shape")
     craft(path, lambda meta: tensor(meta, "gain").update(shape=[2], chunks=[{"file": 0, "start": 0, "end": 2}]))

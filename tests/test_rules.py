@@ -94,10 +94,11 @@ def test_power_ema_validation() -> None:
         PowerEMA(gamma=7, sigma_rel=0.1)
     with pytest.raises(ValueError, match="got neither"):
         PowerEMA()
-    with pytest.raises(ValueError, match="gamma must be > -1"):
-        PowerEMA(gamma=-1)
-    for sigma in (0, -0.1, 0.31, 1.0):
-        with pytest.raises(ValueError, match=r"sigma_rel must be in \(0, 0.3003\)"):
+    for gamma in (-1, 1e6 + 1, 1e300):
+        with pytest.raises(ValueError, match="gamma must be > -1 and at most 1e.06"):
+            PowerEMA(gamma=gamma)
+    for sigma in (0, -0.1, 0.31, 1.0, 1e-200, 9.9e-7):
+        with pytest.raises(ValueError, match=r"sigma_rel must be in \[1e-06, 0.3003\)"):
             PowerEMA(sigma_rel=sigma)
 
 

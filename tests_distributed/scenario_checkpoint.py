@@ -9,6 +9,8 @@ ENGINES is a comma-separated list of replicated, fsdp2, fsdp1, zero3 (or "all");
   resume-first   train k steps, checkpoint model + optimizer + average, go on to 2k: the reference
   resume-second  restore from that checkpoint, train to 2k, compare with the uninterrupted run
   export-memory  export a model of many equal tensors, tracking rank 0's allocations
+  concurrent     load again and again (verify=True every tenth time) while another process saves
+                 into the checkpoint: every load is one save on every rank
 """
 
 from __future__ import annotations
@@ -117,7 +119,7 @@ def load(kind: str, root: Path) -> None:
         for how in ("avg", "dcp"):
             avg = averager(engine)
             if how == "avg":
-                avg.load(source / "avg")
+                avg.load(source / "avg", verify=True)  # the ranks share the hashing
             else:
                 dcp.load({"ema": avg}, checkpoint_id=str(source / "dcp"))
             assert (avg.step, avg.num_updates) == (counters["step"], counters["num_updates"]), source
@@ -247,6 +249,40 @@ def export_memory(kind: str, root: Path) -> None:
             assert sorted(written) == sorted(f"blocks.{i}" for i in range(48))
 
 
+def concurrent(kind: str, root: Path) -> None:
+    import subprocess
+
+    from concurrent_saves import OPTIONS, Reference
+
+    engine = build(kind)
+    avg = WeightAverager(engine.model, SWA(), **OPTIONS)
+    target, stop, writer = root / f"concurrent-{kind}", root / f"stop-{kind}", None
+    if dist.get_rank() == 0:
+        script = Path(__file__).with_name("concurrent_saves.py")
+        writer = subprocess.Popen(
+            [sys.executable, str(script), str(target), str(stop), "single", "0.005"], stdout=subprocess.PIPE
+        )
+        assert writer.stdout.readline().strip() == b"saved"
+    dist.barrier()
+    reference, seen = Reference(), set()  # (built, and advanced, on every rank: it is collective)
+    for attempt in range(LOADS):
+        avg.load(target, verify=attempt % 10 == 0)
+        counts = [None] * dist.get_world_size()
+        dist.all_gather_object(counts, (avg.step, avg.num_updates))
+        assert len(set(counts)) == 1, f"ranks loaded different saves: {counts}"
+        state, want = avg.full_state_dict(), reference(avg.num_updates)
+        if dist.get_rank() == 0:
+            torn = [name for name in want if not torch.equal(state[name], want[name])]
+            assert not torn, f"load {attempt}: {torn} are not save {avg.num_updates}'s"
+        seen.add(avg.num_updates)
+    if writer is not None:
+        stop.touch()
+        assert writer.wait(timeout=60) == 0
+        assert len(seen) > 10, f"only {len(seen)} saves seen: the writer was not saving throughout"
+        harness.report("CONCURRENT", {"engine": kind, "loads": LOADS, "saves_seen": len(seen)})
+
+
+LOADS = 80
 ENGINES = ("replicated", "fsdp2", "fsdp1", "zero3")
 
 
@@ -263,6 +299,7 @@ def main() -> None:
         "resume-first": resume_first,
         "resume-second": resume_second,
         "export-memory": export_memory,
+        "concurrent": concurrent,
     }[mode]
     for kind in kinds:
         run(kind, root)

@@ -97,6 +97,8 @@ def resume(root: Path) -> None:
         assert (second.avg.step, second.avg.num_updates) == (STEPS, STEPS)
         second.train(range(STEPS + 1, 2 * STEPS + 1))
         assert_same(f"stage {stage} resumed", second.averages(), reference)
+        if stage == 1:
+            refuse_bad_tags(first, folder, root)
 
         # A tag the engine saved by itself: refused before the engine loads it, or re-seeded.
         first.engine.save_checkpoint(str(folder), tag="engine-only")
@@ -115,6 +117,26 @@ def resume(root: Path) -> None:
         if dist.get_rank() == 0:
             assert all(torch.equal(average[n], value) for n, value in live.items()), "not re-seeded from live"
         harness.report("RESUMED", {"stage": stage, "world_size": dist.get_world_size()})
+
+
+def refuse_bad_tags(run: Run, folder: Path, root: Path) -> None:
+    """Tags that name no folder inside the save folder (or another one on each rank) are refused
+    on every rank before anything is written; ``latest`` and the previous tag stay as they were."""
+    before = sorted(p.relative_to(root) for p in root.rglob("*"))
+    latest = (folder / "latest").read_text()
+    for tag in ("../escape", "sub/dir", "", ".", "..", "latest", " padded", "two\nlines"):
+        with harness.expect_raises(ValueError, f"tag {tag!r} does not name one folder inside the save folder"):
+            ds_checkpoint.save_checkpoint(run.engine, run.avg, folder, tag=tag)
+        with harness.expect_raises(ValueError, "does not name one folder"):
+            ds_checkpoint.load_checkpoint(run.engine, run.avg, folder, tag=tag)
+    with harness.expect_raises(CheckpointError, "the ranks name different tags"):
+        ds_checkpoint.save_checkpoint(run.engine, run.avg, folder, tag=f"rank{dist.get_rank()}")
+    dist.barrier()
+    assert sorted(p.relative_to(root) for p in root.rglob("*")) == before, "a refused save wrote something"
+    assert (folder / "latest").read_text() == latest
+    again = Run(run.stage)
+    ds_checkpoint.load_checkpoint(again.engine, again.avg, folder)  # the previous tag, through latest
+    assert again.avg.num_updates == STEPS
 
 
 def master(root: Path) -> None:

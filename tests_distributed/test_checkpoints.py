@@ -75,6 +75,13 @@ assert not any(m.startswith("shardavg") for m in sys.modules), "shardavg was imp
 """
 
 
+def test_ranks_load_one_save_whole_while_another_process_saves_there(tmp_path: Path) -> None:
+    """A process saves into the checkpoint every few milliseconds while two FSDP2 ranks load it
+    again and again: every load is one save, the same on both ranks."""
+    launch = run_ok("concurrent", 2, tmp_path, engines="fsdp2")
+    assert [r["engine"] for r in launch.reports("CONCURRENT")] == ["fsdp2"]
+
+
 def test_exports_load_strictly_in_a_process_without_shardavg(saved: Path) -> None:
     for source in sorted((saved / "saved").iterdir()):
         script = VERIFY_EXPORT.format(harness=str(HERE), source=str(source))

@@ -7,7 +7,9 @@ every rank's shard of the average into ``<save_dir>/<tag>/shardavg/`` (an atomic
 waits for every rank, and only then replaces ``latest`` atomically. A crash at any moment
 leaves ``latest`` naming the previous tag, whole. ``load_checkpoint`` follows ``latest`` (or
 the tag given), refuses a tag without an average before the engine loads anything, and
-restores both.
+restores both. A tag names one folder inside the save folder, the same on every rank: anything
+else (``../x``, ``a/b``, ``''``, ``.``, ``latest``, surrounding spaces) is refused before a byte
+is written.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from typing import Any
 
 from ..averager import WeightAverager
 from ..errors import CheckpointError
-from ..layout import agree_or_raise, rank
+from ..layout import agree_or_raise, gather_or_raise, rank
 from ..storage import atomic_file
 
 AVERAGE_DIR = "shardavg"  # inside the tag's directory
@@ -37,7 +39,7 @@ def save_checkpoint(
 ) -> Any:
     """Collective: ``engine.save_checkpoint`` and the average, then ``latest``; returns what the
     engine returned. ``tag`` defaults to DeepSpeed's ``global_step<N>``; ``kwargs`` go to the engine."""
-    tag = f"global_step{engine.global_steps}" if tag is None else str(tag)
+    tag = agreed_tag(f"global_step{engine.global_steps}" if tag is None else tag)
     result = engine.save_checkpoint(
         str(save_dir), tag=tag, client_state={} if client_state is None else client_state, save_latest=False, **kwargs
     )
@@ -77,7 +79,9 @@ def load_checkpoint(
             )
     except Exception as caught:
         error = caught
-    agree_or_raise(error, f"loading {load_dir}")
+    tags = gather_or_raise(error, tag, f"loading {load_dir}")
+    if len(set(tags)) > 1:
+        raise CheckpointError(f"the ranks name different tags {tags}: every rank must load the same tag")
     result = engine.load_checkpoint(str(load_dir), tag=tag, **kwargs)
     if path.is_dir():
         avg.load(path, strict=strict)
@@ -89,11 +93,43 @@ def load_checkpoint(
 
 def _tag(load_dir: Path, tag: str | None) -> str:
     if tag is not None:
-        return str(tag)
+        return check_tag(tag)
     try:
         latest = (load_dir / LATEST).read_text().strip()
     except OSError as error:
         raise CheckpointError(f"{load_dir} has no readable {LATEST!r} file: pass tag=") from error
-    if not latest or "/" in latest or latest in (".", ".."):
-        raise CheckpointError(f"{load_dir / LATEST} names {latest!r}, not a tag")
-    return latest
+    try:
+        return check_tag(latest)
+    except ValueError:
+        raise CheckpointError(f"{load_dir / LATEST} names {latest!r}, not a tag") from None
+
+
+def check_tag(tag: object) -> str:
+    """``tag`` (as DeepSpeed spells it, ``str(tag)``) if it names one folder inside the save folder
+    that ``latest`` can point at and be read back from; ValueError otherwise."""
+    text = str(tag)
+    if (
+        text in ("", ".", "..", LATEST)
+        or text != text.strip()
+        or any(separator in text for separator in {"/", os.sep, os.altsep or "/"})
+        or any(ord(character) < 32 for character in text)
+    ):
+        raise ValueError(
+            f"tag {text!r} does not name one folder inside the save folder: use a plain name (no '/', not '.', "
+            f"'..', '' or {LATEST!r}, no surrounding spaces or control characters), e.g. 'global_step100'"
+        )
+    return text
+
+
+def agreed_tag(tag: object) -> str:
+    """Collective: ``check_tag`` on every rank, and the same tag on all of them (else every rank
+    would write its files into another folder)."""
+    error: BaseException | None = None
+    try:
+        tag = check_tag(tag)
+    except ValueError as caught:
+        error = caught
+    tags = gather_or_raise(error, str(tag), "checking the checkpoint tag")
+    if len(set(tags)) > 1:
+        raise CheckpointError(f"the ranks name different tags {tags}: every rank must save under the same tag")
+    return tags[0]

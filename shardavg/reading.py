@@ -1,0 +1,341 @@
+"""Reading a committed checkpoint as one save, whatever another process does to its folder meanwhile.
+
+A save commits by swapping a complete directory into place (``storage.commit_directory``) and
+removing the previous one, and ``keep_last`` prunes old ones. A reader that looked its files up
+by path could take the manifest of one save and a shard of the next. ``OpenCheckpoint`` opens
+the checkpoint's directory once and every file through that handle, so everything it reads
+comes from the directory it opened; a later save swaps in another directory and cannot change
+it. If the opened directory is replaced or removed before one of its files is opened, the
+reader says so (``CheckpointReplaced``) and ``open_checkpoint`` opens the newer save instead,
+a bounded number of times. Within a save, each shard names the save it belongs to (an id the
+manifest holds too), and the manifest records every file's size and SHA-256: sizes and ids are
+checked whenever a file is opened, the hashes by ``verify``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import warnings
+from pathlib import Path
+from typing import Any
+
+from .description import check_description, fail, is_count, numel
+from .errors import CheckpointError
+from .layout import tiles
+from .ownership import CHECKPOINT_FILE, MANIFEST, is_own_checkpoint
+from .storage import SafetensorsFile, open_regular, replaced_path
+
+STEP_DIR = re.compile(r"^step-(\d+)$")
+SAVE_ID = re.compile(r"^[0-9a-f]{32}$")
+SHA256 = re.compile(r"^[0-9a-f]{64}$")
+SAVE_ID_KEY = "shardavg_save"  # in each shard's safetensors metadata
+ATTEMPTS = 10  # newer saves a reader follows before it gives up
+
+
+class CheckpointReplaced(CheckpointError):
+    """The checkpoint being read was replaced or removed by a save (or a prune) meanwhile."""
+
+
+# ------------------------------------------------------------------------- which checkpoint
+
+
+def _sequence(path: Path) -> int:
+    """The save's place in its directory's history (older checkpoints without one come first)."""
+    try:
+        meta = json.loads((path / MANIFEST).read_text())
+    except FileNotFoundError:
+        raise
+    except (OSError, UnicodeDecodeError, ValueError, RecursionError) as error:
+        raise CheckpointError(f"cannot read {path / MANIFEST}: {error}") from error
+    sequence = meta.get("sequence", -1) if isinstance(meta, dict) else None
+    if not is_count(sequence, -1):
+        raise CheckpointError(f"{path / MANIFEST}: 'sequence' must be an integer, got {sequence!r}")
+    return sequence
+
+
+def committed_steps(
+    directory: Path, own_only: bool = False, readable_only: bool = False
+) -> list[tuple[int, int, Path]]:
+    """``(sequence, step, path)`` of the committed ``step-*`` checkpoints, oldest save first.
+
+    A manifest that cannot be read raises (which one is newest is then unknown), or with
+    ``readable_only`` is left out with a warning (a save or a prune goes on without it). One
+    that disappears while the directory is listed was pruned by a save: it is left out."""
+    found = []
+    for path in directory.iterdir():
+        match = STEP_DIR.match(path.name)
+        if match and (is_own_checkpoint(path) if own_only else (path / MANIFEST).is_file()):
+            try:
+                found.append((_sequence(path), int(match.group(1)), path))
+            except FileNotFoundError:
+                continue
+            except CheckpointError as error:
+                if not readable_only:
+                    raise
+                warnings.warn(f"{error}: left out of the save order and never pruned", stacklevel=2)
+    return sorted(found)
+
+
+def resolve(directory: str | os.PathLike) -> Path:
+    """The committed checkpoint at ``directory``: itself, or its most recently saved ``step-*``."""
+    if not os.fspath(directory):
+        raise CheckpointError("no checkpoint at '': the path is empty")
+    directory = Path(directory)
+    if (directory / MANIFEST).is_file():
+        return directory
+    if not directory.exists():
+        replaced = replaced_path(directory)
+        if (replaced / MANIFEST).is_file():
+            raise CheckpointError(
+                f"no checkpoint at {directory}: a save into it was interrupted between its two renames and left "
+                f"the previous checkpoint complete at {replaced}; rename it to {directory.name} to use it"
+            )
+        raise CheckpointError(f"no checkpoint at {directory}")
+    if not directory.is_dir():
+        raise CheckpointError(f"no checkpoint at {directory}: it is not a directory")
+    committed = committed_steps(directory)
+    if committed:
+        return committed[-1][2]
+    uncommitted = sorted(p.name for p in directory.iterdir() if STEP_DIR.match(p.name)) or [directory.name]
+    raise CheckpointError(
+        f"{directory} holds no committed shardavg checkpoint: {uncommitted} lack {MANIFEST}, "
+        "so their save never completed"
+    )
+
+
+# ------------------------------------------------------------------------- the manifest
+
+
+def check_chunk_table(meta: dict[str, Any], where: str) -> None:
+    """The manifest's files are shardavg's own names (with their sizes, hashes and save id since
+    version 4), and each tensor's chunks tile it exactly."""
+    if meta["version"] >= 2 and "sequence" not in meta:
+        raise fail(where, "lacks 'sequence'")
+    files = meta.get("files")
+    if not isinstance(files, list) or not all(isinstance(f, str) and CHECKPOINT_FILE.match(f) for f in files):
+        raise fail(where, f"'files' must list rank-NNNNN-of-NNNNN.safetensors names, got {str(files)[:200]}")
+    if not files or MANIFEST in files or len(set(files)) != len(files):
+        raise fail(where, f"'files' must list the shard files, each once, got {str(files)[:200]}")
+    if meta["version"] >= 4:
+        _check_digests(meta, files, where)
+    for entry in meta["tensors"]:
+        chunks = entry.get("chunks")
+        if not isinstance(chunks, list) or not all(
+            isinstance(c, dict)
+            and is_count(c.get("file"))
+            and c["file"] < len(files)
+            and is_count(c.get("start"))
+            and is_count(c.get("end"))
+            for c in chunks
+        ):
+            raise fail(where, f"tensor {entry['name']!r} has a malformed chunk table: {str(chunks)[:200]}")
+        spans = [(c["start"], c["end"]) for c in chunks]
+        if not tiles(numel(entry["shape"]), spans):
+            raise fail(
+                where,
+                f"the chunks of {entry['name']!r} {spans[:8]} do not cover its {numel(entry['shape'])} elements "
+                "exactly once",
+            )
+
+
+def _check_digests(meta: dict[str, Any], files: list[str], where: str) -> None:
+    if not (isinstance(meta.get("save_id"), str) and SAVE_ID.match(meta["save_id"])):
+        raise fail(where, f"'save_id' must be 32 hex digits, got {str(meta.get('save_id'))[:80]!r}")
+    digests = meta.get("digests")
+    if not (
+        isinstance(digests, list)
+        and len(digests) == len(files)
+        and all(
+            isinstance(d, dict)
+            and set(d) == {"bytes", "sha256"}
+            and is_count(d["bytes"])
+            and isinstance(d["sha256"], str)
+            and SHA256.match(d["sha256"])
+            for d in digests
+        )
+    ):
+        raise fail(where, f"'digests' must give each file's bytes and sha256, got {str(digests)[:200]}")
+
+
+def _parse_manifest(raw: bytes, where: str) -> dict[str, Any]:
+    try:
+        meta = json.loads(raw)
+    except (UnicodeDecodeError, ValueError, RecursionError) as error:
+        raise CheckpointError(f"cannot read {where}: {error}") from error
+    meta = check_description(meta, where)
+    check_chunk_table(meta, where)
+    return meta
+
+
+# ------------------------------------------------------------------------- one save, opened
+
+
+class OpenCheckpoint:
+    """The committed checkpoint at ``path``, opened once: its manifest (checked whole) and, as they
+    are asked for, its shard files, all through one directory handle (see the module docstring).
+
+    ``identity`` tells two opened saves apart (the manifest's checksum). Close it when done (or
+    use ``with``); the files opened stay readable until then, whatever happens to the folder."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self._shards: dict[int, SafetensorsFile] = {}
+        try:
+            self._dir: int | None = os.open(path, os.O_RDONLY | os.O_DIRECTORY | getattr(os, "O_CLOEXEC", 0))
+        except FileNotFoundError:
+            raise CheckpointReplaced(f"{path} was removed while it was being opened") from None
+        except OSError as error:
+            raise CheckpointError(f"cannot open {path}: {error.strerror}") from None
+        try:
+            raw = self._read_manifest()
+            self.meta = _parse_manifest(raw, str(path / MANIFEST))
+            self.identity = self.meta.get("checksum") or "sha256:" + hashlib.sha256(raw).hexdigest()
+        except BaseException:
+            self.close()
+            raise
+
+    def _read_manifest(self) -> bytes:
+        try:
+            fd = open_regular(MANIFEST, self._dir, self.path / MANIFEST)
+        except FileNotFoundError:
+            raise self._missing(MANIFEST) from None
+        with os.fdopen(fd, "rb") as handle:
+            return handle.read()
+
+    def _missing(self, name: str) -> CheckpointError:
+        """Why ``name`` is not in the opened directory: a newer save replaced it (or a prune removed
+        it) and it is being deleted, or the checkpoint itself lacks the file."""
+        try:
+            here, opened = os.stat(self.path), os.fstat(self._dir)  # type: ignore[arg-type]
+            replaced = (here.st_dev, here.st_ino) != (opened.st_dev, opened.st_ino)
+        except FileNotFoundError:
+            replaced = True
+        if replaced:
+            return CheckpointReplaced(f"{self.path} was replaced by a newer save (or pruned) while it was read")
+        return CheckpointError(f"missing checkpoint file {self.path / name}")
+
+    @property
+    def version(self) -> int:
+        return self.meta["version"]
+
+    def shard(self, index: int) -> SafetensorsFile:
+        """The ``index``-th file of the manifest, opened (once) and checked to be this save's."""
+        if index not in self._shards:
+            name = self.meta["files"][index]
+            try:
+                file = SafetensorsFile.open(name, self._dir, self.path / name)
+            except FileNotFoundError:
+                raise self._missing(name) from None
+            try:
+                self._check_belongs(index, file)
+            except BaseException:
+                file.close()
+                raise
+            self._shards[index] = file
+        return self._shards[index]
+
+    def _check_belongs(self, index: int, file: SafetensorsFile) -> None:
+        if self.version < 4:  # saved before files carried their save's id and size
+            return
+        expected = self.meta["digests"][index]["bytes"]
+        if file.size != expected:
+            raise CheckpointError(
+                f"{file.where} has {file.size} bytes, the manifest says {expected}: truncated, or not this save's file"
+            )
+        if file.metadata.get(SAVE_ID_KEY) != self.meta["save_id"]:
+            raise CheckpointError(
+                f"{file.where} belongs to save {str(file.metadata.get(SAVE_ID_KEY))[:40]!r}, the manifest to "
+                f"{self.meta['save_id']!r}: files of two saves are mixed in {self.path}"
+            )
+
+    def open_all(self) -> None:
+        """Open every file now, so that nothing read later depends on the folder staying as it is."""
+        reserve_descriptors(len(self.meta["files"]))
+        for index in range(len(self.meta["files"])):
+            self.shard(index)
+
+    def verify(self, indices: list[int] | None = None) -> int:
+        """Hash the files (all, or ``indices``) and compare them with the manifest; returns the
+        bytes checked. Refuses a checkpoint saved before hashes were recorded."""
+        if self.version < 4:
+            raise CheckpointError(
+                f"{self.path} was saved by an older shardavg (format version {self.version}), which recorded no "
+                "checksums: there is nothing to verify it against"
+            )
+        checked = 0
+        for index in range(len(self.meta["files"])) if indices is None else indices:
+            file = self.shard(index)
+            if file.sha256() != self.meta["digests"][index]["sha256"]:
+                raise CheckpointError(
+                    f"{file.where}: its content does not match the SHA-256 the manifest recorded when it was "
+                    "written: the file was damaged or changed since"
+                )
+            checked += file.size
+        return checked
+
+    def close(self) -> None:
+        for file in self._shards.values():
+            file.close()
+        self._shards.clear()
+        if self._dir is not None:
+            os.close(self._dir)
+            self._dir = None
+
+    def __enter__(self) -> OpenCheckpoint:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        if getattr(self, "_dir", None) is not None:
+            self.close()
+
+
+def open_checkpoint(directory: str | os.PathLike, every_file: bool = False) -> OpenCheckpoint:
+    """The committed checkpoint at ``directory`` (see ``resolve``), opened; with ``every_file`` all
+    its files opened at once. Follows newer saves that replace it meanwhile, up to ``ATTEMPTS`` times."""
+    for _ in range(ATTEMPTS):
+        opened = None
+        try:
+            opened = OpenCheckpoint(resolve(directory))
+            if every_file:
+                opened.open_all()
+            return opened
+        except CheckpointReplaced:
+            if opened is not None:
+                opened.close()
+        except BaseException:
+            if opened is not None:
+                opened.close()
+            raise
+    raise busy(directory)
+
+
+def busy(directory: str | os.PathLike) -> CheckpointError:
+    return CheckpointError(
+        f"{directory} was replaced by newer saves {ATTEMPTS} times while it was being read: read it when the "
+        "job writing it pauses, or from a copy"
+    )
+
+
+def read_manifest(path: Path) -> dict[str, Any]:
+    """The manifest of the checkpoint at ``path``, checked whole (description, checksum, chunk table)."""
+    with OpenCheckpoint(path) as opened:
+        return opened.meta
+
+
+def reserve_descriptors(count: int) -> None:
+    """Raise this process's soft limit on open files, where it allows, to hold ``count`` more."""
+    try:
+        import resource
+    except ImportError:  # not POSIX
+        return
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    wanted = count + 256
+    if soft != resource.RLIM_INFINITY and soft < wanted:
+        limit = wanted if hard == resource.RLIM_INFINITY else min(wanted, hard)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, limit), hard))
