@@ -4,27 +4,48 @@
 FSDP2, HSDP: model and optimizer through ``get_state_dict``, each average as a DCP Stateful) or,
 under ZeRO-3, the DeepSpeed engine's own checkpoint plus each average's ``save``. A checkpoint
 is written into a hidden staging folder and renamed into place once every rank is done, with
-``train.json`` (the step) written last: a folder without it was never finished and is ignored.
-Only folders with that marker are ever pruned.
+``train.json`` (the step, the engine, and the SHA-256 of every other file) written last: a
+folder without it was never finished and is ignored. Only folders with that marker are ever
+pruned. ``problem`` checks a checkpoint before anything reads it: ``train.json`` itself, every
+file against its hash, and DCP's pickled ``.metadata`` with shardavg's restricted unpickler
+(``dcp.load`` would unpickle anything); ``--resume`` takes the newest checkpoint that passes.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import re
 import shutil
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from engines import Wrapped
+from torch.distributed.checkpoint.api import CheckpointException  # (a BaseException, not an Exception)
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
+import shardavg
 from shardavg import WeightAverager
 
 MARKER = "train.json"
 STEP = re.compile(r"step-(\d{8})")
+
+
+class Unreadable(RuntimeError):
+    """A checkpoint that passed ``problem`` but that DCP could not read: one line, on every rank."""
+
+
+def _reason(error: BaseException) -> str:
+    """One line for what DCP raised (its own messages run to many lines, and torch's advice for a
+    pickle that ``weights_only`` refused is to load it with ``weights_only=False``: never here)."""
+    text = str(error)
+    if "Weights only load failed" in text or "Unpickler" in text:
+        return "an entry holds pickled Python objects, not tensor data: refused without running it"
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    return lines[-1][:300] if lines else type(error).__name__
 
 
 def save(root: Path, step: int, wrapped: Wrapped, averages: dict[str, WeightAverager], keep_last: int) -> Path:
@@ -45,7 +66,8 @@ def save(root: Path, step: int, wrapped: Wrapped, averages: dict[str, WeightAver
         dcp.save(_dcp_state(wrapped, averages, step), checkpoint_id=str(staging))
     dist.barrier()
     if dist.get_rank() == 0:
-        (staging / MARKER).write_text(json.dumps({"step": step, "engine": wrapped.kind}))
+        record = {"step": step, "engine": wrapped.kind, "files": digests(staging)}
+        (staging / MARKER).write_text(json.dumps(record, indent=1))
         if target.exists():  # this job's own, from a run resumed from an earlier step
             shutil.rmtree(target)
         staging.rename(target)
@@ -63,8 +85,68 @@ def finished(root: Path) -> list[Path]:
     return sorted(found, key=lambda p: int(STEP.fullmatch(p.name).group(1)))
 
 
+def digests(folder: Path) -> dict[str, str]:
+    """The SHA-256 of every file under ``folder`` (but ``train.json``), by its path inside it."""
+    return {
+        str(file.relative_to(folder)): _sha256(file)
+        for file in sorted(folder.rglob("*"))
+        if file.is_file() and file.relative_to(folder) != Path(MARKER)
+    }
+
+
+def _sha256(file: Path) -> str:
+    digest = hashlib.sha256()
+    with open(file, "rb") as handle:
+        while block := handle.read(2**24):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def problem(folder: Path, engine: str) -> str | None:
+    """Why the checkpoint at ``folder`` cannot be resumed from (None: it can), read before any of it is trusted."""
+    record = _record(folder)
+    if isinstance(record, str):
+        return record
+    if record["engine"] != engine:
+        return f"it was written by the {record['engine']} engine, this run is {engine}"
+    for name, expected in record.get("files", {}).items():
+        file = folder / name
+        if file.is_symlink() or not file.is_file():
+            return f"{name} is missing"
+        if _sha256(file) != expected:
+            return f"{name} does not match the SHA-256 recorded when it was saved (damaged or changed since)"
+    if engine != "zero3":
+        try:
+            shardavg.check_dcp(folder)
+        except shardavg.CheckpointError as error:
+            return str(error)
+    return None
+
+
+def _record(folder: Path) -> dict[str, Any] | str:
+    """``train.json``, checked: its step is the folder's, its engine a name, its files a map of hashes."""
+    try:
+        record = json.loads((folder / MARKER).read_text())
+    except (OSError, UnicodeDecodeError, ValueError) as error:
+        return f"{MARKER} cannot be read: {error}"
+    match = STEP.fullmatch(folder.name)
+    step = record.get("step") if isinstance(record, dict) else None
+    if not isinstance(step, int) or isinstance(step, bool) or (match and int(match.group(1)) != step):
+        return f"{MARKER} gives step {step!r} for the folder {folder.name}"
+    if not isinstance(record.get("engine"), str):
+        return f"{MARKER} names no engine"
+    files = record.get("files", {})  # (checkpoints saved before hashes were recorded have none)
+    if not isinstance(files, dict) or not all(
+        isinstance(k, str) and ".." not in Path(k).parts and not Path(k).is_absolute() and isinstance(v, str)
+        for k, v in files.items()
+    ):
+        return f"{MARKER} lists its files wrongly"
+    return record
+
+
 def load(folder: Path, wrapped: Wrapped, averages: dict[str, WeightAverager]) -> int:
-    """Collective: restore everything from ``folder``; returns the step it was saved at."""
+    """Collective: restore everything from ``folder`` (checked by ``problem`` first); returns the
+    step it was saved at. A checkpoint DCP cannot read is refused on every rank in one line."""
     step = json.loads((folder / MARKER).read_text())["step"]
     if wrapped.kind == "zero3":
         loaded, _ = wrapped.deepspeed_engine.load_checkpoint(str(folder), tag="engine")
@@ -74,7 +156,10 @@ def load(folder: Path, wrapped: Wrapped, averages: dict[str, WeightAverager]) ->
             average.load(folder / f"average-{name}")
         return step
     state = _dcp_state(wrapped, averages, step=-1)
-    dcp.load(state, checkpoint_id=str(folder))
+    try:
+        dcp.load(state, checkpoint_id=str(folder))
+    except (Exception, CheckpointException) as error:  # DCP gathers every rank's failure, raises it on all
+        raise Unreadable(f"{folder} cannot be resumed from: {_reason(error)}") from None
     set_state_dict(
         wrapped.model, wrapped.optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"]
     )

@@ -31,19 +31,32 @@ def stdlib_sources() -> list[Path]:
 
 
 def text_files(path: Path) -> list[Path]:
-    """``path`` itself, or every regular file under it, in a fixed order."""
+    """``path`` itself, or every regular file under it (no links, pipes or devices), in a fixed order."""
     if path.is_file():
         return [path]
     if path.is_dir():
-        return sorted(p for p in path.rglob("*") if p.is_file() and not p.is_symlink())
-    raise FileNotFoundError(f"data path {path} does not exist")
+        files = sorted(p for p in path.rglob("*") if p.is_file() and not p.is_symlink())
+        if not files:
+            raise ValueError(f"{path} holds no regular file to train on")
+        return files
+    if not path.exists():
+        raise FileNotFoundError(f"{path} does not exist")
+    raise ValueError(f"{path} is neither a regular file nor a folder (a pipe or a device?)")
+
+
+def head(file: Path, size: int) -> bytes:
+    """At most the first ``size`` bytes of ``file``: never more is read, however large it is."""
+    with open(file, "rb") as handle:
+        return handle.read(size)
 
 
 def load_corpus(path: str | None, heldout_fraction: float, max_bytes: int, seed: int, context: int) -> Corpus:
+    """The train and held-out text: ``max_bytes`` at most, read and kept. ValueError or OSError,
+    naming the file, when it cannot serve one window of ``context`` bytes for each part."""
     files = stdlib_sources() if path is None else text_files(Path(path))
     source = f"the Python {sysconfig.get_python_version()} standard library" if path is None else str(path)
     if len(files) == 1:  # one file: the held-out part is its tail
-        data = files[0].read_bytes()[:max_bytes]
+        data = head(files[0], max_bytes)
         cut = int(len(data) * (1 - heldout_fraction))
         train, heldout, counts = data[:cut], data[cut:], (1, 1)
     else:
@@ -65,7 +78,7 @@ def _read(files: list[Path], budget: int) -> bytes:
     for file in files:
         if size >= budget:
             break
-        data = file.read_bytes()[: budget - size]
+        data = head(file, budget - size)
         parts.append(data)
         size += len(data)
     return b"\n".join(parts)

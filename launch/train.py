@@ -16,7 +16,6 @@ import json
 import logging
 import math
 import os
-import re
 import sys
 import time
 from dataclasses import dataclass
@@ -31,37 +30,13 @@ import checkpoints  # noqa: E402
 import config as configs  # noqa: E402
 import data  # noqa: E402
 import engines  # noqa: E402
+import rundir  # noqa: E402
+from job import Job, load_job  # noqa: E402
 from model import GPT, Block, GPTConfig  # noqa: E402
 
 from shardavg import EMA, PostHocEMA, WeightAverager  # noqa: E402
-from shardavg.rules import Rule, rule_from_config  # noqa: E402
 
 log = logging.getLogger("train")
-
-OPTIONAL_STR = (str, type(None))
-SCHEMA = {
-    "engine": str,  # ddp | fsdp1 | fsdp2 | hsdp | zero3
-    "seed": int,
-    "steps": int,
-    "dtype": str,  # of the live weights: float32 or bfloat16 (the averages stay fp32)
-    "model": {"dim": int, "layers": int, "heads": int, "context": int},
-    "data": {"path": OPTIONAL_STR, "heldout_fraction": float, "max_bytes": int},
-    "train": {
-        "batch_size": int,
-        "lr": float,
-        "min_lr": float,
-        "warmup_steps": int,
-        "weight_decay": float,
-        "grad_clip": float,
-    },
-    "averages": dict,  # name -> a shardavg rule config, e.g. {kind: ema, decay: 0.999}
-    "eval": {"every": int, "batches": int},
-    "posthoc": {"snapshot_every": int, "sigma_rels": list, "sweep": list},  # snapshot_every 0: off
-    "checkpoint": {"every": int, "keep_last": int},
-    "hsdp": {"replicas": (int, type(None))},  # null: one replica per node
-    "deepspeed": OPTIONAL_STR,  # the DeepSpeed JSON config (zero3 only), relative to the YAML file
-}
-
 
 # ----------------------------------------------------------------------------- configuration
 
@@ -71,127 +46,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--config", default="configs/fsdp2.yaml", help="a YAML file from configs/")
     parser.add_argument("--out", help="output folder (default: runs/<config name>)")
     parser.add_argument("--steps", type=int, help="total optimizer steps (overrides the config's steps)")
-    parser.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in OUT")
+    parser.add_argument(
+        "--resume", action="store_true", help="continue from the newest checkpoint in OUT that validates"
+    )
+    parser.add_argument("--resume-from", metavar="CHECKPOINT", help="continue from this checkpoint (a step-* folder)")
     parser.add_argument("--data", help="a text file or folder to train on instead of the standard library")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config key")
     return parser.parse_args(argv)
-
-
-@dataclass
-class Job:
-    """What one launch runs: the validated config and what was derived from it."""
-
-    cfg: dict
-    rules: dict[str, Rule]  # one average per name
-    out: Path
-    resume_from: Path | None  # the newest finished checkpoint, with --resume
-    deepspeed_config: dict | None  # zero3 only
-
-
-def load_job(args: argparse.Namespace, world: int) -> Job:
-    """The validated job: everything that can be wrong is found here, before any process group or training."""
-    overrides = list(args.set)
-    if args.steps is not None:
-        overrides.append(f"steps={args.steps}")
-    cfg = configs.load(args.config, overrides)
-    if args.data is not None:
-        cfg.setdefault("data", {})["path"] = args.data
-    configs.validate(cfg, SCHEMA)
-    if cfg["engine"] not in engines.ENGINES:
-        raise configs.ConfigError(f"config key 'engine': {cfg['engine']!r} is not one of {engines.ENGINES}")
-    if cfg["dtype"] not in ("float32", "bfloat16"):
-        raise configs.ConfigError(f"config key 'dtype': {cfg['dtype']!r} is not float32 or bfloat16")
-    positive = (
-        "steps",
-        "model.dim",
-        "model.layers",
-        "model.heads",
-        "model.context",
-        "data.max_bytes",
-        "train.batch_size",
-        "eval.every",
-        "eval.batches",
-        "checkpoint.every",
-        "checkpoint.keep_last",
-    )
-    for key in positive:
-        section, _, name = key.rpartition(".")
-        if (cfg[section] if section else cfg)[name] < 1:
-            raise configs.ConfigError(f"config key {key!r} must be at least 1")
-    if not 0 < cfg["data"]["heldout_fraction"] < 1:
-        raise configs.ConfigError("config key 'data.heldout_fraction' must be between 0 and 1")
-    if cfg["data"]["path"] is not None and not Path(cfg["data"]["path"]).exists():
-        raise configs.ConfigError(f"config key 'data.path': {cfg['data']['path']} does not exist")
-    rules = _rules(cfg["averages"])
-    _check_posthoc(cfg["posthoc"])
-    deepspeed_config = _check_engine_fits(cfg, Path(args.config), world)
-    out = Path(args.out or Path("runs") / Path(args.config).stem)
-    found = checkpoints.finished(out / "checkpoints")
-    if args.resume and not found:
-        raise configs.ConfigError(f"--resume: no finished checkpoint under {out / 'checkpoints'}")
-    if found and not args.resume:  # a new run would mix its checkpoints with these, and prune them
-        raise configs.ConfigError(
-            f"{out} holds checkpoints of an earlier run (newest {found[-1].name}): --resume to continue it, "
-            "or choose another --out"
-        )
-    snapshots = sorted(p.name for p in (out / "posthoc").glob("snapshot-*")) if (out / "posthoc").is_dir() else []
-    if snapshots and not args.resume:
-        raise configs.ConfigError(
-            f"{out / 'posthoc'} holds post-hoc snapshots of an earlier run ({snapshots[-1]}): --resume to continue "
-            "it, or choose another --out"
-        )
-    resume_from = found[-1] if args.resume else None
-    return Job(cfg, rules, out, resume_from, deepspeed_config)
-
-
-def _check_posthoc(posthoc: dict) -> None:
-    if posthoc["snapshot_every"] < 0:
-        raise configs.ConfigError("config key 'posthoc.snapshot_every' must be 0 (off) or more")
-    for key in ("sigma_rels", "sweep"):
-        values = posthoc[key]
-        if not values or not all(isinstance(v, (int, float)) and 0 < v < 0.3 for v in values):
-            raise configs.ConfigError(f"config key 'posthoc.{key}' must list sigma_rel values in (0, 0.3)")
-    if posthoc["snapshot_every"] and len(posthoc["sigma_rels"]) < 2:
-        raise configs.ConfigError("config key 'posthoc.sigma_rels' needs at least two profiles")
-
-
-def _rules(averages: dict) -> dict:
-    if not averages:
-        raise configs.ConfigError("config key 'averages' must name at least one average")
-    rules = {}
-    for name, rule in averages.items():
-        if not re.fullmatch(r"[a-z][a-z0-9_]*", str(name)) or name in ("raw", "posthoc"):
-            raise configs.ConfigError(
-                f"config key 'averages.{name}': names are lower-case words other than 'raw' and 'posthoc'"
-            )
-        try:
-            rules[name] = rule_from_config(rule)
-        except (TypeError, ValueError, KeyError) as error:
-            raise configs.ConfigError(f"config key 'averages.{name}': {error}") from None
-    return rules
-
-
-def _check_engine_fits(cfg: dict, config_path: Path, world: int) -> dict | None:
-    """The engine can run this launch; returns the DeepSpeed config for zero3."""
-    engine = cfg["engine"]
-    if engine == "zero3":
-        if cfg["deepspeed"] is None:
-            raise configs.ConfigError("config key 'deepspeed': zero3 needs a DeepSpeed JSON config")
-        path = config_path.parent / cfg["deepspeed"]
-        try:
-            ds_config = json.loads(path.read_text())
-        except (OSError, ValueError) as error:
-            raise configs.ConfigError(f"config key 'deepspeed': cannot read {path}: {error}") from None
-        if ds_config.get("zero_optimization", {}).get("stage") != 3:
-            raise configs.ConfigError(f"config key 'deepspeed': {path} does not set zero_optimization.stage 3")
-    elif cfg["deepspeed"] is not None:
-        raise configs.ConfigError(f"config key 'deepspeed' is for the zero3 engine, not {engine}")
-    replicas = cfg["hsdp"]["replicas"]
-    if engine == "hsdp" and replicas is not None and (replicas < 1 or world % replicas):
-        raise configs.ConfigError(f"config key 'hsdp.replicas': {world} processes cannot form {replicas} replicas")
-    if engine in ("fsdp1", "fsdp2", "hsdp", "zero3") and world == 1:
-        log.warning("%s on one process shards nothing; launch with --nproc_per_node 2 or more", engine)
-    return ds_config if engine == "zero3" else None
 
 
 # ----------------------------------------------------------------------------- training
@@ -294,13 +155,7 @@ def run(job: Job) -> dict:
     rank, world, cfg, out = dist.get_rank(), dist.get_world_size(), job.cfg, job.out
     torch.manual_seed(cfg["seed"])
     model_config = GPTConfig(**cfg["model"])
-    corpus = data.load_corpus(
-        cfg["data"]["path"],
-        cfg["data"]["heldout_fraction"],
-        cfg["data"]["max_bytes"],
-        cfg["seed"],
-        model_config.context,
-    )
+    corpus = job.corpus
     log.info(
         "data: %s, %d train / %d held-out files, %.1f MB / %.1f MB",
         corpus.source,
@@ -508,11 +363,15 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
     engines.init_distributed(job.cfg["engine"])
-    if rank == 0:
-        job.out.mkdir(parents=True, exist_ok=True)
     try:
-        run(job)
-        dist.barrier()  # every rank done before any leaves
+        with rundir.locked(job.out):
+            run(job)
+            dist.barrier()  # every rank done before any leaves
+    except (rundir.RunRefused, checkpoints.Unreadable) as error:  # raised on every rank alike
+        if rank == 0:
+            log.error("error: %s", error)
+        dist.barrier()  # rank 0 has said why before any rank leaves (torchrun stops the others then)
+        return 2
     finally:
         dist.destroy_process_group()
     return 0

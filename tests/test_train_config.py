@@ -2,16 +2,24 @@
 
 from __future__ import annotations
 
+import json
 import logging
+import os
+import shutil
+import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+import torch
 import yaml
+from helpers import deadline
+from safetensors.torch import save_file
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "launch"))
 
+import checkpoints  # noqa: E402
 import train  # noqa: E402
 
 CONFIGS = ROOT / "configs"
@@ -62,8 +70,23 @@ FSDP2 = str(CONFIGS / "fsdp2.yaml")
         (["--config", str(CONFIGS / "hsdp.yaml"), "--set", "hsdp.replicas=3"], "2 processes cannot form 3 replicas"),
         (["--config", FSDP2, "--set", "model.heads=0"], "config key 'model.heads' must be at least 1"),
         (["--config", FSDP2, "--set", "posthoc.sigma_rels=[0.05]"], "'posthoc.sigma_rels' needs at least two"),
-        (["--config", FSDP2, "--set", "posthoc.sweep=[0.05, 0.5]"], "'posthoc.sweep' must list sigma_rel values"),
-        (["--config", FSDP2, "--set", "posthoc.snapshot_every=-1"], "'posthoc.snapshot_every' must be 0 (off)"),
+        (["--config", FSDP2, "--set", "posthoc.sweep=[0.05, 0.5]"], "'posthoc.sweep': PowerEMA sigma_rel must be in"),
+        (["--config", FSDP2, "--set", "posthoc.sweep=[0.05, 1.0e-200]"], "sigma_rel must be in [1e-06, 0.3003)"),
+        (["--config", FSDP2, "--set", "posthoc.sigma_rels=[0.05, 1.0e-200]"], "'posthoc.sigma_rels': PowerEMA"),
+        (["--config", FSDP2, "--set", "averages.power.sigma_rel=1.0e-200"], "'averages.power': PowerEMA sigma_rel"),
+        (["--config", FSDP2, "--set", "posthoc.snapshot_every=-1"], "'posthoc.snapshot_every' must be from 0"),
+        (["--config", FSDP2, "--set", "model.heads=3"], "'model.heads' (3) must divide 'model.dim' (128)"),
+        (["--config", FSDP2, "--set", "train.lr=-1.0"], "'train.lr' must be a finite number > 0.0, got -1.0"),
+        (["--config", FSDP2, "--set", "train.lr=.inf"], "'train.lr' must be a finite number > 0.0, got inf"),
+        (["--config", FSDP2, "--set", "train.lr=.nan"], "'train.lr' must be a finite number > 0.0, got nan"),
+        (["--config", FSDP2, "--set", "train.grad_clip=0"], "'train.grad_clip' must be a finite number > 0.0"),
+        (["--config", FSDP2, "--set", "train.min_lr=0.1"], "'train.min_lr' (0.1) must not exceed 'train.lr'"),
+        (["--config", FSDP2, "--set", "seed=100000000000000000000000"], "'seed' must be from 0 and at most 4,294,"),
+        (["--config", FSDP2, "--set", "seed=-1"], "'seed' must be from 0"),
+        (["--config", FSDP2, "--steps", "1000000000"], "'steps' must be at least 1 and at most 99,999,999"),
+        (["--config", FSDP2, "--set", "train.batch_size=10000000"], "'train.batch_size' must be at least 1 and at"),
+        (["--config", FSDP2, "--set", "model.context=100000"], "'model.context' (100000), 'model.dim' (128)"),
+        (["--config", FSDP2, "--set", "data.heldout_fraction=.nan"], "'data.heldout_fraction' must be between 0"),
     ],
 )
 def test_a_bad_config_is_refused_naming_the_key(caplog, monkeypatch, argv, message) -> None:
@@ -123,3 +146,142 @@ def test_every_shipped_config_is_valid(monkeypatch) -> None:
         job = train.load_job(train.parse_args(["--config", str(path)]), world=2)
         assert job.cfg["engine"] == path.stem and set(job.rules) == {"ema", "power"}
         assert (job.deepspeed_config is not None) == (path.stem == "zero3")
+
+
+def test_data_that_cannot_serve_is_refused_naming_it(caplog, monkeypatch, tmp_path) -> None:
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "tiny.txt").write_bytes(b"0123456789")
+    os.mkfifo(tmp_path / "pipe")  # opening it for reading would block: the check must not
+    cases = [
+        (tmp_path / "empty", "holds no regular file to train on"),
+        (tmp_path / "tiny.txt", "the train text has 9 bytes, fewer than one window of 128"),
+        (tmp_path / "pipe", "is neither a regular file nor a folder (a pipe or a device?)"),
+        (Path("/dev/zero"), "is neither a regular file nor a folder (a pipe or a device?)"),
+    ]
+    for path, why in cases:
+        with deadline(30):
+            message = refused(caplog, monkeypatch, "--config", FSDP2, "--data", str(path), "--out", str(tmp_path / "o"))
+        assert message.startswith("config error: config key 'data.path'") and why in message, message
+    assert not (tmp_path / "o").exists()
+
+
+BOUNDED_READ = """
+import resource, sys
+sys.path.insert(0, sys.argv[1])
+import train
+job = train.load_job(train.parse_args(["--config", sys.argv[2], "--data", sys.argv[3], "--out", sys.argv[4],
+                                       "--set", "data.max_bytes=100000"]), world=2)
+print(len(job.corpus.train) + len(job.corpus.heldout), resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)
+"""
+
+
+def test_data_reads_at_most_max_bytes_of_a_huge_file(tmp_path) -> None:
+    huge = tmp_path / "huge.txt"
+    with open(huge, "wb") as handle:
+        handle.truncate(3 * 2**30)  # sparse: 3 GiB that cost no disk
+    done = subprocess.run(
+        [sys.executable, "-c", BOUNDED_READ, str(ROOT / "launch"), FSDP2, str(huge), str(tmp_path / "out")],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    used, peak_kib = map(int, done.stdout.split())
+    assert used <= 100_000 and peak_kib < 1.5 * 2**20, (used, peak_kib)  # before: 3.4 GB of peak memory
+
+
+def test_an_out_that_is_a_file_or_holds_a_users_files_is_refused(caplog, monkeypatch, tmp_path) -> None:
+    (tmp_path / "a-file").write_text("mine")
+    message = refused(caplog, monkeypatch, "--config", FSDP2, "--out", str(tmp_path / "a-file"))
+    assert "is a file, not a folder" in message and (tmp_path / "a-file").read_text() == "mine"
+    users = tmp_path / "users"
+    users.mkdir()
+    for name in ("metrics.jsonl", "summary.json", "plot.png", "notes.txt"):
+        (users / name).write_text("mine")
+    message = refused(caplog, monkeypatch, "--config", FSDP2, "--out", str(users))
+    assert "holds metrics.jsonl, plot.png, summary.json, which this job writes, but no run.json" in message
+    assert all((users / name).read_text() == "mine" for name in ("metrics.jsonl", "summary.json", "plot.png"))
+    (users / "run.json").write_text('{"job": "something else"}')
+    assert "run.json there was not written by this job" in refused(caplog, monkeypatch, "--config", FSDP2, "--out",
+                                                                     str(users))  # fmt: skip
+
+
+def test_weight_files_under_export_that_the_job_did_not_write_are_refused_before_training(
+    caplog, monkeypatch, tmp_path
+) -> None:
+    out = tmp_path / "run"
+    (out / "export" / "ema").mkdir(parents=True)
+    (out / "run.json").write_text(json.dumps({"job": "shardavg launch/train.py"}))  # a run of this job's
+    (out / "metrics.jsonl").write_text('{"step": 10}\n')  # its own, from a run that stopped before a checkpoint
+    save_file({"w": torch.zeros(2)}, str(out / "export" / "ema" / "model.safetensors"))  # the user's weights
+    message = refused(caplog, monkeypatch, "--config", FSDP2, "--out", str(out))
+    assert "export/ema/model.safetensors is not a weight file this job exported" in message
+    (out / "export" / "ema" / "model.safetensors").unlink()
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    job = train.load_job(train.parse_args(["--config", FSDP2, "--out", str(out)]), world=2)
+    assert job.out == out and job.resume_from is None  # the job's own folder: a new run may reuse it
+
+
+def dcp_checkpoint(root: Path, step: int, engine: str = "fsdp2", hashed: bool = True) -> Path:
+    """A finished checkpoint as the job writes one: a DCP folder, then train.json with every file's hash."""
+    import torch.distributed.checkpoint as dcp
+
+    folder = root / "checkpoints" / f"step-{step:08d}"
+    state = {"model": {"w": torch.arange(6.0) * step}, "step": torch.tensor(step)}
+    dcp.save(state, checkpoint_id=str(folder), no_dist=True)
+    record = {"step": step, "engine": engine} | ({"files": checkpoints.digests(folder)} if hashed else {})
+    (folder / "train.json").write_text(json.dumps(record))
+    return folder
+
+
+def flipped(data: bytes) -> bytes:
+    return bytes([data[0] ^ 1]) + data[1:]
+
+
+def test_resume_skips_a_damaged_newest_checkpoint_saying_why(caplog, monkeypatch, tmp_path) -> None:
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    older, newest = dcp_checkpoint(tmp_path, 4), dcp_checkpoint(tmp_path, 8)
+    data_file = next(newest.glob("*.distcp"))
+    damages = {
+        "truncated .distcp": lambda: data_file.write_bytes(data_file.read_bytes()[:10]),
+        "missing .distcp": lambda: data_file.unlink(),
+        "garbage .metadata": lambda: (newest / ".metadata").write_bytes(b"\x80\x04garbage"),
+        "a flipped byte": lambda: data_file.write_bytes(flipped(data_file.read_bytes())),
+        "bad train.json": lambda: (newest / "train.json").write_text('{"step": 7, "engine": "fsdp2"}'),
+        "other engine": lambda: (newest / "train.json").write_text('{"step": 8, "engine": "zero3"}'),
+    }  # fmt: skip
+    pristine = tmp_path / "pristine"
+    shutil.copytree(newest, pristine)
+    for label, damage in damages.items():
+        damage()
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="train"):
+            job = train.load_job(train.parse_args(["--config", FSDP2, "--out", str(tmp_path), "--resume"]), world=2)
+        assert job.resume_from == older, label
+        (warning,) = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+        assert warning.startswith("--resume: skipped step-00000008, which cannot be resumed from: "), warning
+        message = refused(caplog, monkeypatch, "--config", FSDP2, "--out", str(tmp_path), "--resume-from", str(newest))
+        assert message.startswith(f"config error: --resume-from {newest}: "), (label, message)
+        shutil.rmtree(newest)
+        shutil.copytree(pristine, newest)
+    shutil.rmtree(older)
+    (newest / ".metadata").write_bytes(b"garbage")
+    message = refused(caplog, monkeypatch, "--config", FSDP2, "--out", str(tmp_path), "--resume")
+    assert "--resume: no checkpoint under" in message and "step-00000008: .metadata does not match" in message
+
+
+EVIL = """
+import os, pickle, sys
+class Evil:
+    def __reduce__(self):
+        return (os.system, ("touch " + sys.argv[2],))
+open(sys.argv[1], "wb").write(pickle.dumps(Evil()))
+"""
+
+
+def test_a_pickle_in_the_metadata_of_an_unhashed_checkpoint_is_refused_without_running(
+    caplog, monkeypatch, tmp_path
+) -> None:
+    folder = dcp_checkpoint(tmp_path, 4, hashed=False)  # saved before hashes were recorded
+    subprocess.run([sys.executable, "-c", EVIL, str(folder / ".metadata"), str(tmp_path / "pwned")], check=True)
+    message = refused(caplog, monkeypatch, "--config", FSDP2, "--out", str(tmp_path), "--resume")
+    assert "asks to load posix.system, which a checkpoint has no business with: refused" in message, message
+    assert not (tmp_path / "pwned").exists()

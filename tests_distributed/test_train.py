@@ -146,3 +146,86 @@ def test_two_nodes_of_two_processes_give_the_export_of_one_four_process_launch(t
     single = train("hsdp", tmp_path / "single", "--set", "hsdp.replicas=2", nproc=4)
     assert_bitwise(exported(tmp_path / "nodes"), exported(tmp_path / "single"), "two nodes vs one launch")
     assert summary["heldout"] == single["heldout"]
+
+
+def worker_tracebacks(output: str) -> list[str]:
+    """Traceback lines from the job's own processes (torchrun reports a worker's exit code 2 with a
+    traceback of its own, which says nothing of the job)."""
+    return [line for line in output.splitlines() if "[rank" in line and "Traceback" in line or "launch/" in line and
+            '", line ' in line]  # fmt: skip
+
+
+HOLD = """
+import sys, time
+from pathlib import Path
+import shardavg
+with shardavg.TargetLock(Path(sys.argv[1]) / ".train.lock", Path(sys.argv[1])):
+    print("locked", flush=True)
+    time.sleep(600)
+"""
+
+
+def test_a_second_job_is_refused_while_one_runs_and_a_damaged_newest_checkpoint_is_skipped(runs, tmp_path) -> None:
+    """A job holding OUT keeps a second one out (it stops at once, naming the holder, touching
+    nothing); once the holder is killed its lock is no obstacle, and ``--resume`` skips the
+    damaged newest checkpoint, says so, and ends bitwise where the uninterrupted run ends."""
+    out = tmp_path / "run"
+    shutil.copytree(runs["fsdp2"], out)
+    newest = out / "checkpoints" / "step-00000008"
+    data_file = next(newest.glob("*.distcp"))
+    data_file.write_bytes(data_file.read_bytes()[: data_file.stat().st_size // 2])  # truncated
+    holder = subprocess.Popen([sys.executable, "-c", HOLD, str(out)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "locked"
+        before = {p: (p.stat().st_mtime_ns, p.stat().st_size) for p in out.rglob("*")}
+        refused = torchrun(str(ROOT / "launch" / "train.py"), 2, *job_args("fsdp2", out, "--resume"), timeout=300)
+        assert refused.returncode != 0
+        said = [line for line in refused.output.splitlines() if line.startswith("error: ")]
+        assert (
+            len(said) == 1 and f"is in use: {out} is being written by another process (pid {holder.pid} on" in said[0]
+        )
+        assert not worker_tracebacks(refused.output), refused.output[-5000:]
+        assert {p: (p.stat().st_mtime_ns, p.stat().st_size) for p in out.rglob("*")} == before  # nothing touched
+    finally:
+        holder.kill()
+        holder.wait()
+        holder.stdout.close()
+    assert (out / ".train.lock").exists()  # the killed holder's, left behind: no obstacle
+    launch = torchrun(str(ROOT / "launch" / "train.py"), 2, *job_args("fsdp2", out, "--resume"), timeout=300)
+    assert launch.returncode == 0, launch.output[-20000:]
+    assert "--resume: skipped step-00000008, which cannot be resumed from: " in launch.output
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["resumed_from"] == 4 and not (out / ".train.lock").exists()
+    assert_bitwise(exported(out), exported(runs["fsdp2"]), "resumed past a damaged checkpoint")
+
+
+PLANT = """
+import pickle, sys
+from pathlib import Path
+import torch.distributed.checkpoint as dcp
+folder = Path(sys.argv[1])
+metadata = dcp.FileSystemReader(str(folder)).read_metadata()
+info = next(info for index, info in metadata.storage_data.items() if index.fqn == "step")
+data = bytearray((folder / info.relative_path).read_bytes())
+evil = pickle.dumps(print)  # any Python object: torch.load(weights_only=True) refuses it
+assert len(evil) <= info.length
+data[info.offset : info.offset + info.length] = evil.ljust(info.length, b".")
+(folder / info.relative_path).write_bytes(bytes(data))
+"""
+
+
+def test_a_pickle_in_a_checkpoint_entry_is_refused_in_one_line(runs, tmp_path) -> None:
+    """An entry of a checkpoint saved before hashes were recorded holds a pickle: DCP's loader
+    refuses it; the job says so in one line, without torch's advice to load it unsafely."""
+    folder = tmp_path / "step-00000004"
+    shutil.copytree(runs["fsdp2"] / "checkpoints" / "step-00000004", folder)
+    record = json.loads((folder / "train.json").read_text())
+    (folder / "train.json").write_text(json.dumps({"step": record["step"], "engine": record["engine"]}))
+    subprocess.run([sys.executable, "-c", PLANT, str(folder)], check=True)
+    args = job_args("fsdp2", tmp_path / "out", "--resume-from", str(folder))
+    launch = torchrun(str(ROOT / "launch" / "train.py"), 2, *args, timeout=300)
+    assert launch.returncode != 0
+    said = [line for line in launch.output.splitlines() if line.startswith("error: ")]
+    assert said == [f"error: {folder} cannot be resumed from: an entry holds pickled Python objects, not tensor "
+                    "data: refused without running it"], launch.output[-5000:]  # fmt: skip
+    assert "weights_only=False" not in launch.output and not worker_tracebacks(launch.output), launch.output[-5000:]

@@ -1,0 +1,277 @@
+"""What one launch of the main job runs: the config checked whole, and everything derived from it.
+
+``load_job`` runs on every rank before any process group: anything that can be wrong (a key,
+a number out of the range that works, the data, the run folder, a damaged checkpoint to resume
+from) stops the job here with one message naming the key or the file, so a run never trains
+for an hour to die at its end.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import math
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import checkpoints
+import config as configs
+import data
+import engines
+import rundir
+from config import ConfigError
+
+from shardavg.posthoc import target_gamma
+from shardavg.rules import Rule, rule_from_config
+
+log = logging.getLogger("train")
+
+OPTIONAL_STR = (str, type(None))
+SCHEMA = {
+    "engine": str,  # ddp | fsdp1 | fsdp2 | hsdp | zero3
+    "seed": int,
+    "steps": int,
+    "dtype": str,  # of the live weights: float32 or bfloat16 (the averages stay fp32)
+    "model": {"dim": int, "layers": int, "heads": int, "context": int},
+    "data": {"path": OPTIONAL_STR, "heldout_fraction": float, "max_bytes": int},
+    "train": {
+        "batch_size": int,
+        "lr": float,
+        "min_lr": float,
+        "warmup_steps": int,
+        "weight_decay": float,
+        "grad_clip": float,
+    },
+    "averages": dict,  # name -> a shardavg rule config, e.g. {kind: ema, decay: 0.999}
+    "eval": {"every": int, "batches": int},
+    "posthoc": {"snapshot_every": int, "sigma_rels": list, "sweep": list},  # snapshot_every 0: off
+    "checkpoint": {"every": int, "keep_last": int},
+    "hsdp": {"replicas": (int, type(None))},  # null: one replica per node
+    "deepspeed": OPTIONAL_STR,  # the DeepSpeed JSON config (zero3 only), relative to the YAML file
+}
+
+# The range of every integer key: (smallest, largest, why the largest).
+BIG = 2**31 - 1
+INTS = {
+    "seed": (0, 2**32 - 1, "a 32-bit seed (batches are drawn from seed * 1,000,003 + step * 4,099 + rank)"),
+    "steps": (1, 10**8 - 1, "checkpoint folders number steps in 8 digits"),
+    "model.dim": (1, 2**16, "a sane width"),
+    "model.layers": (1, 2**10, "a sane depth"),
+    "model.heads": (1, 2**16, "at most the width"),
+    "model.context": (1, 2**20, "a sane window"),
+    "data.max_bytes": (1, 2**40, "1 TiB"),
+    "train.batch_size": (1, 2**20, "a sane batch"),
+    "train.warmup_steps": (0, BIG, "a 32-bit count"),
+    "eval.every": (1, BIG, "a 32-bit count"),
+    "eval.batches": (1, 2**20, "a sane count"),
+    "posthoc.snapshot_every": (0, BIG, "a 32-bit count (0: off)"),
+    "checkpoint.every": (1, BIG, "a 32-bit count"),
+    "checkpoint.keep_last": (1, 2**20, "a sane count"),
+}
+# The range of every float key: a finite number with a lower bound, open or closed.
+FLOATS = {
+    "train.lr": (0.0, False),
+    "train.min_lr": (0.0, True),
+    "train.weight_decay": (0.0, True),
+    "train.grad_clip": (0.0, False),
+}
+MEMORY_SHARE = 0.8  # of this machine's memory the training step may need, split across its processes
+
+
+@dataclass
+class Job:
+    """What one launch runs: the validated config and what was derived from it."""
+
+    cfg: dict
+    rules: dict[str, Rule]  # one average per name
+    out: Path
+    resume_from: Path | None  # the newest finished checkpoint that validates, with --resume
+    deepspeed_config: dict | None  # zero3 only
+    corpus: data.Corpus
+
+
+def load_job(args: argparse.Namespace, world: int) -> Job:
+    """The validated job: everything that can be wrong is found here, before any process group or training."""
+    overrides = list(args.set)
+    if args.steps is not None:
+        overrides.append(f"steps={args.steps}")
+    cfg = configs.load(args.config, overrides)
+    if args.data is not None:
+        cfg.setdefault("data", {})["path"] = args.data
+    configs.validate(cfg, SCHEMA)
+    if cfg["engine"] not in engines.ENGINES:
+        raise ConfigError(f"config key 'engine': {cfg['engine']!r} is not one of {engines.ENGINES}")
+    if cfg["dtype"] not in ("float32", "bfloat16"):
+        raise ConfigError(f"config key 'dtype': {cfg['dtype']!r} is not float32 or bfloat16")
+    _check_numbers(cfg)
+    rules = _rules(cfg["averages"])
+    _check_posthoc(cfg["posthoc"])
+    deepspeed_config = _check_engine_fits(cfg, Path(args.config), world)
+    _check_memory(cfg, world)
+    if cfg["data"]["path"] is not None and not Path(cfg["data"]["path"]).exists():
+        raise ConfigError(f"config key 'data.path': {cfg['data']['path']} does not exist")
+    out = Path(args.out or Path("runs") / Path(args.config).stem)
+    resume_from = _resume_from(args, out, cfg["engine"])
+    rundir.check_out(out, resuming=resume_from is not None)
+    corpus = _corpus(cfg)
+    return Job(cfg, rules, out, resume_from, deepspeed_config, corpus)
+
+
+def _value(cfg: dict, key: str):
+    section, _, name = key.rpartition(".")
+    return (cfg[section] if section else cfg)[name]
+
+
+def _check_numbers(cfg: dict) -> None:
+    """Every integer in its range, every float finite in its own, and what ties them together."""
+    for key, (low, high, why) in INTS.items():
+        if not low <= _value(cfg, key) <= high:
+            least = "at least 1" if low == 1 else f"from {low}"
+            raise ConfigError(
+                f"config key {key!r} must be {least} and at most {high:,} ({why}), got {_value(cfg, key)}"
+            )
+    for key, (low, closed) in FLOATS.items():
+        value = _value(cfg, key)
+        if not (math.isfinite(value) and (value >= low if closed else value > low)):
+            bound = f">= {low}" if closed else f"> {low}"
+            raise ConfigError(f"config key {key!r} must be a finite number {bound}, got {value}")
+    if cfg["train"]["min_lr"] > cfg["train"]["lr"]:
+        raise ConfigError(f"config key 'train.min_lr' ({cfg['train']['min_lr']}) must not exceed 'train.lr'")
+    fraction = cfg["data"]["heldout_fraction"]
+    if not 0 < fraction < 1:  # (NaN fails too)
+        raise ConfigError(f"config key 'data.heldout_fraction' must be between 0 and 1, got {fraction}")
+    model = cfg["model"]
+    if model["dim"] % model["heads"]:
+        raise ConfigError(f"config key 'model.heads' ({model['heads']}) must divide 'model.dim' ({model['dim']})")
+
+
+def _check_memory(cfg: dict, world: int) -> None:
+    """Refuse a model or batch whose training step cannot fit in this machine's memory: the
+    attention scores (batch x heads x context**2, kept for the backward pass) and the activations
+    (about 24 floats per batch x context x width per layer), with the model and its optimizer."""
+    model, batch = cfg["model"], cfg["train"]["batch_size"]
+    per_layer = 4 * batch * (model["heads"] * model["context"] ** 2 + 24 * model["context"] * model["dim"])
+    weights = 16 * (12 * model["layers"] * model["dim"] ** 2 + (256 + model["context"]) * model["dim"])
+    needed = model["layers"] * per_layer + weights
+    processes = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    available = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") * MEMORY_SHARE / processes
+    if needed > available:
+        raise ConfigError(
+            f"config keys 'model.context' ({model['context']}), 'model.dim' ({model['dim']}), 'model.layers' "
+            f"({model['layers']}), 'model.heads' ({model['heads']}) and 'train.batch_size' ({batch}) need about "
+            f"{needed / 2**30:,.1f} GiB per process, more than this machine's {available / 2**30:,.1f} GiB for each "
+            f"of its {processes} processes: make them smaller"
+        )
+
+
+def _check_posthoc(posthoc: dict) -> None:
+    for key in ("sigma_rels", "sweep"):
+        values = posthoc[key]
+        if not values:
+            raise ConfigError(f"config key 'posthoc.{key}' must list sigma_rel values")
+        for value in values:
+            try:
+                target_gamma(sigma_rel=value)
+            except ValueError as error:
+                raise ConfigError(f"config key 'posthoc.{key}': {error}") from None
+    if posthoc["snapshot_every"] and len(posthoc["sigma_rels"]) < 2:
+        raise ConfigError("config key 'posthoc.sigma_rels' needs at least two profiles")
+
+
+def _rules(averages: dict) -> dict:
+    if not averages:
+        raise ConfigError("config key 'averages' must name at least one average")
+    rules = {}
+    for name, rule in averages.items():
+        if not re.fullmatch(r"[a-z][a-z0-9_]*", str(name)) or name in ("raw", "posthoc"):
+            raise ConfigError(
+                f"config key 'averages.{name}': names are lower-case words other than 'raw' and 'posthoc'"
+            )
+        try:
+            rules[name] = rule_from_config(rule)
+        except (TypeError, ValueError, KeyError) as error:
+            raise ConfigError(f"config key 'averages.{name}': {error}") from None
+    return rules
+
+
+def _check_engine_fits(cfg: dict, config_path: Path, world: int) -> dict | None:
+    """The engine can run this launch; returns the DeepSpeed config for zero3."""
+    engine = cfg["engine"]
+    ds_config = None
+    if engine == "zero3":
+        if cfg["deepspeed"] is None:
+            raise ConfigError("config key 'deepspeed': zero3 needs a DeepSpeed JSON config")
+        path = config_path.parent / cfg["deepspeed"]
+        try:
+            ds_config = json.loads(path.read_text())
+        except (OSError, ValueError) as error:
+            raise ConfigError(f"config key 'deepspeed': cannot read {path}: {error}") from None
+        if not isinstance(ds_config, dict) or ds_config.get("zero_optimization", {}).get("stage") != 3:
+            raise ConfigError(f"config key 'deepspeed': {path} does not set zero_optimization.stage 3")
+    elif cfg["deepspeed"] is not None:
+        raise ConfigError(f"config key 'deepspeed' is for the zero3 engine, not {engine}")
+    replicas = cfg["hsdp"]["replicas"]
+    if engine == "hsdp" and replicas is not None and (replicas < 1 or world % replicas):
+        raise ConfigError(f"config key 'hsdp.replicas': {world} processes cannot form {replicas} replicas")
+    if engine in ("fsdp1", "fsdp2", "hsdp", "zero3") and world == 1:
+        log.warning("%s on one process shards nothing; launch with --nproc_per_node 2 or more", engine)
+    return ds_config
+
+
+def _resume_from(args: argparse.Namespace, out: Path, engine: str) -> Path | None:
+    """The checkpoint to resume from: ``--resume-from``'s if it validates, or with ``--resume`` the
+    newest finished one in OUT that does (each one skipped is logged with why); a new run refuses
+    an OUT holding an earlier run's checkpoints or snapshots."""
+    if args.resume_from is not None:
+        folder = Path(args.resume_from)
+        if not (folder / checkpoints.MARKER).is_file():
+            raise ConfigError(
+                f"--resume-from {folder}: not a finished checkpoint of this job (no {checkpoints.MARKER})"
+            )
+        problem = checkpoints.problem(folder, engine)
+        if problem:
+            raise ConfigError(f"--resume-from {folder}: {problem}")
+        return folder
+    found = checkpoints.finished(out / "checkpoints")
+    if not args.resume:
+        if found:  # a new run would mix its checkpoints with these, and prune them
+            raise ConfigError(
+                f"{out} holds checkpoints of an earlier run (newest {found[-1].name}): --resume to continue it, "
+                "or choose another --out"
+            )
+        snapshots = sorted(p.name for p in (out / "posthoc").glob("snapshot-*")) if (out / "posthoc").is_dir() else []
+        if snapshots:
+            raise ConfigError(
+                f"{out / 'posthoc'} holds post-hoc snapshots of an earlier run ({snapshots[-1]}): --resume to "
+                "continue it, or choose another --out"
+            )
+        return None
+    if not found:
+        raise ConfigError(f"--resume: no finished checkpoint under {out / 'checkpoints'}")
+    skipped = []
+    for folder in reversed(found):
+        problem = checkpoints.problem(folder, engine)
+        if problem is None:
+            for name, why in skipped if os.environ.get("RANK", "0") == "0" else ():  # (every rank finds the same)
+                log.warning("--resume: skipped %s, which cannot be resumed from: %s", name, why)
+            return folder
+        skipped.append((folder.name, problem))
+    raise ConfigError(
+        "--resume: no checkpoint under "
+        f"{out / 'checkpoints'} can be resumed from: " + "; ".join(f"{name}: {why}" for name, why in skipped)
+    )
+
+
+def _corpus(cfg: dict) -> data.Corpus:
+    """The text, read now so that a path, a file or a size that cannot serve stops the job here."""
+    settings, context = cfg["data"], cfg["model"]["context"]
+    try:
+        return data.load_corpus(
+            settings["path"], settings["heldout_fraction"], settings["max_bytes"], cfg["seed"], context
+        )
+    except (OSError, ValueError) as error:
+        key = "data.path" if settings["path"] is not None else "data.max_bytes"
+        raise ConfigError(f"config key {key!r} (with model.context {context}): {error}") from None
