@@ -351,6 +351,19 @@ def raw_weights(wrapped: engines.Wrapped) -> WeightAverager:
     return copy
 
 
+CONFIG_ERROR_GRACE = 2.0  # seconds the other ranks give rank 0 to report a config error first
+
+
+def report_config_error(message: str, rank: int) -> None:
+    """Every rank found the same error before any process group exists, so none can wait for
+    another: rank 0 says it at once; the others say it only after a grace period, which they
+    normally do not live through (torchrun stops them once rank 0 exits). Either way the
+    message is shown, even when rank 0 is the one torchrun stops first; and mostly once."""
+    if rank != 0:
+        time.sleep(CONFIG_ERROR_GRACE)
+    log.error("config error: %s", message)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     world, rank = int(os.environ.get("WORLD_SIZE", 1)), int(os.environ.get("RANK", 0))
@@ -358,8 +371,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         job = load_job(args, world)
     except configs.ConfigError as error:
-        if rank == 0:
-            log.error("config error: %s", error)
+        report_config_error(str(error), rank)
         return 2
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
     engines.init_distributed(job.cfg["engine"])

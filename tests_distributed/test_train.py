@@ -229,3 +229,22 @@ def test_a_pickle_in_a_checkpoint_entry_is_refused_in_one_line(runs, tmp_path) -
     assert said == [f"error: {folder} cannot be resumed from: an entry holds pickled Python objects, not tensor "
                     "data: refused without running it"], launch.output[-5000:]  # fmt: skip
     assert "weights_only=False" not in launch.output and not worker_tracebacks(launch.output), launch.output[-5000:]
+
+
+def test_a_config_error_is_shown_by_every_launch(tmp_path) -> None:
+    """The refusal is found on every rank before any process group exists; whichever rank torchrun
+    stops first, the launch shows it (before: 4 of 6 launches exited 2 without a word)."""
+    command = [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+        str(ROOT / "launch" / "train.py"), *job_args("fsdp2", tmp_path / "never", "--set", "train.lr=-1.0"),
+    ]  # fmt: skip
+    env = os.environ | {"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    launches = [
+        subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+        for _ in range(10)
+    ]
+    outputs = [launch.communicate(timeout=300)[0] for launch in launches]
+    shown = [output.count("config error: config key 'train.lr' must be a finite number > 0.0") for output in outputs]
+    print("the message shown, per launch:", shown)
+    assert all(launch.returncode != 0 for launch in launches) and min(shown) >= 1, outputs[shown.index(min(shown))]
+    assert not (tmp_path / "never").exists()
