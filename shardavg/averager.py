@@ -22,6 +22,7 @@ from torch import nn
 
 from . import checkpoint, stateful
 from ._logging import log
+from .description import RUN_ID
 from .export import export as export_model
 from .rules import EMA, LerpRule, MultiAvgFn, Rule, as_rule
 from .state import AVERAGE_NAME, MAX_PENDING, AverageState, Options
@@ -155,6 +156,19 @@ class WeightAverager:
         """Updates skipped for non-finite live weights (reads pending verdicts, as ``num_updates``)."""
         self._state.settle()
         return self._state.num_skipped
+
+    @property
+    def run_id(self) -> str | None:
+        """An identity of the run (32 hex digits) written into every checkpoint this averager saves
+        and restored by ``load``; None unless set. ``PostHocEMA`` sets it to tell its snapshots
+        from those another run left in the same directory."""
+        return self._state.run_id
+
+    @run_id.setter
+    def run_id(self, value: str | None) -> None:
+        if value is not None and not (isinstance(value, str) and RUN_ID.match(value)):
+            raise ValueError(f"run_id must be 32 lower-case hex digits or None, got {value!r}")
+        self._state.run_id = value
 
     @property
     def gather_bucket_bytes(self) -> int:

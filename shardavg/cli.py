@@ -17,6 +17,7 @@ from .description import numel
 from .errors import CheckpointError
 from .export import export_entries, export_metadata, parse_size, write_model
 from .offline import SavedAverage
+from .ownership import enclosing_checkpoint
 from .storage import DTYPES
 
 EXPORT_DTYPES = ("float32", "bfloat16", "float16")
@@ -123,9 +124,13 @@ def _posthoc(args: argparse.Namespace) -> str:
 
 
 def _check_out(out: str) -> None:
-    """OUT must name a folder: an empty argument would mean the current directory."""
+    """OUT must name a folder (an empty argument would mean the current directory) outside every
+    checkpoint and snapshot; checked before any work is done."""
     if not out:
         raise ValueError("OUT is empty: name the folder to write the model into (use . for the current directory)")
+    enclosing = enclosing_checkpoint(Path(out))
+    if enclosing is not None:
+        raise CheckpointError(f"OUT {out} is inside the checkpoint {enclosing}: write to a folder of its own")
 
 
 def _inspect(saved: SavedAverage, verify: bool) -> str:
@@ -190,6 +195,18 @@ def _export(saved: SavedAverage, args: argparse.Namespace) -> str:
     return f"wrote {len(entries)} tensors{which} to {path}"
 
 
+def _out_of_memory(error: BaseException) -> bool:
+    """A failed allocation, as Python or torch's CPU allocator reports one."""
+    return isinstance(error, MemoryError) or "can't allocate memory" in str(error)
+
+
+def _allocation(error: BaseException) -> str:
+    """The line of torch's allocator message that says how much was asked for."""
+    text = str(error)
+    start = text.find("you tried to allocate")
+    return text[start:].split(".")[0] if start >= 0 else type(error).__name__
+
+
 def main(argv: list[str] | None = None) -> int:
     try:
         args = _parser().parse_args(argv)
@@ -207,6 +224,11 @@ def main(argv: list[str] | None = None) -> int:
             print(_export(saved, args))
     except (CheckpointError, ValueError, OSError) as error:
         print(f"shardavg: error: {error}", file=sys.stderr)
+        return 2
+    except (MemoryError, RuntimeError) as error:
+        if not _out_of_memory(error):
+            raise
+        print(f"shardavg: error: out of memory: {_allocation(error)}; free memory or raise the limit", file=sys.stderr)
         return 2
     finally:
         if saved is not None:

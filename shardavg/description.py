@@ -12,6 +12,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import re
 from typing import Any
 
 from .errors import CheckpointError
@@ -23,6 +24,7 @@ from .strategies import ADAPTERS
 KINDS = ("param", "buffer")
 ROLES = ("average", "copy", "live")
 CHECKSUM = "checksum"
+RUN_ID = re.compile(r"^[0-9a-f]{32}$")
 REQUIRED = ("step", "num_updates", "num_skipped", "averages", "strategy", "world_size", "options", "tensors")
 REQUIRED_V2 = tuple("rule" if key == "averages" else key for key in REQUIRED)
 
@@ -147,6 +149,8 @@ def check_description(meta: Any, where: str) -> dict[str, Any]:
         raise fail(where, f"'strategy' must be one of {sorted(ADAPTERS)}, got {meta['strategy']!r}")
     if "options" in meta:
         _check_options(meta["options"], where)
+    if "run" in meta and not (isinstance(meta["run"], str) and RUN_ID.match(meta["run"])):
+        raise fail(where, f"'run' must be 32 hex digits, got {str(meta['run'])[:80]!r}")
     if "sequence" in meta and not is_count(meta["sequence"]):
         raise fail(where, f"'sequence' must be an integer >= 0, got {meta['sequence']!r}")
     if not isinstance(meta["tensors"], list):

@@ -17,6 +17,7 @@ from __future__ import annotations
 import math
 import os
 import re
+import secrets
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -26,6 +27,7 @@ from torch import nn
 
 from .averager import WeightAverager
 from .errors import CheckpointError
+from .layout import agree_or_raise, rank
 from .reading import read_manifest
 from .rules import PowerEMA, gamma_to_sigma_rel, rule_from_config, shown, sigma_rel_to_gamma
 from .storage import DTYPES
@@ -62,8 +64,12 @@ def solve_coefficients(
     """The least-squares coefficients of the snapshots ``(ts[i], gammas[i])`` for the target
     profile, in float64, and the fit's relative residual ``|sum x_i p_i - p_target| / |p_target|``.
 
-    Every ``t`` must be >= 1 and every gamma > -0.5 (``target_gamma``); inner products that still
-    come out non-finite are refused here rather than handed to LAPACK."""
+    The least-squares solution is divided by its sum, as EDM2's released code does: every
+    power-function EMA weighs the trajectory with weights that sum to exactly 1, so the
+    combination must too, or a parameter that never changes would come back scaled (by 1.034
+    at sigma_rel 0.07 from two snapshots). Every ``t`` must be >= 1 and every gamma > -0.5
+    (``target_gamma``); inner products that still come out non-finite are refused here rather
+    than handed to LAPACK."""
     t = torch.tensor(ts, dtype=torch.float64)
     g = torch.tensor(gammas, dtype=torch.float64)
     tr = torch.tensor([t_target], dtype=torch.float64)
@@ -77,6 +83,7 @@ def solve_coefficients(
             f"gamma {gamma_target}): every t must be >= 1 and every gamma > -0.5"
         )
     x = torch.linalg.lstsq(a, b[:, None], driver="gelsd").solution[:, 0]
+    x = x / x.sum()
     if not bool(torch.isfinite(x).all()):
         raise ValueError(f"the least-squares solution for gamma {gamma_target} at t {t_target} is not finite")
     residual = (target - 2 * x @ b + x @ a @ x).clamp_min(0)
@@ -130,6 +137,7 @@ class Snapshot:
             )
         self.step = int(meta["step"])
         self.world_size = int(meta.get("world_size", 1))
+        self.run: str | None = meta.get("run")  # the PostHocEMA run that wrote it (None: before runs had one)
         self.rules: dict[str, PowerEMA] = {}
         for entry in meta["averages"]:
             rule = rule_from_config(entry["rule"]) if entry["rule"].get("kind") != "custom" else None
@@ -161,6 +169,13 @@ def snapshots(directory: str | os.PathLike) -> list[Snapshot]:
         raise CheckpointError(f"{directory} holds no committed snapshot-<t> directory")
     found.sort(key=lambda s: s.t)
     first = found[0]
+    runs = {s.run for s in found}
+    if len(runs) > 1:
+        other = next(s for s in found if s.run != first.run)
+        raise CheckpointError(
+            f"{directory} mixes the snapshots of {len(runs)} runs ({first.path.name} is run {first.run}, "
+            f"{other.path.name} run {other.run}): synthesize from one run's snapshots, one directory per run"
+        )
     for other in found[1:]:
         shapes = {n: e["shape"] for n, e in other.tensors.items()}
         if shapes != {n: e["shape"] for n, e in first.tensors.items()} or other.gammas != first.gammas:
@@ -189,14 +204,16 @@ def plan(found: list[Snapshot], gamma: float, step: int | None) -> tuple[list[tu
     x, residual = solve_coefficients([s.t for s, _, _ in terms], [g for _, _, g in terms], target, gamma)
     if residual > FIT_TOLERANCE:
         raise ValueError(
-            f"sigma_rel {gamma_to_sigma_rel(gamma):.4g} (gamma {gamma:.4g}) cannot be synthesized well from these "
-            f"snapshots (relative residual {residual:.3f} > {FIT_TOLERANCE}): {synthesizable(found)}"
+            f"sigma_rel {gamma_to_sigma_rel(gamma):.4g} (gamma {gamma:.4g}) cannot be synthesized well at step "
+            f"{usable[-1].step} from the snapshots up to it (relative residual {residual:.3f} > {FIT_TOLERANCE}): "
+            f"{synthesizable(usable)}"
         )
     return [(s, name, float(c)) for (s, name, _), c in zip(terms, x)], target
 
 
 def synthesizable(found: list[Snapshot], tolerance: float = FIT_TOLERANCE) -> str:
-    """The range of sigma_rel the snapshots synthesize within ``tolerance``, at the last snapshot."""
+    """The range of sigma_rel the snapshots synthesize within ``tolerance``, at the last one's step
+    (pass the snapshots up to the step asked for)."""
     target = found[-1].t
     terms = [(s.t, g) for s in found for g in s.gammas.values()]
     good = [
@@ -250,11 +267,15 @@ class PostHocEMA:
         self.snapshot_dtype = snapshot_dtype
         self.averager_options = averager_options
         self.averager = WeightAverager(model, {f"profile-{i}": r for i, r in enumerate(rules)}, **averager_options)
+        self.averager.run_id = secrets.token_hex(16)  # in every snapshot; a resumed run loads its own back
         self._issued = 0  # updates applied (or issued to the device) since the profiles began
+        self._directory_checked = False  # whether the snapshots already in ``directory`` are this run's
 
     def update(self, step: int | None = None) -> bool:
         """``averager.update(step)``, then a snapshot after every ``snapshot_every``-th applied update
         (counted here, so that an update checked on an accelerator is not waited for)."""
+        if not self._directory_checked:
+            self._check_directory()
         applied = self.averager.update(step)
         if applied:
             self._issued += 1
@@ -263,20 +284,43 @@ class PostHocEMA:
                 self.averager.save(path, dtype=self.snapshot_dtype)
         return applied
 
+    def _check_directory(self) -> None:
+        """Collective, at the first update (after building or loading): every snapshot already in the
+        directory must be this run's (a resumed run rewrites its own later ones), or synthesis would
+        mix two runs."""
+        error: BaseException | None = None
+        if rank() == 0:
+            try:
+                for path in sorted(self.directory.glob("snapshot-*")) if self.directory.is_dir() else []:
+                    if SNAPSHOT.match(path.name) and (path / "shardavg.json").is_file():
+                        theirs = read_manifest(path).get("run")
+                        if theirs != self.averager.run_id:
+                            raise CheckpointError(
+                                f"{self.directory} holds snapshots of another run ({path.name}, run {theirs}; this "
+                                f"is run {self.averager.run_id}): write to a directory of its own, or load this "
+                                "run's checkpoint before going on with it"
+                            )
+            except Exception as caught:
+                error = caught
+        agree_or_raise(error, f"checking {self.directory}")
+        self._directory_checked = True
+
     # checkpoints of the running profiles: as a WeightAverager's (snapshots are already on disk)
     def state_dict(self) -> dict[str, Any]:
         return self.averager.state_dict()
 
     def load_state_dict(self, state_dict: dict[str, Any], strict: bool = True) -> None:
-        self.averager.load_state_dict(state_dict, strict)
+        self.averager.load_state_dict(state_dict, strict)  # (the run's identity too)
         self._issued = self.averager.num_updates
+        self._directory_checked = False
 
     def save(self, directory: str | os.PathLike, keep_last: int | None = None) -> Path:
         return self.averager.save(directory, keep_last)
 
     def load(self, directory: str | os.PathLike, strict: bool = True) -> Path:
-        path = self.averager.load(directory, strict)
+        path = self.averager.load(directory, strict)  # (the run's identity too)
         self._issued = self.averager.num_updates
+        self._directory_checked = False
         return path
 
     def synthesize(

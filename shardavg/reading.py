@@ -96,10 +96,14 @@ def resolve(directory: str | os.PathLike) -> Path:
         raise CheckpointError(f"no checkpoint at {directory}")
     if not directory.is_dir():
         raise CheckpointError(f"no checkpoint at {directory}: it is not a directory")
-    committed = committed_steps(directory)
-    if committed:
-        return committed[-1][2]
-    uncommitted = sorted(p.name for p in directory.iterdir() if STEP_DIR.match(p.name)) or [directory.name]
+    for _ in range(ATTEMPTS):  # a save committing and pruning meanwhile changes the listing: look again
+        listed = sorted(p.name for p in directory.iterdir() if STEP_DIR.match(p.name))
+        committed = committed_steps(directory)
+        if committed:
+            return committed[-1][2]
+        if sorted(p.name for p in directory.iterdir() if STEP_DIR.match(p.name)) == listed:
+            break
+    uncommitted = listed or [directory.name]
     raise CheckpointError(
         f"{directory} holds no committed shardavg checkpoint: {uncommitted} lack {MANIFEST}, "
         "so their save never completed"
@@ -206,13 +210,18 @@ class OpenCheckpoint:
             return handle.read()
 
     def _missing(self, name: str) -> CheckpointError:
-        """Why ``name`` is not in the opened directory: a newer save replaced it (or a prune removed
-        it) and it is being deleted, or the checkpoint itself lacks the file."""
+        """Why ``name`` is not in the opened directory: a newer save replaced it, or committed beside
+        it and is pruning it (its files go one by one), or the checkpoint itself lacks the file."""
         try:
             here, opened = os.stat(self.path), os.fstat(self._dir)  # type: ignore[arg-type]
             replaced = (here.st_dev, here.st_ino) != (opened.st_dev, opened.st_ino)
         except FileNotFoundError:
             replaced = True
+        if not replaced and STEP_DIR.match(self.path.name):
+            try:
+                replaced = resolve(self.path.parent) != self.path
+            except CheckpointError:
+                replaced = False
         if replaced:
             return CheckpointReplaced(f"{self.path} was replaced by a newer save (or pruned) while it was read")
         return CheckpointError(f"missing checkpoint file {self.path / name}")

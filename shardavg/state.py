@@ -130,6 +130,7 @@ class AverageState:
         self.step = 0  # last step seen by update()
         self.num_updates = 0  # updates applied (the first one copies)
         self.num_skipped = 0  # updates skipped for non-finite live weights
+        self.run_id: str | None = None  # which run wrote a checkpoint, when the user says (PostHocEMA does)
         self.device_counters: dict[torch.device, torch.Tensor] = {}  # num_updates as a tensor, per device
         self.gather_bucket_bytes = DEFAULT_BUCKET_BYTES
         # The check on an accelerator (see ``check_on_device``): verdicts not yet read, by step, and
@@ -433,6 +434,7 @@ class AverageState:
             "strategy": self.strategy.name,
             "world_size": world_size(),
             "options": self.options.describe(),
+            **({} if self.run_id is None else {"run": self.run_id}),
             "tensors": [
                 {
                     "name": info.name,
@@ -468,5 +470,6 @@ class AverageState:
         self.step = int(description["step"])
         self.num_updates = int(description["num_updates"])
         self.num_skipped = int(description.get("num_skipped", 0))
+        self.run_id = description.get("run")
         self.device_counters.clear()
         self.pending.clear()  # verdicts on updates the restored state replaces

@@ -38,7 +38,7 @@ def edm2_p_dot_p(t_a, gamma_a, t_b, gamma_b):
 
 
 def reference(directory: Path, sigma_rel: float) -> dict[str, torch.Tensor]:
-    """Algorithm 3 on the full snapshots, read whole in float64."""
+    """Algorithm 3 (its least-squares solution divided by its sum) on the full snapshots, read whole in float64."""
     found = snapshots(directory)
     terms = [(s, name, g) for s in found for name, g in s.gammas.items()]
     t = np.float64([s.t for s, _, _ in terms])
@@ -47,6 +47,7 @@ def reference(directory: Path, sigma_rel: float) -> dict[str, torch.Tensor]:
     a = edm2_p_dot_p(t[:, None], g[:, None], t[None, :], g[None, :])
     b = edm2_p_dot_p(t[:, None], g[:, None], tr[None, :], gr[None, :])
     x = np.linalg.lstsq(a, b, rcond=None)[0][:, 0]
+    x = x / x.sum()  # EDM2's released code: the weights of an average sum to 1
     readers = {s.path: SavedAverage(s.path) for s in found}
     last = readers[found[-1].path]
     result = {}
