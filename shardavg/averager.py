@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from . import checkpoint, stateful
-from ._logging import log
+from ._logging import built_by_user, log
 from .description import RUN_ID
 from .export import export as export_model
 from .rules import EMA, LerpRule, MultiAvgFn, Rule, as_rule
@@ -112,6 +112,12 @@ class WeightAverager:
         ]
         if narrowed:
             warnings.warn(f"{len(narrowed)} shadows are {dtype}, below their live dtype: {narrowed}", stacklevel=2)
+        if built_by_user():
+            self._announce(rules)
+
+    def _announce(self, rules: dict[str | None, Rule]) -> None:
+        """One line on what was built: the engine, the tensors and what the shadows cost."""
+        state = self._state
         log.info(
             "shardavg: %s strategy, %d tensors (%d averaged%s), %.1f MiB of shadows on rank 0",
             state.strategy.name,

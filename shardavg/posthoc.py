@@ -25,6 +25,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ._logging import internal
 from .averager import WeightAverager
 from .errors import CheckpointError
 from .layout import agree_or_raise, rank
@@ -346,8 +347,9 @@ def synthesize(
     target = PowerEMA(gamma=target_gamma(sigma_rel, gamma))
     found = snapshots(directory)
     terms, t_target = plan(found, target.exponent, step)
-    result = WeightAverager(model, target, **averager_options)
-    scratch = WeightAverager(model, found[0].rules, **averager_options)  # each snapshot is read into it in turn
+    with internal():  # the library's own averagers: they do not log as if the user had built them
+        result = WeightAverager(model, target, **averager_options)
+        scratch = WeightAverager(model, found[0].rules, **averager_options)  # each snapshot is read into it
     state, shadows = result._state, result._state.average(None).shadows
     stored = [i for i, s in enumerate(shadows) if s is not None and state.roles[i] == "average"]
     with torch.no_grad():

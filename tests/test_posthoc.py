@@ -3,6 +3,7 @@ synthesis against Algorithm 3 applied to the full snapshots, and what is refused
 
 from __future__ import annotations
 
+import logging
 import shutil
 
 import numpy as np
@@ -373,3 +374,15 @@ def test_a_second_run_refuses_a_used_directory_and_a_resumed_one_goes_on(trainer
         resumed.update()
     assert [s.t for s in snapshots(tmp_path / "snapshots")] == [3, 6, 9, 12, 15]
     assert len({s.run for s in snapshots(tmp_path / "snapshots")}) == 1
+
+
+def test_synthesis_builds_its_averagers_without_a_word(trainer, tmp_path, caplog) -> None:
+    """The main job's sweep printed the "shardavg: ... strategy" line twice per sigma_rel."""
+    ph = trained(trainer, tmp_path)
+    with caplog.at_level(logging.INFO, logger="shardavg"):
+        ph.synthesize(0.08)
+        ph.synthesize(0.10)
+    assert not [r.getMessage() for r in caplog.records if "strategy" in r.getMessage()]
+    with caplog.at_level(logging.INFO, logger="shardavg"):
+        WeightAverager(TiedNet(), PowerEMA(sigma_rel=0.1))  # one the user builds still says what it is
+    assert any("shardavg: replicated strategy" in r.getMessage() for r in caplog.records)
