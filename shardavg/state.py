@@ -231,12 +231,25 @@ class AverageState:
         """Adopt the engine's current local views: shapes must not change; a new dtype or device
         (``model.to(...)``) is followed, and shadows kept next to their live shard move along."""
         misshaped = [
-            f"{info.name}: {tuple(old.shape)} -> {tuple(new.shape)}"
-            for info, old, new in zip(self.infos, self.live, live)
-            if new.shape != old.shape
-        ]
+            f"{info.name}: {info.end - info.start} -> {new.numel()} elements"
+            for info, new in zip(self.infos, live)
+            if new.numel() != info.end - info.start
+        ]  # (against what was recorded: ``param.data = other`` changes the very object cached)
         if misshaped:
-            raise ModelChangedError(f"the model's local shards changed shape after the averager was built: {misshaped}")
+            emptied = all(
+                new.numel() == 0
+                for info, new in zip(self.infos, live)
+                if info.kind == "param" and info.end > info.start
+            )
+            hint = (
+                "; its parameters were emptied, as deepspeed.initialize (ZeRO-3) or accelerator.prepare do when "
+                "they partition a model: build the averager on the model they return"
+                if emptied
+                else ""
+            )
+            raise ModelChangedError(
+                f"the model's local shards changed size after the averager was built: {misshaped[:8]}{hint}"
+            )
         if self.options.device is None:
             moved: dict[int, torch.Tensor] = {}  # a shadow shared by several averages moves once
             for average in self.averages.values():

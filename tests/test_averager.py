@@ -494,3 +494,20 @@ def test_the_master_source_is_refused_where_there_is_no_zero3_master(model) -> N
         WeightAverager(model, source="master")
     with pytest.raises(StrategyError, match=r"unknown source 'fp32'"):
         WeightAverager(model, source="fp32")
+
+
+def test_an_averager_whose_model_was_partitioned_after_it_was_built_says_so_at_the_next_update(model) -> None:
+    """What deepspeed.initialize (ZeRO-3) and accelerator.prepare do to a module: every parameter's
+    data replaced by an empty tensor. Before, updates went on without a word until save()."""
+    averager = WeightAverager(model, EMA(decay=0.9))
+    assert averager.update()
+    with torch.no_grad():
+        for parameter in model.parameters():
+            parameter.data = torch.empty(0, dtype=parameter.dtype)
+    with pytest.raises(
+        ModelChangedError, match=r"changed size after the averager was built: .*'embed.weight: 66 -> 0 elements'"
+    ):
+        averager.update()
+    with pytest.raises(ModelChangedError, match="build the averager on the model they return"):
+        averager.update()
+    assert averager.num_updates == 1

@@ -25,7 +25,7 @@ from torch import nn
 from torch.distributed.elastic.multiprocessing.errors import record
 
 import shardavg
-from shardavg import EMA, SWA, CheckpointError, WeightAverager
+from shardavg import EMA, SWA, CheckpointError, ModelChangedError, WeightAverager
 from shardavg.integrations import deepspeed as ds_checkpoint
 
 RULES = {"ema": EMA(decay=0.9), "swa": SWA()}
@@ -99,6 +99,8 @@ def resume(root: Path) -> None:
         assert_same(f"stage {stage} resumed", second.averages(), reference)
         if stage == 1:
             refuse_bad_tags(first, folder, root)
+        if stage == 3:
+            refuse_an_averager_built_before_partitioning()
 
         # A tag the engine saved by itself: refused before the engine loads it, or re-seeded.
         first.engine.save_checkpoint(str(folder), tag="engine-only")
@@ -117,6 +119,22 @@ def resume(root: Path) -> None:
         if dist.get_rank() == 0:
             assert all(torch.equal(average[n], value) for n, value in live.items()), "not re-seeded from live"
         harness.report("RESUMED", {"stage": stage, "world_size": dist.get_world_size()})
+
+
+def refuse_an_averager_built_before_partitioning() -> None:
+    """Built on the plain module, then deepspeed.initialize partitions it: the first update says so."""
+    import deepspeed
+
+    module = harness.TiedNet()
+    early = WeightAverager(module, EMA(decay=0.9))
+    optimizer = torch.optim.SGD([p for p in module.parameters() if p.requires_grad], lr=0.1)
+    config = {"train_micro_batch_size_per_gpu": 8, "zero_allow_untested_optimizer": True,
+              "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}}  # fmt: skip
+    deepspeed.initialize(model=module, optimizer=optimizer, config=config)
+    with harness.expect_raises(
+        ModelChangedError, "deepspeed.initialize", "build the averager on the model they return"
+    ):
+        early.update()
 
 
 def refuse_bad_tags(run: Run, folder: Path, root: Path) -> None:
