@@ -440,6 +440,12 @@ class WeightAverager:
         (the ranks share the work). Returns the checkpoint loaded."""
         return checkpoint.load(self._state, directory, strict, verify)
 
+    def check_checkpoint(self, directory: str | os.PathLike, strict: bool = True, verify: bool = False) -> Path:
+        """Collective: what ``load(directory, strict, verify)`` would refuse, refused now, with nothing
+        changed: call it before an engine loads its own part of the same checkpoint, so that a
+        damaged average never leaves the weights of one step beside the average of another."""
+        return checkpoint.check(self._state, directory, strict, verify)
+
     def export(
         self,
         path: str | os.PathLike,

@@ -384,6 +384,8 @@ def _open_for_load(
             meta = opened.meta
             slots = loadable(state, check_compatible(state, meta, str(opened.path), strict), meta)
             reads = _plan_reads(state, opened, slots)
+            for index in range(rank(), len(meta["files"]), world_size()):  # every file, the ranks sharing them:
+                opened.shard(index)  # one that holds no tensor this averager reads must be there all the same
             if verify:
                 opened.verify(list(range(len(meta["files"])))[rank() :: world_size()])
         except CheckpointReplaced:
@@ -402,6 +404,14 @@ def _open_for_load(
         if opened is not None:  # some rank saw another save: all open again
             opened.close()
     raise busy(directory)
+
+
+def check(state: AverageState, directory: str | os.PathLike, strict: bool = True, verify: bool = False) -> Path:
+    """Collective: everything ``load`` checks (every file there and this save's, the manifest, the
+    averages, names and shapes against this averager), changing nothing; the checkpoint's path."""
+    opened, _, _ = _open_for_load(state, directory, strict, verify)
+    opened.close()
+    return opened.path
 
 
 def load(state: AverageState, directory: str | os.PathLike, strict: bool = True, verify: bool = False) -> Path:

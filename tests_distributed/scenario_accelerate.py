@@ -27,8 +27,8 @@ from torch import nn
 from torch.distributed.elastic.multiprocessing.errors import record
 from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 
-from shardavg import EMA, SWA, WeightAverager
-from shardavg.integrations.accelerate import attach
+from shardavg import EMA, SWA, CheckpointError, WeightAverager
+from shardavg.integrations.accelerate import attach, load_state
 
 RULES = {"ema": EMA(decay=0.9), "swa": SWA()}
 ACCUMULATION = 2
@@ -121,6 +121,23 @@ def assert_equal(root: Path, label: str, state: dict) -> None:
             assert torch.equal(tensors[key], value), f"{label}/{name}: {key} differs"
 
 
+def refuse_a_damaged_average(accelerator, model, root: Path) -> None:
+    """``load_state`` checks the average before the model moves: here rank 1's file of the average,
+    which holds no tensor under DDP (rank 0 owns every one), is gone."""
+    import shutil
+
+    damaged = root / "damaged"
+    if dist.get_rank() == 0:
+        shutil.copytree(root / "checkpoint", damaged)
+        (damaged / "shardavg" / "rank-00001-of-00002.safetensors").unlink()
+    dist.barrier()
+    before = {n: p.detach().clone() for n, p in accelerator.unwrap_model(model).named_parameters()}
+    with harness.expect_raises(CheckpointError, "missing checkpoint file", "rank-00001-of-00002.safetensors"):
+        load_state(accelerator, damaged)
+    after = dict(accelerator.unwrap_model(model).named_parameters())
+    assert all(torch.equal(before[n], after[n]) for n in before), "the model loaded before the average was refused"
+
+
 @record
 def main() -> None:
     mode, kind, root = sys.argv[1], sys.argv[2], Path(sys.argv[3])
@@ -136,6 +153,8 @@ def main() -> None:
         train(accelerator, model, optimizer, avg, range(STEPS + 1, 2 * STEPS + 1), reference)
         write(root, "at-end", averages(avg))
     else:
+        if mode == "other":
+            refuse_a_damaged_average(accelerator, model, root)
         accelerator.load_state(str(root / "checkpoint"))
         assert (avg.num_updates, avg.step) == (STEPS, STEPS), (avg.num_updates, avg.step)
         assert_equal(root, "at-save", averages(avg))

@@ -13,6 +13,7 @@ MODE is one of
 
 from __future__ import annotations
 
+import shutil
 import sys
 import warnings
 from pathlib import Path
@@ -153,6 +154,16 @@ def refuse_bad_tags(run: Run, folder: Path, root: Path) -> None:
     assert sorted(p.relative_to(root) for p in root.rglob("*")) == before, "a refused save wrote something"
     assert (folder / "latest").read_text() == latest
     again = Run(run.stage)
+    damaged = root / "damaged"  # rank 1's file of the average gone: refused before the engine loads
+    if dist.get_rank() == 0:
+        shutil.copytree(folder, damaged)
+        (damaged / latest / "shardavg" / "rank-00001-of-00002.safetensors").unlink()
+    dist.barrier()
+    before = {n: p.detach().clone() for n, p in again.engine.module.named_parameters()}
+    with harness.expect_raises(CheckpointError, "missing checkpoint file", "rank-00001-of-00002.safetensors"):
+        ds_checkpoint.load_checkpoint(again.engine, again.avg, damaged)
+    after = dict(again.engine.module.named_parameters())
+    assert all(torch.equal(before[n], after[n]) for n in before), "the engine loaded before the average was refused"
     ds_checkpoint.load_checkpoint(again.engine, again.avg, folder)  # the previous tag, through latest
     assert again.avg.num_updates == STEPS
 

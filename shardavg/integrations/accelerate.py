@@ -5,7 +5,10 @@ and optimizer are written (DeepSpeed's and FSDP's included) and writes ``dir/sha
 ``avg.save``, which is atomic and has committed on every rank when it returns (``save_state``
 itself ends without a barrier). The load hook restores it with ``avg.load``, at any world size
 the checkpoint can be read at. The averager is held here, because accelerate gives the load
-hook no models under FSDP and DeepSpeed. (``register_for_checkpointing`` would pickle rank 0's
+hook no models under FSDP and DeepSpeed. That hook runs after the model and optimizer are
+loaded, so a damaged average would be found only then, beside weights already at the
+checkpoint's step: ``load_state(accelerator, dir)`` checks every attached average first and
+only then calls ``accelerator.load_state(dir)``. (``register_for_checkpointing`` would pickle rank 0's
 state only, and unpickle it with ``weights_only=False``: never used.)
 """
 
@@ -20,7 +23,7 @@ from ..averager import WeightAverager
 
 DIRECTORY = "shardavg"  # inside the accelerator's checkpoint folder
 
-# accelerator -> {directory: (averager, save hook handle)}, for refusing a second attach
+# accelerator -> {directory: (averager, save hook handle, check)}: a second attach is refused, load_state checks
 _ATTACHED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
@@ -33,13 +36,8 @@ def attach(accelerator: Any, avg: WeightAverager, directory: str = DIRECTORY) ->
     """
     if not directory or os.sep in directory or directory in (".", ".."):
         raise ValueError(f"directory must be a plain folder name inside the checkpoint, got {directory!r}")
-    attached = _ATTACHED.setdefault(accelerator, {})
-    live = {  # registrations whose hooks were not removed since
-        name: (other, handle)
-        for name, (other, handle) in attached.items()
-        if handle.id in getattr(accelerator, "_save_model_state_pre_hook", {handle.id: None})
-    }
-    for name, (other, _) in live.items():
+    live = _live(accelerator)
+    for name, (other, _, _) in live.items():
         if other is avg:
             raise ValueError(f"this averager is already attached to the accelerator (under {name!r})")
         if name == directory:
@@ -51,8 +49,29 @@ def attach(accelerator: Any, avg: WeightAverager, directory: str = DIRECTORY) ->
     def load(models: list, input_dir: str | os.PathLike) -> None:
         avg.load(Path(input_dir) / directory)
 
+    def check(input_dir: str | os.PathLike) -> None:
+        avg.check_checkpoint(Path(input_dir) / directory)
+
     save_handle = accelerator.register_save_state_pre_hook(save)
     load_handle = accelerator.register_load_state_pre_hook(load)
-    live[directory] = (avg, save_handle)
+    live[directory] = (avg, save_handle, check)
     _ATTACHED[accelerator] = live
     return save_handle, load_handle
+
+
+def load_state(accelerator: Any, input_dir: str | os.PathLike, **kwargs: Any) -> Any:
+    """Collective: check every average attached to ``accelerator`` in ``input_dir`` (every file, names,
+    shapes, rules), then ``accelerator.load_state(input_dir, **kwargs)``: a damaged average is
+    refused before the model or the optimizer changes."""
+    for _, _, check in _live(accelerator).values():
+        check(input_dir)
+    return accelerator.load_state(str(input_dir), **kwargs)
+
+
+def _live(accelerator: Any) -> dict:
+    """The registrations on ``accelerator`` whose hooks were not removed since."""
+    return {
+        name: registration
+        for name, registration in _ATTACHED.get(accelerator, {}).items()
+        if registration[1].id in getattr(accelerator, "_save_model_state_pre_hook", {registration[1].id: None})
+    }

@@ -64,9 +64,10 @@ def load_checkpoint(
     **kwargs: Any,
 ) -> Any:
     """Collective: ``engine.load_checkpoint`` and the average of the same tag (``latest`` when
-    ``tag`` is None); returns what the engine returned. A tag without an average is refused
-    before anything is loaded, unless ``strict=False``: it then warns and restarts the average
-    from the loaded live weights (as if its first update had just copied them)."""
+    ``tag`` is None); returns what the engine returned. The average is checked whole on every rank
+    (every file, names, shapes, rules) before the engine loads anything; a tag without an average
+    is refused then too, unless ``strict=False``: it then warns and restarts the average from the
+    loaded live weights (as if its first update had just copied them)."""
     error: BaseException | None = None
     path = Path(load_dir)
     try:
@@ -82,6 +83,8 @@ def load_checkpoint(
     tags = gather_or_raise(error, tag, f"loading {load_dir}")
     if len(set(tags)) > 1:
         raise CheckpointError(f"the ranks name different tags {tags}: every rank must load the same tag")
+    if path.is_dir():
+        avg.check_checkpoint(path, strict=strict)  # the whole average, before the engine moves
     result = engine.load_checkpoint(str(load_dir), tag=tag, **kwargs)
     if path.is_dir():
         avg.load(path, strict=strict)
