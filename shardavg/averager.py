@@ -440,6 +440,14 @@ class WeightAverager:
         (the ranks share the work). Returns the checkpoint loaded."""
         return checkpoint.load(self._state, directory, strict, verify)
 
+    def restart(self, step: int) -> None:
+        """Restart every average from the live weights, as if its first update at ``step`` had copied
+        them: what a resume does when the checkpoint it loaded has no average (``strict=False``)."""
+        step = operator.index(step)
+        if step < 0:
+            raise ValueError(f"restart(step={step}): a step is >= 0")
+        self._state.reseed(step)
+
     def check_checkpoint(self, directory: str | os.PathLike, strict: bool = True, verify: bool = False) -> Path:
         """Collective: what ``load(directory, strict, verify)`` would refuse, refused now, with nothing
         changed: call it before an engine loads its own part of the same checkpoint, so that a

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import sys
+import warnings
 from pathlib import Path
 
 import harness
@@ -30,6 +31,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 
+from shardavg import CheckpointError
 from shardavg.integrations.lightning import ShardedWeightAveraging, sidecar
 
 STEPS, DECAY, RESUME_AT = 8, 0.9, 4
@@ -252,6 +254,8 @@ def extras(root: Path) -> None:
         files = sorted(p.name for p in (root / "one").iterdir())
         assert files == [f"epoch=1-step={STEPS}.ckpt", f"epoch=1-step={STEPS}.ckpt.shardavg"], files
 
+    resume_without_the_sidecar(root / "one" / f"epoch=1-step={STEPS}.ckpt", root)
+
     before = LiveBefore()
     averaging = ShardedWeightAveraging(decay=DECAY)
     trainer = L.Trainer(
@@ -270,6 +274,38 @@ def extras(root: Path) -> None:
     assert all(torch.equal(restored[n], w) for n, w in before.weights.items()), "the swap was not undone"
     harness.report("EXTRAS", {"world_size": dist.get_world_size()})
     harness.finish()
+
+
+def resume_without_the_sidecar(checkpoint: Path, root: Path) -> None:
+    """A checkpoint copied without its ``.shardavg`` sidecar: refused naming the sidecar to copy, or
+    with ``strict=False`` the average restarts from the loaded weights and goes on."""
+    import shutil
+
+    bare = root / "bare" / checkpoint.name
+    if dist.get_rank() == 0:
+        bare.parent.mkdir()
+        shutil.copy(checkpoint, bare)
+    dist.barrier()
+    for strict in (True, False):
+        averaging = ShardedWeightAveraging(decay=DECAY, strict=strict)
+        trainer = L.Trainer(
+            accelerator="cpu", devices=2, strategy="ddp", max_steps=STEPS + 2, callbacks=[averaging],
+            num_sanity_val_steps=0, logger=False, enable_progress_bar=False, enable_model_summary=False,
+            enable_checkpointing=False, limit_val_batches=0,
+        )  # fmt: skip
+        if strict:
+            with harness.expect_raises(
+                CheckpointError, "has no average beside it", f"copy its sidecar {bare.name}.shardavg/"
+            ):
+                trainer.fit(Net(), data(64, 1), ckpt_path=str(bare))
+            continue
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            trainer.fit(Net(), data(64, 1), ckpt_path=str(bare))
+        assert any("restarted from the loaded weights" in str(w.message) for w in caught), [
+            str(w.message) for w in caught
+        ]
+        assert (averaging.averager.num_updates, averaging.averager.step) == (3, STEPS + 2)
 
 
 def theirs(kind: str) -> None:

@@ -90,7 +90,7 @@ def load_checkpoint(
         avg.load(path, strict=strict)
     else:
         warnings.warn(f"{path.parent} holds no average: restarted from the loaded weights", stacklevel=2)
-        avg._state.reseed(engine.global_steps)
+        avg.restart(engine.global_steps)
     return result
 
 

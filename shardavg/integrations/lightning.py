@@ -19,12 +19,14 @@ from __future__ import annotations
 
 import contextlib
 import shutil
+import warnings
 from pathlib import Path
 from typing import Any
 
 from lightning.pytorch.callbacks import Callback
 
 from ..averager import WeightAverager
+from ..errors import CheckpointError
 from ..ownership import is_own_checkpoint
 from ..rules import EMA, MultiAvgFn, Rule
 
@@ -47,6 +49,8 @@ class ShardedWeightAveraging(Callback):
             from 0) when ``i >= update_starting_at_step`` and ``i % update_every_n_steps == 0``,
             as ``EMAWeightAveraging`` does.
         copy_at_end: write the average into the model when training ends.
+        strict: on resume, refuse a checkpoint without its sidecar average; with False, warn and
+            restart the average from the loaded weights instead.
         averager_options: passed to ``WeightAverager`` (``dtype``, ``buffers``, ``device``, ...).
     """
 
@@ -57,6 +61,7 @@ class ShardedWeightAveraging(Callback):
         update_every_n_steps: int = 1,
         update_starting_at_step: int | None = None,
         copy_at_end: bool = False,
+        strict: bool = True,
         **averager_options: Any,
     ) -> None:
         if update_every_n_steps < 1:
@@ -65,10 +70,11 @@ class ShardedWeightAveraging(Callback):
         self.update_every_n_steps = update_every_n_steps
         self.update_starting_at_step = update_starting_at_step
         self.copy_at_end = copy_at_end
+        self.strict = strict
         self.averager_options = averager_options
         self.averager: WeightAverager | None = None
         self._swap: contextlib.ExitStack | None = None
-        self._resume_from: str | None = None
+        self._resume_from: tuple[str, int] | None = None  # (checkpoint, its global step) until restored
         self._wrapped: tuple[Any, Any, Any] | None = None  # (strategy, save_checkpoint, remove_checkpoint)
 
     # ------------------------------------------------------------------ building and updating
@@ -113,13 +119,26 @@ class ShardedWeightAveraging(Callback):
     # ------------------------------------------------------------------ checkpoints
 
     def on_load_checkpoint(self, trainer, pl_module, checkpoint: dict) -> None:
-        self._resume_from = trainer.ckpt_path  # before or after on_fit_start, as the strategy restores
+        # before or after on_fit_start, as the strategy restores
+        self._resume_from = (trainer.ckpt_path, int(checkpoint.get("global_step", trainer.global_step)))
         self._restore_pending()
 
     def _restore_pending(self) -> None:
-        if self.averager is not None and self._resume_from is not None:
-            path, self._resume_from = sidecar(self._resume_from), None
+        if self.averager is None or self._resume_from is None:
+            return
+        (checkpoint, step), self._resume_from = self._resume_from, None
+        path = sidecar(checkpoint)
+        if path.exists() or self.strict:
+            if not path.exists():
+                raise CheckpointError(
+                    f"{checkpoint} has no average beside it: copy its sidecar {path.name}/ along with it, or pass "
+                    "ShardedWeightAveraging(strict=False) to restart the average from the loaded weights"
+                )
             self.averager.load(path)
+        else:
+            warnings.warn(f"{checkpoint} has no average beside it ({path.name}/): restarted from the loaded "
+                          "weights", stacklevel=2)  # fmt: skip
+            self.averager.restart(step)
 
     def _follow_checkpoints(self, strategy) -> None:
         """Write the sidecar whenever the strategy writes a checkpoint, remove it with it."""

@@ -6,19 +6,28 @@ the averager reads through its ZeRO-3 adapter), updates it once per optimizer st
 (``on_step_end``, after gradient accumulation), saves every rank's shard into
 ``checkpoint-<step>/shardavg/`` when the Trainer saves (``on_save`` runs on every rank after the
 model, optimizer and ``trainer_state.json`` are written and old checkpoints rotated away, the
-average with them), restores it when training resumes (the Trainer tells callbacks only the
-restored ``global_step``: the checkpoint is ``output_dir/checkpoint-<global_step>``), and
-exports the consolidated average at the end when asked. Bound to its Trainer
-(``with_weight_averaging``), it also evaluates the averaged weights after each evaluation,
-through ``swapped()``, and reports them as ``eval_avg_*`` next to the raw ``eval_*``.
+average with them), and exports the consolidated average, with the model's ``config.json``, at
+the end when asked (with ``load_best_model_at_end``, the average saved with the best checkpoint).
 
+Every average is saved paired with its checkpoint: its ``run_id`` is the SHA-256 of the
+``trainer_state.json`` beside it (a fingerprint, 32 hex digits). On resume it is loaded from the
+checkpoint the Trainer actually resumed (``with_weight_averaging`` sees the argument of
+``trainer.train``; an unbound callback can only look in ``output_dir/checkpoint-<global_step>``)
+and refused unless that pairing holds, so an average is never paired with other weights.
+
+Bound to its Trainer (``with_weight_averaging``), it also evaluates the averaged weights after
+each evaluation, through ``swapped()``, and reports them as ``eval_avg_*`` next to the raw ``eval_*``.
 It is deliberately not an ``ExportableState``: the Trainer would re-create such a callback from
 JSON on resume, without its averager.
 """
 
 from __future__ import annotations
 
+import functools
+import hashlib
+import json
 import os
+import warnings
 import weakref
 from pathlib import Path
 from typing import Any
@@ -27,9 +36,11 @@ from transformers import TrainerCallback
 
 from ..averager import WeightAverager
 from ..errors import CheckpointError
+from ..reading import read_manifest, resolve
 from ..rules import MultiAvgFn, Rule
 
 DIRECTORY = "shardavg"  # inside each checkpoint-<step> folder
+TRAINER_STATE = "trainer_state.json"  # the Trainer's file the average is paired with
 PREFIX = "eval_avg"  # metric prefix of the averaged weights' evaluation
 
 
@@ -40,24 +51,43 @@ class WeightAveragingCallback(TrainerCallback):
         rule: e.g. ``EMA(decay=0.999)``; a dict of rules keeps several named averages (the
             first one is evaluated and exported).
         export_dir: where to write the consolidated average when training ends (safetensors,
-            the model's own parameter names), or None.
+            the model's own parameter names, and its ``config.json``: ``from_pretrained`` loads
+            it), or None.
+        strict: on resume, refuse a checkpoint without an average paired with it; with False,
+            warn and restart the average from the loaded weights instead.
     """
 
     def __init__(
-        self, rule: Rule | MultiAvgFn | dict, export_dir: str | os.PathLike | None = None, **averager_options: Any
+        self,
+        rule: Rule | MultiAvgFn | dict,
+        export_dir: str | os.PathLike | None = None,
+        strict: bool = True,
+        **averager_options: Any,
     ) -> None:
         self.rule = rule
         self.export_dir = None if export_dir is None else Path(export_dir)
+        self.strict = strict
         self.averager_options = averager_options
         self.averager: WeightAverager | None = None
         self._trainer: Any = None  # a weak reference, once bound
+        self._resumed_from: Path | None = None  # the checkpoint ``trainer.train`` resumed, once bound
         self._evaluating = False
+        self._warned_unbound = False
 
     def bind(self, trainer: Any) -> WeightAveragingCallback:
-        """Let the callback evaluate the averaged weights with ``trainer`` (and add it there)."""
+        """Let the callback evaluate the averaged weights with ``trainer`` (and add it there), and see
+        which checkpoint ``trainer.train(resume_from_checkpoint=...)`` resumes."""
         self._trainer = weakref.ref(trainer)
         if self not in trainer.callback_handler.callbacks:
             trainer.add_callback(self)
+        train = trainer.train
+
+        @functools.wraps(train)
+        def train_seen(*args: Any, **kwargs: Any) -> Any:
+            self._resumed_from = _resumed_checkpoint(trainer, kwargs.get("resume_from_checkpoint", None))
+            return train(*args, **kwargs)
+
+        trainer.train = train_seen
         return self
 
     @property
@@ -70,29 +100,69 @@ class WeightAveragingCallback(TrainerCallback):
     def on_train_begin(self, args, state, control, model=None, **kwargs):
         if self.averager is None:
             self.averager = WeightAverager(model, self.rule, **self.averager_options)
-        if state.global_step > 0:  # resumed: the Trainer restored this step's checkpoint
-            path = Path(args.output_dir) / f"checkpoint-{state.global_step}" / DIRECTORY
-            if not path.is_dir():
-                raise CheckpointError(
-                    f"training resumes at step {state.global_step}, but {path} holds no average: resume from a "
-                    f"checkpoint-<step> folder in output_dir ({args.output_dir}) that this callback saved"
-                )
-            self.averager.load(path)
+        if state.global_step > 0:  # resumed: the Trainer restored a checkpoint of this step
+            checkpoint = self._resumed_from
+            if checkpoint is None:  # unbound: the checkpoint of that step in output_dir, if it is the one
+                checkpoint = Path(args.output_dir) / f"checkpoint-{state.global_step}"
+                _check_resumed(checkpoint, state)
+            self._restore(checkpoint, state.global_step)
+
+    def _restore(self, checkpoint: Path, step: int) -> None:
+        """Load the average saved with ``checkpoint``, checked to be paired with it; or, with
+        ``strict=False`` and none there, restart it from the loaded weights."""
+        path = checkpoint / DIRECTORY
+        if not path.is_dir():
+            if not self.strict:
+                warnings.warn(f"{checkpoint} holds no average: restarted from the loaded weights", stacklevel=3)
+                self.averager.restart(step)
+                return
+            raise CheckpointError(
+                f"training resumes from {checkpoint} at step {step}, but it holds no average ({DIRECTORY}/): copy "
+                f"it with the checkpoint, add the callback with with_weight_averaging(trainer, ...) so it sees "
+                "which checkpoint resumes, or pass strict=False to restart the average from the loaded weights"
+            )
+        saved = read_manifest(resolve(path))
+        paired = saved.get("run")
+        if paired is None:  # saved before averages were paired with their checkpoint
+            warnings.warn(f"{path} records no pairing with {checkpoint}: loaded on trust", stacklevel=3)
+        elif (saved["step"], paired) != (step, _fingerprint(checkpoint)):
+            raise CheckpointError(
+                f"{path} was not saved with {checkpoint} (its average is of step {saved['step']} and paired with "
+                f"another {TRAINER_STATE}): the weights and the average would not belong together"
+            )
+        self.averager.load(path)
 
     def on_step_end(self, args, state, control, **kwargs):
         self.averager.update(step=state.global_step)
 
     def on_save(self, args, state, control, **kwargs):
-        self.averager.save(Path(args.output_dir) / f"checkpoint-{state.global_step}" / DIRECTORY)
+        checkpoint = Path(args.output_dir) / f"checkpoint-{state.global_step}"
+        self.averager.run_id = _fingerprint(checkpoint)  # (the Trainer wrote the state before calling)
+        self.averager.save(checkpoint / DIRECTORY)
 
-    def on_train_end(self, args, state, control, **kwargs):
-        if self.export_dir is not None and self.averager.num_updates:
-            self.averager.export(self.export_dir, average=self.average)
+    def on_train_end(self, args, state, control, model=None, **kwargs):
+        if self.export_dir is None or not self.averager.num_updates:
+            return
+        best = state.best_model_checkpoint
+        if args.load_best_model_at_end and best is not None and (Path(best) / DIRECTORY).is_dir():
+            self.averager.load(Path(best) / DIRECTORY)  # the average saved with the model the Trainer kept
+        self.averager.export(self.export_dir, average=self.average)
+        if state.is_world_process_zero:
+            for part in ("config", "generation_config"):  # what from_pretrained needs beside the weights
+                if hasattr(getattr(model, part, None), "save_pretrained"):
+                    getattr(model, part).save_pretrained(self.export_dir)
 
     # ------------------------------------------------------------------ evaluation
 
     def on_evaluate(self, args, state, control, metrics=None, **kwargs):
         trainer = self._trainer() if self._trainer is not None else None
+        if trainer is None and not self._warned_unbound:
+            self._warned_unbound = True
+            warnings.warn(
+                "WeightAveragingCallback sees an evaluation but is not bound to its Trainer: eval_avg_* metrics "
+                "need it added with with_weight_averaging(trainer, ...)",
+                stacklevel=2,
+            )
         if trainer is None or self._evaluating or self.averager is None or not self.averager.num_updates:
             return
         self._evaluating = True
@@ -103,6 +173,39 @@ class WeightAveragingCallback(TrainerCallback):
             self._evaluating = False
         if metrics is not None:
             metrics.update(averaged)
+
+
+def _fingerprint(checkpoint: Path) -> str | None:
+    """The pairing of an average with its checkpoint: the SHA-256 of its ``trainer_state.json``."""
+    try:
+        return hashlib.sha256((checkpoint / TRAINER_STATE).read_bytes()).hexdigest()[:32]
+    except FileNotFoundError:
+        return None
+
+
+def _check_resumed(checkpoint: Path, state: Any) -> None:
+    """The Trainer restored ``state`` from the checkpoint it resumed: the history in ``checkpoint``'s
+    own state must be that one, or it is another run's checkpoint at the same step."""
+    try:
+        history = json.loads((checkpoint / TRAINER_STATE).read_text()).get("log_history")
+    except (OSError, ValueError, AttributeError):
+        return  # none to compare: _restore refuses or restarts on what it finds
+    if history != state.log_history:
+        raise CheckpointError(
+            f"{checkpoint} is not the checkpoint the Trainer resumed (its history differs: another run's, at the "
+            "same step?): add the callback with with_weight_averaging(trainer, ...) so it loads the average of "
+            "the checkpoint actually resumed"
+        )
+
+
+def _resumed_checkpoint(trainer: Any, resume: Any) -> Path | None:
+    """The checkpoint ``trainer.train(resume_from_checkpoint=resume)`` restores, as the Trainer finds it."""
+    if resume is True:
+        from transformers.trainer_utils import get_last_checkpoint
+
+        last = get_last_checkpoint(trainer.args.output_dir)
+        return None if last is None else Path(last)
+    return None if resume in (None, False) else Path(resume)
 
 
 def with_weight_averaging(trainer: Any, rule: Rule | MultiAvgFn | dict, **options: Any) -> WeightAveragingCallback:
