@@ -220,6 +220,8 @@ def run(job: Job) -> dict:
 
     bar = tqdm(total=cfg["steps"], initial=start, disable=rank != 0, desc=cfg["engine"], file=sys.stderr)
     began, training_time = time.perf_counter(), 0.0
+    updated = averages | ({"posthoc": posthoc} if posthoc is not None else {})  # in this order, every step
+    clock = UpdateClock(dict.fromkeys(updated, 0.0))
     with logging_redirect_tqdm():
         for step in range(start + 1, cfg["steps"] + 1):
             tokens, targets = data.train_batch(
@@ -227,10 +229,8 @@ def run(job: Job) -> dict:
             )
             step_began = time.perf_counter()
             loss = train_step(wrapped, tokens, targets, lr_at(step, cfg), train["grad_clip"])
-            for average in averages.values():
-                average.update(step)
-            if posthoc is not None:
-                posthoc.update(step)
+            for name, average in updated.items():
+                clock.update(name, average, step)
             training_time += time.perf_counter() - step_began
             bar.update()
             bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{tokens_per_step * (step - start) / training_time:.0f}")
@@ -269,6 +269,7 @@ def run(job: Job) -> dict:
         "wall_s": round(wall, 1),
         "tokens_per_s": round(tokens_per_step * (cfg["steps"] - start) / training_time) if training_time else None,
         "shadow_bytes_per_rank": dict(zip(averages, shadow.tolist())),
+        "update_share_of_step": clock.shares(training_time),
         "export": exported,
         "posthoc": sweep,
     }
@@ -285,8 +286,35 @@ def run(job: Job) -> dict:
             summary["tokens_per_s"],
             ", ".join(f"{k} {v / 2**20:.2f} MiB" for k, v in summary["shadow_bytes_per_rank"].items()),
         )
+        shares = summary["update_share_of_step"]
+        log.info(
+            "averaging took %.1f%% of the training steps' time (%s)",
+            100 * shares["all"],
+            ", ".join(f"{k} {100 * v:.1f}%" for k, v in shares.items() if k != "all"),
+        )
         log.info("wrote %s, %s and %s/", metrics.path, out / "plot.png", out / "export")
     return summary
+
+
+@dataclass
+class UpdateClock:
+    """Seconds each average's ``update()`` took (the post-hoc profiles' with their snapshots), to
+    report what averaging costs the training step."""
+
+    seconds: dict[str, float]
+
+    def update(self, name: str, average: WeightAverager | PostHocEMA, step: int) -> None:
+        began = time.perf_counter()
+        average.update(step)
+        self.seconds[name] += time.perf_counter() - began
+
+    def shares(self, step_seconds: float) -> dict[str, float]:
+        """Collective: each one's share of the time in training steps, and all of them together,
+        on the slowest rank."""
+        seconds = torch.tensor([*self.seconds.values(), sum(self.seconds.values())], dtype=torch.float64)
+        seconds /= max(step_seconds, 1e-9)
+        dist.all_reduce(seconds, op=dist.ReduceOp.MAX)
+        return {name: round(share, 5) for name, share in zip([*self.seconds, "all"], seconds.tolist())}
 
 
 def posthoc_sweep(posthoc: PostHocEMA, wrapped: engines.Wrapped, batches: list, sigmas: list, out: Path) -> dict:
