@@ -28,7 +28,7 @@ from torch import nn
 from ._logging import internal
 from .averager import WeightAverager
 from .errors import CheckpointError
-from .layout import agree_or_raise, rank
+from .layout import agree_or_raise, all_gathered, rank
 from .reading import read_manifest
 from .rules import PowerEMA, gamma_to_sigma_rel, rule_from_config, shown, sigma_rel_to_gamma
 from .storage import DTYPES
@@ -268,7 +268,8 @@ class PostHocEMA:
         self.snapshot_dtype = snapshot_dtype
         self.averager_options = averager_options
         self.averager = WeightAverager(model, {f"profile-{i}": r for i, r in enumerate(rules)}, **averager_options)
-        self.averager.run_id = secrets.token_hex(16)  # in every snapshot; a resumed run loads its own back
+        # in every snapshot (rank 0's, the same on every rank); a resumed run loads its own back
+        self.averager.run_id = all_gathered(secrets.token_hex(16))[0]
         self._issued = 0  # updates applied (or issued to the device) since the profiles began
         self._directory_checked = False  # whether the snapshots already in ``directory`` are this run's
 

@@ -78,7 +78,9 @@ def test_the_job_trains_evaluates_and_exports_what_the_plain_model_loads(runs, e
     shares = summary["update_share_of_step"]  # what averaging costs the step, per average and in all
     assert set(shares) == {"ema", "power", "posthoc", "all"} and all(0 < v < 1 for v in shares.values()), shares
     assert (
-        max(shares["ema"], shares["power"], shares["posthoc"]) <= shares["all"] <= sum(shares.values()) - shares["all"]
+        max(shares["ema"], shares["power"], shares["posthoc"])
+        <= shares["all"]
+        <= sum(shares.values()) - shares["all"] + 1e-4
     )
     assert (out / "plot.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert (out / "posthoc.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
