@@ -213,19 +213,29 @@ def plan(found: list[Snapshot], gamma: float, step: int | None) -> tuple[list[tu
 
 
 def synthesizable(found: list[Snapshot], tolerance: float = FIT_TOLERANCE) -> str:
-    """The range of sigma_rel the snapshots synthesize within ``tolerance``, at the last one's step
-    (pass the snapshots up to the step asked for)."""
+    """The sigma_rel values in 0.01-0.29 (steps of 0.01) the snapshots synthesize within
+    ``tolerance`` at the last one's step (pass the snapshots up to the step asked for), as runs:
+    with few snapshots the residual dips to 0 at each profile and rises between them, so the
+    values that fit need not be one interval."""
     target = found[-1].t
     terms = [(s.t, g) for s in found for g in s.gammas.values()]
     good = [
-        sigma
-        for sigma in (0.01 * k for k in range(1, 30))
-        if solve_coefficients([t for t, _ in terms], [g for _, g in terms], target, sigma_rel_to_gamma(sigma))[1]
+        k
+        for k in range(1, 30)
+        if solve_coefficients([t for t, _ in terms], [g for _, g in terms], target, sigma_rel_to_gamma(0.01 * k))[1]
         <= tolerance
     ]
     if not good:
         return "no sigma_rel in [0.01, 0.29] fits within tolerance"
-    return f"sigma_rel from {min(good):.2f} to {max(good):.2f} fits within {tolerance}"
+    runs: list[list[int]] = []
+    for k in good:
+        if runs and k == runs[-1][-1] + 1:
+            runs[-1].append(k)
+        else:
+            runs.append([k])
+    spans = [f"{run[0] / 100:.2f}" if len(run) == 1 else f"{run[0] / 100:.2f}-{run[-1] / 100:.2f}" for run in runs]
+    listed = spans[0] if len(spans) == 1 else ", ".join(spans[:-1]) + " and " + spans[-1]
+    return f"sigma_rel {listed} fit{'s' if len(good) == 1 else ''} within {tolerance} (tried 0.01 to 0.29 in steps of 0.01)"
 
 
 # --------------------------------------------------------------------------- during training
