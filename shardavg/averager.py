@@ -13,7 +13,7 @@ import contextlib
 import operator
 import os
 import warnings
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -38,8 +38,9 @@ class WeightAverager:
     """Keeps an average (EMA, SWA, power EMA, any rule) of a model's weights, shard by shard.
 
     Args:
-        model: a ``DeepSpeedEngine``, an FSDP1 module, a ``fully_shard``-ed module, a DDP
-            module or a plain ``nn.Module``. Building the averager is a collective.
+        model: a ``DeepSpeedEngine``, an FSDP1 module, a module with DTensor parameters
+            (``fully_shard``, tensor or expert parallel, any mix), a DDP module or a plain
+            ``nn.Module``. Building the averager is a collective.
         rule: ``EMA(...)``, ``SWA()``, ``PowerEMA(...)`` or a ``multi_avg_fn(shadow_list,
             live_list, num_updates)`` callable such as ``get_ema_multi_avg_fn(0.999)``; or a dict
             of them, ``{"ema": EMA(decay=0.999), "swa": SWA()}``, to keep several named averages
@@ -62,6 +63,12 @@ class WeightAverager:
             DeepSpeed engine in bf16/fp16 (ZeRO-1, 2 or 3), this rank's part of the optimizer's
             fp32 masters (frozen parameters, which have none, are read live). ``swapped()``
             writes the live weights either way.
+        pipeline: for pipeline parallel, the process group (or mesh) of this rank's pipeline, as
+            ``PipelineStage`` gets it; ``model`` is then this rank's stage module (a copy of the
+            full model with the other stages' layers deleted, so it keeps the full model's
+            names), or a list of its stages. The averager covers the whole model: gathers,
+            exports and checkpoints hold every stage's tensors; ``update()`` and ``swapped()``
+            touch this rank's own.
 
     ``gather_bucket_bytes`` bounds what a gather (``full_state_dict``, ``copy_to``,
     ``export``) holds at once on a receiving rank, beyond the largest single tensor.
@@ -69,7 +76,7 @@ class WeightAverager:
 
     def __init__(
         self,
-        model: nn.Module,
+        model: nn.Module | Sequence[nn.Module],
         rule: Rule | MultiAvgFn | Mapping[str, Rule | MultiAvgFn] = DEFAULT_RULE,
         *,
         strategy: str = "auto",
@@ -81,6 +88,7 @@ class WeightAverager:
         include_frozen: bool = False,
         on_nonfinite: str = "raise",
         source: str = "live",
+        pipeline: Any = None,
     ) -> None:
         if isinstance(every_n_steps, bool) or not isinstance(every_n_steps, int) or every_n_steps < 1:
             raise ValueError(f"every_n_steps must be an int >= 1, got {every_n_steps!r}")
@@ -102,7 +110,7 @@ class WeightAverager:
             on_nonfinite=on_nonfinite,
         )
         rules = _named_rules(rule)
-        self._state = AverageState(make_strategy(model, strategy, source), rules, options)
+        self._state = AverageState(make_strategy(model, strategy, source, pipeline), rules, options)
         self._swapped = False
         state = self._state
         narrowed = [
@@ -408,9 +416,9 @@ class WeightAverager:
     def state_dict(self) -> dict[str, Any]:
         """DCP Stateful: put the averager in ``dcp.save({..., "ema": avg})``; collective there.
 
-        Every tensor is the flattened global tensor of which this rank holds its range (a
-        DTensor over ``LocalShardsWrapper``), so ``dcp.load`` reshards to any world size or
-        strategy; ``meta`` is a JSON description (counters, rule, names, shapes).
+        Every tensor is the global tensor in its own shape, of which this rank holds the boxes it
+        owns (a DTensor over ``LocalShardsWrapper``), so ``dcp.load`` reshards to any layout,
+        world size or strategy; ``meta`` is a JSON description (counters, rule, names, shapes).
         """
         return stateful.state_dict(self._state)
 

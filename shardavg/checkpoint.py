@@ -1,9 +1,9 @@
 """Sharded checkpoints of a ``WeightAverager``: ``save``/``load`` and DCP's Stateful protocol.
 
-Both forms store every tensor *flattened*, as the chunks the ranks own (see ``layout.py``),
-next to a JSON description of the averager (``AverageState.describe``). Because a chunk is a range of the
-flattened tensor, a checkpoint loads at any world size and under any strategy: each rank
-reads the parts of the saved chunks that overlap its own range.
+Both forms store every tensor as the parts the ranks own (see ``layout.py``): boxes of the
+global tensor, with a JSON description of the averager (``AverageState.describe``). Because a
+chunk is a box of the tensor itself, a checkpoint loads under any layout, world size and
+strategy: each rank reads the parts of the saved boxes that overlap its own.
 
 ``save(directory)`` writes one safetensors file per rank and a checksummed ``shardavg.json``
 manifest into a staging directory; the manifest is written last and the directory swapped
@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
 import secrets
 import shutil
@@ -42,6 +43,7 @@ from .ownership import (
     is_own_staging,
     target_path,
 )
+from .parts import Part, box_slices, intersect
 from .reading import (
     ATTEMPTS,
     SAVE_ID_KEY,
@@ -242,7 +244,11 @@ def _commit(
         "sequence": sequence,
     }
     for entry, chunks in zip(manifest["tensors"], state.layout.chunks):
-        entry["chunks"] = [{"file": owner, "start": start, "end": end} for owner, start, end in chunks]
+        entry["chunks"] = [
+            {"file": owner, "offsets": list(block.offsets), "sizes": list(block.sizes), "at": at}
+            for owner, part in chunks
+            for block, at in zip(part.blocks, packed_positions(part))
+        ]
         if dtype is not None and entry["role"] == "average":
             entry["dtype"] = dtype_name(dtype)
     with atomic_file(staging / MANIFEST) as handle:
@@ -281,7 +287,7 @@ def save(
         return dtype is not None and state.roles[index] == "average"
 
     def stored(index: int, average: str | None) -> torch.Tensor:
-        piece = state.piece(index, average)
+        piece = packed(state.infos[index].part, state.piece(index, average))
         return piece.to(dtype) if cast(index) else piece
 
     state.check_current()
@@ -304,20 +310,15 @@ def save(
                 error = caught
         sequence, save_id = gather_or_raise(error, identity, f"preparing {target}")[0]
 
-        owned = [
-            (index, start, end)
-            for index, chunks in enumerate(state.layout.chunks)
-            for owner, start, end in chunks
-            if owner == me
-        ]
-        chunks = [(i, key, average, start, end) for i, start, end in owned for key, average in state.keys(i)]
+        owned = [index for index in range(len(state.infos)) if state.layout.owns(index, me)]
+        chunks = [(i, key, average) for i in owned for key, average in state.keys(i)]
         digest = None
         try:
             entries = [
-                Entry(key, dtype if cast(i) else state.piece(i, a).dtype, (end - start,))
-                for i, key, a, start, end in chunks
+                Entry(key, dtype if cast(i) else state.piece(i, a).dtype, (state.infos[i].local_numel,))
+                for i, key, a in chunks
             ]
-            stream = (stored(i, a) for i, _, a, _, _ in chunks)
+            stream = (stored(i, a) for i, _, a in chunks)
             digest = write_safetensors(staging / files[me], entries, stream, {SAVE_ID_KEY: save_id})
         except Exception as caught:  # report it to every rank rather than leave them waiting
             error = caught
@@ -337,15 +338,32 @@ def save(
     return target
 
 
-class _Read(NamedTuple):
-    """Copy elements ``[source_start, source_end)`` of a saved chunk to ``[target_start, ...)`` of a shadow."""
+def packed_positions(part: Part) -> list[int]:
+    """Where each box of ``part`` starts in its saved entry: the boxes back to back, in order."""
+    positions, at = [], 0
+    for block in part.blocks:
+        positions.append(at)
+        at += block.numel
+    return positions
 
-    target: torch.Tensor  # the shadow, flat
+
+def packed(part: Part, piece: torch.Tensor) -> torch.Tensor:
+    """A local ``piece`` as it is saved: its boxes back to back (the piece itself when they are)."""
+    if part.dense:
+        return piece
+    return torch.cat([block.view(piece).reshape(-1) for block in part.blocks])
+
+
+class _Read(NamedTuple):
+    """Copy the box ``offsets .. offsets + target.shape`` of a saved chunk (a row-major box of
+    ``sizes``, from element ``at`` of ``key``) into ``target``, a view of a shadow."""
+
+    target: torch.Tensor
     file: SafetensorsFile
-    key: str  # of the saved chunk in the file
-    source_start: int
-    source_end: int
-    target_start: int
+    key: str
+    at: int
+    sizes: tuple[int, ...]
+    offsets: tuple[int, ...]
 
 
 def _plan_reads(state: AverageState, opened: OpenCheckpoint, slots: list[Slot]) -> list[_Read]:
@@ -357,17 +375,31 @@ def _plan_reads(state: AverageState, opened: OpenCheckpoint, slots: list[Slot]) 
     reads = []
     for slot in slots:
         info = state.infos[slot.index]
-        entry, target = saved[info.name], state.piece(slot.index, slot.average)
-        for chunk in entry["chunks"]:
-            low, high = max(chunk["start"], info.start), min(chunk["end"], info.end)
-            if low >= high:
-                continue
-            file = opened.shard(chunk["file"])
-            file.checked(slot.saved_key, entry["dtype"], chunk["end"] - chunk["start"])
-            reads.append(
-                _Read(target, file, slot.saved_key, low - chunk["start"], high - chunk["start"], low - info.start)
-            )
+        entry, piece = saved[info.name], state.piece(slot.index, slot.average)
+        lengths = entry_lengths(entry)
+        for block in info.part.blocks:
+            for chunk in entry["chunks"]:
+                box = (tuple(chunk["offsets"]), tuple(chunk["sizes"]))
+                common = intersect((block.offsets, block.sizes), box)
+                if common is None:
+                    continue
+                file = opened.shard(chunk["file"])
+                file.checked(slot.saved_key, entry["dtype"], lengths[chunk["file"]])
+                target = block.view(piece)[box_slices(_minus(common[0], block.offsets), common[1])]
+                reads.append(_Read(target, file, slot.saved_key, chunk["at"], box[1], _minus(common[0], box[0])))
     return reads
+
+
+def entry_lengths(entry: dict[str, Any]) -> dict[int, int]:
+    """Elements each file holds of a tensor (its boxes back to back)."""
+    lengths: dict[int, int] = {}
+    for chunk in entry["chunks"]:
+        lengths[chunk["file"]] = chunk["at"] + math.prod(chunk["sizes"])
+    return lengths
+
+
+def _minus(a: tuple[int, ...], b: tuple[int, ...]) -> tuple[int, ...]:
+    return tuple(x - y for x, y in zip(a, b))
 
 
 def _open_for_load(
@@ -422,7 +454,6 @@ def load(state: AverageState, directory: str | os.PathLike, strict: bool = True,
     opened, slots, reads = _open_for_load(state, directory, strict, verify)
     with opened, torch.no_grad():
         for read in reads:
-            target = read.target[read.target_start : read.target_start + read.source_end - read.source_start]
-            read.file.read_into(target, read.key, read.source_start)
+            read.file.read_box(read.target, read.key, read.at, read.sizes, read.offsets)
     state.restore(opened.meta, {slot.key for slot in slots})
     return opened.path

@@ -1,15 +1,18 @@
 """Which rank holds which part of every tensor, and gathering full tensors from those parts.
 
 ``ShardLayout.build`` runs one collective when the averager is built: every rank reports the
-range ``[start, end)`` of each flattened tensor it holds. Identical ranges on several ranks
-are replicas (DDP, HSDP, every buffer); the lowest such rank *owns* the range.
-The owned ranges of a tensor must tile it exactly, which is checked here, so a mistake in an
-adapter becomes a clear error instead of a wrong export.
+``Part`` of each tensor it holds (``parts.py``: boxes of the global tensor, a flat range being
+the one-dimensional case). Identical parts on several ranks are replicas (DDP, HSDP, tensor
+parallel's replicated dims, every buffer); the lowest such rank *owns* the part. The owned
+parts of a tensor must tile it exactly, which is checked here, so a mistake in an adapter
+becomes a clear error instead of a wrong export.
 
 ``iter_gathered`` then rebuilds full tensors from the owners' pieces with point-to-point
 sends, a bounded bucket of tensors at a time: the receiving rank holds at most one bucket
-(or one tensor, if larger) beyond what it already had. This one mechanism serves every
-engine, for averaged and live values alike.
+(or one tensor, if larger) beyond what it already had. A piece that is one range of the
+flattened tensor is received in place; any other (columns, strided runs) is received into a
+buffer of its own and its boxes copied into place, so such pieces can double what a bucket
+holds while they are in flight. This one mechanism serves every engine and layout, for averaged and live values alike.
 """
 
 from __future__ import annotations
@@ -21,9 +24,10 @@ import torch
 import torch.distributed as dist
 
 from .errors import CheckpointError, LayoutError
+from .parts import Part, place, tiles
 from .strategies.base import TensorInfo
 
-Chunk = tuple[int, int, int]  # (owner rank, start, end) in the flattened global tensor
+Chunk = tuple[int, Part]  # (owner rank, the part of the tensor it owns)
 
 DEFAULT_BUCKET_BYTES = 64 * 2**20
 
@@ -64,46 +68,33 @@ def agree_or_raise(error: BaseException | None, what: str) -> None:
     gather_or_raise(error, None, what)
 
 
-def tiles(numel: int, spans: Sequence[tuple[int, int]]) -> bool:
-    """Whether the non-empty ``[start, end)`` spans cover ``[0, numel)`` exactly, each once.
-
-    The one tiling check: the layout applies it to the ranks' shards, and every checkpoint
-    reader to the chunk table it is given, so a partial or overlapping table is refused."""
-    position = 0
-    for start, end in sorted(spans):
-        if start != position or end <= start:
-            return False
-        position = end
-    return position == numel
-
-
-def _tiling(name: str, numel: int, ranges: Sequence[tuple[int, int]]) -> tuple[Chunk, ...]:
-    """Owned chunks of one tensor from every rank's range, checked to tile ``[0, numel)``."""
-    owned: dict[tuple[int, int], int] = {}
-    for holder, (start, end) in enumerate(ranges):
-        if end > start:
-            owned.setdefault((start, end), holder)
-    chunks = sorted(((owner, start, end) for (start, end), owner in owned.items()), key=lambda chunk: chunk[1])
-    if not tiles(numel, [(start, end) for _, start, end in chunks]):
+def _tiling(info: TensorInfo, parts: Sequence[Part]) -> tuple[Chunk, ...]:
+    """Owned chunks of one tensor from every rank's part, checked to tile it."""
+    owned: dict[Part, int] = {}
+    for holder, part in enumerate(parts):
+        if part.numel:
+            owned.setdefault(part, holder)
+    chunks = tuple((owner, part) for part, owner in owned.items())
+    if not tiles(info.shape, [box for _, part in chunks for box in part.boxes]):
         raise LayoutError(
-            f"the shards of {name!r} ({numel} elements) do not tile it: "
-            + ", ".join(f"rank {holder} holds [{start}, {end})" for holder, (start, end) in enumerate(ranges))
+            f"the shards of {info.name!r} (shape {tuple(info.shape)}) do not tile it: "
+            + ", ".join(f"rank {holder} holds {part.shown()}" for holder, part in enumerate(parts))
         )
-    return tuple(chunks)
+    return chunks
 
 
 @dataclass(frozen=True)
 class ShardLayout:
-    """Every rank's range of every tensor, and the owned chunks that tile each tensor."""
+    """Every rank's part of every tensor, and the owned parts that tile each tensor."""
 
-    ranges: tuple[tuple[tuple[int, int], ...], ...]  # [tensor][rank] -> (start, end)
-    chunks: tuple[tuple[Chunk, ...], ...]  # [tensor] -> owned chunks, in order
+    parts: tuple[tuple[Part, ...], ...]  # [tensor][rank]
+    chunks: tuple[tuple[Chunk, ...], ...]  # [tensor] -> (owner, part) for each distinct part held
 
     @classmethod
     def build(cls, infos: Sequence[TensorInfo]) -> ShardLayout:
         """Collective: agree with every rank on the tensors and their shards."""
-        mine = [(info.name, tuple(info.shape), info.start, info.end) for info in infos]
-        everyone: list[list[tuple[str, tuple[int, ...], int, int]]] = [mine]
+        mine = [(info.name, tuple(info.shape), info.part) for info in infos]
+        everyone: list[list[tuple[str, tuple[int, ...], Part]]] = [mine]
         if distributed():
             everyone = [None] * dist.get_world_size()  # type: ignore[list-item]
             dist.all_gather_object(everyone, mine)
@@ -118,14 +109,22 @@ class ShardLayout:
                     f"rank {rank()} and rank {other} track different tensors: only on rank {rank()}: {only_mine}; "
                     f"only on rank {other}: {only_theirs}; other shape: {reshaped}"
                 )
-        ranges = tuple(tuple(theirs[index][2:] for theirs in everyone) for index in range(len(infos)))
-        chunks = tuple(_tiling(info.name, info.numel, ranges[index]) for index, info in enumerate(infos))
-        return cls(ranges=ranges, chunks=chunks)
+        parts = tuple(tuple(theirs[index][2] for theirs in everyone) for index in range(len(infos)))
+        chunks = tuple(_tiling(info, parts[index]) for index, info in enumerate(infos))
+        return cls(parts=parts, chunks=chunks)
 
     def holds_whole(self, index: int, holder: int) -> bool:
-        """Whether rank ``holder`` has all of tensor ``index`` locally."""
-        numel = self.chunks[index][-1][2] if self.chunks[index] else 0
-        return self.ranges[index][holder] == (0, numel)
+        """Whether rank ``holder`` has all of tensor ``index`` locally, in its own order."""
+        part = self.parts[index][holder]
+        return part.span() == (0, int(torch.Size(part.shape).numel()))
+
+    def owns(self, index: int, holder: int) -> bool:
+        return any(owner == holder for owner, _ in self.chunks[index])
+
+    def replicas(self, index: int, owner: int) -> list[int]:
+        """The other ranks holding the very part ``owner`` owns of tensor ``index``."""
+        part = self.parts[index][owner]
+        return [r for r, held in enumerate(self.parts[index]) if held == part and r != owner]
 
 
 def _comm_device(device: torch.device) -> torch.device:
@@ -152,7 +151,10 @@ def _buckets(indices: Sequence[int], nbytes: Callable[[int], int], limit: int) -
 def _gather_one(
     layout: ShardLayout, index: int, local: torch.Tensor, dst: int | None, pending: list
 ) -> torch.Tensor | None:
-    """Gather flat tensor ``index`` on rank ``dst`` (every rank if None); point-to-point sends go to ``pending``.
+    """Gather tensor ``index``, flat, on rank ``dst`` (every rank if None); point-to-point sends and
+    receives go to ``pending`` as ``(work, buffer, into)``: a part that is not one range of the
+    flattened tensor is received whole into ``buffer`` and placed (``into``: the output and the
+    part) once its work has completed.
 
     Every chunk comes from its owner: a rank holding its own copy of a replicated tensor
     (BatchNorm statistics without SyncBatchNorm) receives the owner's value like the others.
@@ -164,23 +166,34 @@ def _gather_one(
     if dst is not None and layout.holds_whole(index, dst):
         return local.clone() if me == dst else None
     device = _comm_device(local.device)
-    numel = sum(end - start for _, start, end in layout.chunks[index])
+    shape = layout.parts[index][0].shape
+    numel = int(torch.Size(shape).numel())
     if dst is None:  # each owner broadcasts its chunk to all
         out = torch.empty(numel, dtype=local.dtype, device=device)
-        for owner, start, end in layout.chunks[index]:
-            if owner == me:
-                out[start:end].copy_(local)
-            dist.broadcast(out[start:end], src=owner)
+        for owner, part in layout.chunks[index]:
+            span = part.span()
+            if span is not None:
+                if owner == me:
+                    out[span[0] : span[1]].copy_(local)
+                dist.broadcast(out[span[0] : span[1]], src=owner)
+            else:
+                buffer = local.to(device) if owner == me else torch.empty(part.numel, dtype=local.dtype, device=device)
+                dist.broadcast(buffer, src=owner)
+                place(out.view(shape), part, buffer)
         return out
     out = torch.empty(numel, dtype=local.dtype, device=device) if me == dst else None
-    for owner, start, end in layout.chunks[index]:
+    for owner, part in layout.chunks[index]:
+        span = part.span()
         if owner == me == dst:
-            out[start:end].copy_(local)  # type: ignore[index]
+            place(out.view(shape), part, local)  # type: ignore[union-attr]
         elif owner == me:
             buffer = local.to(device)
-            pending.append((dist.isend(buffer, dst=dst), buffer))
+            pending.append((dist.isend(buffer, dst=dst), buffer, None))
+        elif me == dst and span is not None:  # straight into its place
+            pending.append((dist.irecv(out[span[0] : span[1]], src=owner), out, None))  # type: ignore[index]
         elif me == dst:
-            pending.append((dist.irecv(out[start:end], src=owner), out))  # type: ignore[index]
+            buffer = torch.empty(part.numel, dtype=local.dtype, device=device)
+            pending.append((dist.irecv(buffer, src=owner), buffer, (out, part)))
     return out
 
 
@@ -195,7 +208,7 @@ def iter_gathered(
 ) -> Iterator[tuple[int, torch.Tensor | None]]:
     """Collective: yield ``(index, full tensor)`` for each of ``indices``, in order.
 
-    ``piece(i)`` is this rank's part of tensor ``i`` (1-D, ``end - start`` elements); every
+    ``piece(i)`` is this rank's part of tensor ``i`` (flat, contiguous, ``part.numel`` elements); every
     rank passes the same ``indices``. With ``dst`` set only that rank receives tensors (the
     others get ``None``); with ``dst=None`` every rank does. Tensors come back in their
     global shape, on the device of the pieces, never aliasing them.
@@ -205,7 +218,11 @@ def iter_gathered(
         pieces = {index: piece(index) for index in bucket}
         outputs = {index: _gather_one(layout, index, pieces[index], dst, pending) for index in bucket}
         while pending:  # (no loop variable may keep the last buffer alive)
-            pending.pop()[0].wait()
+            work, buffer, into = pending.pop()
+            work.wait()
+            if into is not None:  # a part that is no range of the flattened tensor: its boxes, one by one
+                place(into[0].view(into[1].shape), into[1], buffer)
+            del work, buffer, into
         for index in bucket:
             out = outputs.pop(index)  # released here, so at most one bucket is held at a time
             yield index, None if out is None else out.to(pieces[index].device).view(infos[index].shape)

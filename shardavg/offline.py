@@ -9,7 +9,9 @@ checkpoint carrying a malicious pickle is refused before anything in it runs.
 
 from __future__ import annotations
 
+import functools
 import io
+import math
 import os
 import pickle
 import re
@@ -20,15 +22,17 @@ from typing import Any
 
 import torch
 
-from .description import is_count, numel
+from .checkpoint import entry_lengths
+from .description import is_count
 from .errors import CheckpointError
-from .layout import tiles
 from .ownership import MANIFEST
+from .parts import Box, Part, box_slices, tiles, within
 from .reading import STEP_DIR, open_checkpoint
 from .state import tensor_key
 from .stateful import decode_description
 from .storage import DTYPES
 
+Chunk = tuple[list[Box], Callable[[torch.Tensor], None]]  # (the boxes it holds, fill(full tensor))
 PLAIN_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]*$")  # a file inside the checkpoint, never a path
 
 _DCP_GLOBALS = {
@@ -168,61 +172,89 @@ class SavedAverage:
         """
         key = self.key(name, self.average(average))
         dtype, shape = DTYPES[self.tensors[name]["dtype"]], torch.Size(self.tensors[name]["shape"])
-        flat = torch.empty(shape.numel(), dtype=dtype)
-        for start, length, fill in self._chunks(name, key):
-            fill(flat[start : start + length])
-        return flat.view(shape)
+        out = torch.empty(shape, dtype=dtype)
+        for _, fill in self._chunks(name, key):
+            fill(out)
+        return out
 
-    def _chunks(self, name: str, key: str) -> list[tuple[int, int, Callable[[torch.Tensor], None]]]:
-        """``(start, length, fill)`` for each chunk stored under ``key`` of tensor ``name``, checked to
-        tile it; ``fill(out)`` reads the chunk into ``out``."""
+    def _chunks(self, name: str, key: str) -> list[Chunk]:
+        """``(boxes, fill)`` for each chunk stored under ``key`` of tensor ``name``, the boxes checked
+        to tile it; ``fill(full)`` reads the chunk into its place in the full tensor ``full``."""
         entry = self.tensors[name]
-        if self.kind == "dcp":
-            chunks = self._dcp_chunks(key, DTYPES[entry["dtype"]])
-        else:
-            chunks = self._shard_chunks(name, key)
-        total = numel(entry["shape"])
-        if not tiles(total, [(start, start + length) for start, length, _ in chunks]):
-            spans = [(start, start + length) for start, length, _ in chunks][:8]
-            raise CheckpointError(f"{self.path}: the chunks of {key!r} {spans} do not tile its {total} items")
+        chunks = self._dcp_chunks(key, entry) if self.kind == "dcp" else self._shard_chunks(name, key)
+        boxes = [box for held, _ in chunks for box in held]
+        if not tiles(entry["shape"], boxes):
+            raise CheckpointError(
+                f"{self.path}: the chunks of {key!r} {boxes[:8]} do not tile its shape {entry['shape']}"
+            )
         return chunks
 
-    def _shard_chunks(self, name: str, key: str) -> list[tuple[int, int, Callable[[torch.Tensor], None]]]:
-        chunks = []
-        for chunk in self.tensors[name]["chunks"]:
+    def _shard_chunks(self, name: str, key: str) -> list[Chunk]:
+        entry, chunks = self.tensors[name], []
+        lengths = entry_lengths(entry)
+        for chunk in entry["chunks"]:
             file = self._opened.shard(chunk["file"])  # type: ignore[union-attr]
-            length = chunk["end"] - chunk["start"]
-            file.checked(key, self.tensors[name]["dtype"], length)
-            chunks.append((chunk["start"], length, lambda out, file=file: file.read_into(out, key)))
+            file.checked(key, entry["dtype"], lengths[chunk["file"]])
+            offsets, sizes = tuple(chunk["offsets"]), tuple(chunk["sizes"])
+
+            def fill(full: torch.Tensor, file=file, at=chunk["at"], offsets=offsets, sizes=sizes) -> None:
+                file.read_box(full[box_slices(offsets, sizes)], key, at, sizes, (0,) * len(sizes))
+
+            chunks.append(([(offsets, sizes)], fill))
         return chunks
 
-    def _dcp_chunks(self, key: str, dtype: torch.dtype) -> list[tuple[int, int, Callable[[torch.Tensor], None]]]:
+    def _dcp_chunks(self, key: str, entry: dict[str, Any]) -> list[Chunk]:
+        """Each chunk DCP stored: since format version 5 DCP holds every tensor in its own shape (a
+        0-d one as one element), each chunk a box; before, flattened, each chunk a range."""
         fqn = f"{self._prefix}tensors.{key}"
         stored = self._metadata.state_dict_metadata.get(fqn)
         chunks = getattr(stored, "chunks", None)
         if not isinstance(chunks, list):
             raise CheckpointError(f"{self.path} lacks {fqn}")
+        shape, dtype = tuple(entry["shape"]), DTYPES[entry["dtype"]]
+        flattened = self.description["version"] < 5 or not shape
+        stored_shape = (math.prod(shape),) if flattened else shape
         found = []
         for chunk in chunks:
-            offsets, sizes = getattr(chunk, "offsets", None), getattr(chunk, "sizes", None)
-            if not (_flat(offsets) and _flat(sizes)):
-                raise CheckpointError(f"{self.path}: {fqn} has a chunk at {offsets} of {sizes}, not a flat range")
-            if sizes[0]:
-                limit = sizes[0] * dtype.itemsize + 2**16  # the tensor's bytes and torch.save's framing
-                self._dcp_location(fqn, offsets, limit)
-                found.append(
-                    (offsets[0], sizes[0], lambda out, at=offsets, limit=limit: self._fill(out, fqn, at, limit))
-                )
+            offsets, sizes = _box(getattr(chunk, "offsets", None), getattr(chunk, "sizes", None), stored_shape)
+            if offsets is None:
+                raise CheckpointError(f"{self.path}: {fqn} has a chunk {chunk!r}, not a box of {list(stored_shape)}")
+            if not math.prod(sizes):
+                continue
+            limit = math.prod(sizes) * dtype.itemsize + 2**16  # the tensor's bytes and torch.save's framing
+            self._dcp_location(fqn, offsets, limit)
+            load = functools.partial(self._dcp_chunk, fqn, offsets, sizes, dtype, limit)
+            if flattened:  # a range of the flattened tensor: its boxes, for the tiling check
+                start, end = offsets[0], offsets[0] + sizes[0]
+                found.append((Part.flat(shape, start, end).boxes, functools.partial(_fill_range, load, start, end)))
+            else:
+                found.append(([(offsets, sizes)], functools.partial(_fill_box, load, box_slices(offsets, sizes))))
         return found
 
-    def _fill(self, out: torch.Tensor, fqn: str, offset: Any, limit: int) -> None:
-        piece = self._dcp_item(fqn, offset, limit)
-        if not isinstance(piece, torch.Tensor) or piece.dtype != out.dtype or piece.shape != out.shape:
-            found = f"{piece.dtype} {tuple(piece.shape)}" if isinstance(piece, torch.Tensor) else type(piece)
-            raise CheckpointError(
-                f"{self.path}: a chunk of {fqn!r} is {found}, expected {out.dtype} {tuple(out.shape)}"
-            )
-        out.copy_(piece)
+    def _dcp_chunk(self, fqn: str, offsets: tuple, sizes: tuple, dtype: torch.dtype, limit: int) -> torch.Tensor:
+        """One chunk DCP stored, checked to be the tensor its metadata says."""
+        piece = self._dcp_item(fqn, offsets, limit)
+        if not isinstance(piece, torch.Tensor) or piece.dtype != dtype or tuple(piece.shape) != sizes:
+            got = f"{piece.dtype} {tuple(piece.shape)}" if isinstance(piece, torch.Tensor) else type(piece).__name__
+            raise CheckpointError(f"{self.path}: a chunk of {fqn!r} is {got}, expected {dtype} {list(sizes)}")
+        return piece
+
+
+def _fill_range(load: Callable[[], torch.Tensor], start: int, end: int, full: torch.Tensor) -> None:
+    full.view(-1)[start:end].copy_(load())
+
+
+def _fill_box(load: Callable[[], torch.Tensor], box: tuple[slice, ...], full: torch.Tensor) -> None:
+    full[box].copy_(load())
+
+
+def _box(offsets: Any, sizes: Any, shape: tuple[int, ...]) -> tuple[Any, Any]:
+    """``(offsets, sizes)`` as tuples when they are a box within ``shape``, else ``(None, None)``."""
+    if not (isinstance(offsets, (tuple, list, torch.Size)) and isinstance(sizes, (tuple, list, torch.Size))):
+        return None, None
+    if not all(map(is_count, [*offsets, *sizes])) or not within(shape, (tuple(offsets), tuple(sizes))):
+        return None, None
+    return tuple(offsets), tuple(sizes)
 
 
 def read_dcp_metadata(path: str | os.PathLike) -> Any:
@@ -282,8 +314,3 @@ def _regular(path: Path) -> bool:
         return stat.S_ISREG(os.lstat(path).st_mode)
     except OSError:
         return False
-
-
-def _flat(value: Any) -> bool:
-    """A one-dimensional offset or size, as DCP stores them for the averager's flattened tensors."""
-    return isinstance(value, (tuple, list)) and len(value) == 1 and is_count(value[0])

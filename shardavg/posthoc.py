@@ -235,7 +235,8 @@ def synthesizable(found: list[Snapshot], tolerance: float = FIT_TOLERANCE) -> st
             runs.append([k])
     spans = [f"{run[0] / 100:.2f}" if len(run) == 1 else f"{run[0] / 100:.2f}-{run[-1] / 100:.2f}" for run in runs]
     listed = spans[0] if len(spans) == 1 else ", ".join(spans[:-1]) + " and " + spans[-1]
-    return f"sigma_rel {listed} fit{'s' if len(good) == 1 else ''} within {tolerance} (tried 0.01 to 0.29 in steps of 0.01)"
+    verb = "fits" if len(good) == 1 else "fit"
+    return f"sigma_rel {listed} {verb} within {tolerance} (tried 0.01 to 0.29 in steps of 0.01)"
 
 
 # --------------------------------------------------------------------------- during training

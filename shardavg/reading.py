@@ -24,8 +24,8 @@ from typing import Any
 
 from .description import check_description, fail, is_count, numel
 from .errors import CheckpointError
-from .layout import tiles
 from .ownership import CHECKPOINT_FILE, MANIFEST, is_own_checkpoint
+from .parts import Part, tiles
 from .storage import SafetensorsFile, open_regular, replaced_path
 
 STEP_DIR = re.compile(r"^step-(\d+)$")
@@ -126,23 +126,49 @@ def check_chunk_table(meta: dict[str, Any], where: str) -> None:
     if meta["version"] >= 4:
         _check_digests(meta, files, where)
     for entry in meta["tensors"]:
-        chunks = entry.get("chunks")
-        if not isinstance(chunks, list) or not all(
-            isinstance(c, dict)
-            and is_count(c.get("file"))
-            and c["file"] < len(files)
-            and is_count(c.get("start"))
-            and is_count(c.get("end"))
+        entry["chunks"] = _boxes(entry, len(files), meta["version"], where)
+
+
+def _well_formed(chunk: Any, shape: list[int], files: int, version: int) -> bool:
+    """A chunk names one of the files, and a flat range (before version 5) or a box and its place."""
+    if not (isinstance(chunk, dict) and is_count(chunk.get("file")) and chunk["file"] < files):
+        return False
+    if version < 5:
+        start, end = chunk.get("start"), chunk.get("end")
+        return is_count(start) and is_count(end) and start <= end <= numel(shape)
+    return is_count(chunk.get("at")) and all(
+        isinstance(chunk.get(key), list) and len(chunk[key]) == len(shape) and all(map(is_count, chunk[key]))
+        for key in ("offsets", "sizes")
+    )
+
+
+def _boxes(entry: dict[str, Any], files: int, version: int, where: str) -> list[dict[str, Any]]:
+    """A tensor's chunk table as boxes ``{file, offsets, sizes, at}`` (the part of the tensor a file's
+    entry holds from its element ``at``, row-major), checked: within the tensor, tiling it exactly,
+    and each file's boxes back to back from its element 0. Before version 5 a chunk was a flat
+    range ``{file, start, end}``: it is read as the boxes of that range."""
+    shape, chunks = entry["shape"], entry.get("chunks")
+    if not isinstance(chunks, list) or not all(_well_formed(c, shape, files, version) for c in chunks):
+        raise fail(where, f"tensor {entry['name']!r} has a malformed chunk table: {str(chunks)[:200]}")
+    if version < 5:
+        chunks = [
+            {"file": c["file"], "offsets": list(block.offsets), "sizes": list(block.sizes), "at": block.at}
             for c in chunks
-        ):
-            raise fail(where, f"tensor {entry['name']!r} has a malformed chunk table: {str(chunks)[:200]}")
-        spans = [(c["start"], c["end"]) for c in chunks]
-        if not tiles(numel(entry["shape"]), spans):
-            raise fail(
-                where,
-                f"the chunks of {entry['name']!r} {spans[:8]} do not cover its {numel(entry['shape'])} elements "
-                "exactly once",
-            )
+            for block in Part.flat(shape, c["start"], c["end"]).blocks
+        ]
+    boxes = [(tuple(c["offsets"]), tuple(c["sizes"])) for c in chunks]
+    if not tiles(shape, boxes):
+        raise fail(
+            where,
+            f"the chunks of {entry['name']!r} {boxes[:8]} do not cover its shape {shape} exactly once",
+        )
+    packed: dict[int, int] = {}  # each file's entry holds its boxes back to back, in the table's order
+    for c in chunks:
+        if c["at"] != packed.get(c["file"], 0):
+            raise fail(where, f"tensor {entry['name']!r}: a chunk of file {c['file']} starts at {c['at']}, "
+                              f"expected {packed.get(c['file'], 0)}")  # fmt: skip
+        packed[c["file"]] = c["at"] + numel(c["sizes"])
+    return chunks
 
 
 def _check_digests(meta: dict[str, Any], files: list[str], where: str) -> None:

@@ -43,9 +43,10 @@ from .update import Role, UpdateGroup, Verdict, group_tensors, groups_current
 
 MAX_PENDING = 64  # updates whose non-finite verdict the host may not have read yet
 
-FORMAT, VERSION = "shardavg", 4  # the description's format, shared by checkpoints, DCP and exports
+FORMAT, VERSION = "shardavg", 5  # the description's format, shared by checkpoints, DCP and exports
 # (2: checksummed; 3: "averages", several named averages, in place of one "rule"; 4: a checkpoint's
-# manifest records its save's id and every file's size and SHA-256)
+# manifest records its save's id and every file's size and SHA-256; 5: chunks are boxes of the
+# tensor, not ranges of the flattened tensor, and DCP holds each tensor in its own shape)
 AVERAGE_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_-]{0,63}$")  # never a dot or a slash: names join keys
 
 
@@ -231,15 +232,13 @@ class AverageState:
         """Adopt the engine's current local views: shapes must not change; a new dtype or device
         (``model.to(...)``) is followed, and shadows kept next to their live shard move along."""
         misshaped = [
-            f"{info.name}: {info.end - info.start} -> {new.numel()} elements"
+            f"{info.name}: {info.local_numel} -> {new.numel()} elements"
             for info, new in zip(self.infos, live)
-            if new.numel() != info.end - info.start
+            if new.numel() != info.local_numel
         ]  # (against what was recorded: ``param.data = other`` changes the very object cached)
         if misshaped:
             emptied = all(
-                new.numel() == 0
-                for info, new in zip(self.infos, live)
-                if info.kind == "param" and info.end > info.start
+                new.numel() == 0 for info, new in zip(self.infos, live) if info.kind == "param" and info.local_numel
             )
             hint = (
                 "; its parameters were emptied, as deepspeed.initialize (ZeRO-3) or accelerator.prepare do when "
@@ -266,7 +265,7 @@ class AverageState:
         infos = self.strategy.tensors()
 
         def key(info: TensorInfo) -> tuple:
-            return (info.aliases, info.kind, tuple(info.shape), info.start, info.end)
+            return (info.aliases, info.kind, tuple(info.shape), info.part)
 
         old = {info.name: info for info in self.infos}
         new = {info.name: info for info in infos}
@@ -274,7 +273,7 @@ class AverageState:
         added = [name for name in new if name not in old]
         changed = [
             f"{name} (shape {tuple(old[name].shape)} -> {tuple(new[name].shape)}, "
-            f"range on this rank [{old[name].start}, {old[name].end}) -> [{new[name].start}, {new[name].end}))"
+            f"held on this rank {old[name].part.shown()} -> {new[name].part.shown()})"
             for name in old
             if name in new and key(old[name]) != key(new[name])
         ]

@@ -1,9 +1,10 @@
 """The averager as a ``torch.distributed.checkpoint`` Stateful: ``dcp.save({..., "ema": avg})``.
 
-Every tensor is offered as the *flattened* global tensor, of which this rank holds the chunk
-it owns (a DTensor over ``LocalShardsWrapper``, the wrapper torchrec uses for arbitrary
-shards), so ``dcp.load`` reshards it to any world size or strategy, the same way as
-``avg.save``. The description (counters, rule, names, shapes) travels as a JSON string.
+Every tensor is offered in its global shape (a 0-d tensor as one element), of which this rank
+holds the boxes of the part it owns, one local shard each (a DTensor over
+``LocalShardsWrapper``, the wrapper torchrec uses for arbitrary shards): DCP's own resharding
+then loads it under any layout, world size or strategy, as ``avg.save`` does. The description
+(counters, rule, names, shapes) travels as a JSON string.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import torch.distributed as dist
 from .checkpoint import Slot, check_compatible, loadable
 from .description import check_description, with_checksum
 from .errors import CheckpointError
-from .layout import distributed, rank
+from .layout import agree_or_raise, distributed, rank
 from .state import AverageState
 
 
@@ -38,49 +39,67 @@ def decode_description(value: Any, where: str) -> dict[str, Any]:
     return check_description(meta, where)
 
 
-def _owns(state: AverageState, index: int) -> bool:
-    return any(owner == rank() for owner, _, _ in state.layout.chunks[index])
+def dcp_shape(shape: torch.Size) -> torch.Size:
+    """The shape a tensor is stored under in DCP: its own, a 0-d tensor's as one element."""
+    return shape if len(shape) else torch.Size([1])
+
+
+def _offered(state: AverageState, index: int, piece: torch.Tensor) -> list[torch.Tensor]:
+    """The local shards this rank offers DCP for tensor ``index``, as views of its ``piece``: the
+    boxes of the part it owns (none for a replica), or in one process the whole tensor."""
+    info = state.infos[index]
+    if not distributed():
+        return [piece.view(dcp_shape(info.shape))]
+    if not state.layout.owns(index, rank()):
+        return []
+    if not len(info.shape):  # a 0-d tensor: one element
+        return [piece.view(1)]
+    return [block.view(piece) for block in info.part.blocks]
 
 
 def _dcp_value(state: AverageState, index: int, average: str | None, meshes: dict[str, Any]) -> torch.Tensor:
-    """Tensor ``index`` of ``average`` as DCP sees it: the flattened global tensor, of which this
-    rank offers the chunk it owns. Replicas offer nothing (DCP would keep an arbitrary replica's
-    copy of, say, a BatchNorm buffer); ``load_state_dict`` sends them the owner's chunk."""
+    """Tensor ``index`` of ``average`` as DCP sees it: the global tensor, of which this rank offers
+    the boxes it owns. Replicas offer nothing (DCP would keep an arbitrary replica's copy of, say,
+    a BatchNorm buffer); ``load_state_dict`` sends them the owner's part."""
     info = state.infos[index]
-    piece, offset = state.piece(index, average), info.start
-    if not _owns(state, index):  # an empty chunk at the end can never be mistaken for another rank's
-        piece, offset = piece[:0], info.numel
-    elif not state.stored(index):
+    shape = dcp_shape(info.shape)
+    piece = state.piece(index, average)
+    if not state.stored(index):
         piece = piece.clone()  # a live value: loading must not write into the model
+    shards = _offered(state, index, piece)
     if not distributed():
-        return piece
+        return shards[0]
+    offsets = [(0,)] if not len(info.shape) else [block.offsets for block in info.part.blocks]
+    if not shards:  # an empty shard at the far corner can never be mistaken for another rank's
+        shards, offsets = [piece.new_empty((0,) * len(shape))], [tuple(shape)]
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.tensor import DTensor, Shard
     from torch.distributed.tensor._shards_wrapper import LocalShardsWrapper
 
     if piece.device.type not in meshes:  # one mesh over all ranks per device type
         meshes[piece.device.type] = DeviceMesh.from_group(dist.group.WORLD, piece.device.type)
-    mesh = meshes[piece.device.type]
-    shards = LocalShardsWrapper([piece], [(offset,)])
-    return DTensor.from_local(shards, mesh, [Shard(0)], run_check=False, shape=torch.Size([info.numel]), stride=(1,))
+    stride = torch.empty(shape, device="meta").stride()
+    wrapped = LocalShardsWrapper(shards, offsets)
+    return DTensor.from_local(
+        wrapped, meshes[piece.device.type], [Shard(0)], run_check=False, shape=shape, stride=stride
+    )
 
 
 def _fill_replicas(state: AverageState, slots: list[Slot]) -> None:
-    """Collective: every rank holding a copy of a chunk it does not own receives the owner's."""
+    """Collective: every rank holding a copy of a part it does not own receives the owner's."""
     if not distributed():
         return
     me = rank()
     for slot in slots:
-        ranges = state.layout.ranges[slot.index]
-        for owner, start, end in state.layout.chunks[slot.index]:
-            holders = [r for r, held in enumerate(ranges) if held == (start, end) and r != owner]
+        for owner, part in state.layout.chunks[slot.index]:
+            holders = state.layout.replicas(slot.index, owner)
             if not holders:
                 continue
             shadow = state.piece(slot.index, slot.average)
             if me == owner or me in holders:
                 dist.broadcast(shadow, src=owner)
             else:  # takes part without a copy of its own
-                dist.broadcast(shadow.new_empty(end - start), src=owner)
+                dist.broadcast(shadow.new_empty(part.numel), src=owner)
 
 
 def state_dict(state: AverageState) -> dict[str, Any]:
@@ -96,18 +115,38 @@ def state_dict(state: AverageState) -> dict[str, Any]:
     }
 
 
-def _local_part(value: torch.Tensor) -> torch.Tensor:
+def _local_shards(value: Any) -> list[Any]:
+    """The local shards DCP filled: of a DTensor over ``LocalShardsWrapper``, or the tensor itself."""
     from torch.distributed.tensor import DTensor
 
     if isinstance(value, DTensor):
-        value = value._local_tensor
+        value = value.to_local()
     if hasattr(value, "local_shards"):  # LocalShardsWrapper
-        (value,) = value.local_shards()
-    return value
+        return list(value.local_shards())
+    return [value]
 
 
 def load_state_dict(state: AverageState, state_dict: dict[str, Any], strict: bool = True) -> None:
-    """Check the whole state dict (description, names, shapes, dtypes) first, then restore."""
+    """Check the whole state dict (description, names, shapes, dtypes) on every rank first, the
+    ranks agreeing, then restore (a rank that refused makes every rank raise, none waits)."""
+    error: BaseException | None = None
+    try:
+        meta, slots, values = _checked(state, state_dict, strict)
+    except Exception as caught:
+        error = caught
+    agree_or_raise(error, "loading the averager's state dict")
+    with torch.no_grad():
+        for target, shard in values:
+            if shard.data_ptr() != target.data_ptr():  # DCP loaded into the shadow itself otherwise
+                target.copy_(shard)
+        _fill_replicas(state, slots)
+    state.restore(meta, {slot.key for slot in slots})
+
+
+def _checked(
+    state: AverageState, state_dict: dict[str, Any], strict: bool
+) -> tuple[dict[str, Any], list[Slot], list[tuple[torch.Tensor, torch.Tensor]]]:
+    """The description, the slots to fill and ``(target, loaded shard)`` pairs, everything checked."""
     if not isinstance(state_dict, dict) or "meta" not in state_dict or not isinstance(state_dict.get("tensors"), dict):
         raise CheckpointError("not a shardavg state dict: it needs 'meta' and a 'tensors' dict")
     meta = decode_description(state_dict["meta"], "state dict")
@@ -118,25 +157,20 @@ def load_state_dict(state: AverageState, state_dict: dict[str, Any], strict: boo
         message = f"the state dict describes {absent} but its 'tensors' lack them"
         if strict:
             raise CheckpointError(f"{message}; pass strict=False to average them from the live weights on")
-        warnings.warn(f"{message}: averaged from the live weights on", stacklevel=3)
+        warnings.warn(f"{message}: averaged from the live weights on", stacklevel=4)
     slots = [slot for slot in slots if slot.key in tensors]
-    values = {}
+    values = []
     for slot in slots:
-        if not _owns(state, slot.index):
-            continue
-        name, target = slot.key, state.piece(slot.index, slot.average)
-        local = _local_part(tensors[name])
-        if not isinstance(local, torch.Tensor) or local.shape != target.shape or local.dtype != target.dtype:
-            found = f"{local.dtype} {tuple(local.shape)}" if isinstance(local, torch.Tensor) else type(local).__name__
+        targets = _offered(state, slot.index, state.piece(slot.index, slot.average))
+        if not targets:
+            continue  # a replica: the owner sends it its part
+        shards = _local_shards(tensors[slot.key])
+        found = [f"{t.dtype} {tuple(t.shape)}" if isinstance(t, torch.Tensor) else type(t).__name__ for t in shards]
+        wanted = [f"{t.dtype} {tuple(t.shape)}" for t in targets]
+        if found != wanted:
             raise CheckpointError(
-                f"{name!r}: the state dict holds {found} here, this rank holds {target.dtype} {tuple(target.shape)}; "
-                "load through torch.distributed.checkpoint to reshard"
+                f"{slot.key!r}: the state dict holds {found} here, this rank holds {wanted}; load through "
+                "torch.distributed.checkpoint to reshard"
             )
-        values[slot] = local
-    with torch.no_grad():
-        for slot, local in values.items():
-            target = state.piece(slot.index, slot.average)
-            if local.data_ptr() != target.data_ptr():  # DCP loaded into the shadow itself otherwise
-                target.copy_(local)
-        _fill_replicas(state, slots)
-    state.restore(meta, {slot.key for slot in slots})
+        values += list(zip(targets, shards))
+    return meta, slots, values

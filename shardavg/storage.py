@@ -30,6 +30,7 @@ from typing import Any, BinaryIO
 import torch
 
 from .errors import CheckpointError
+from .parts import box_span, contiguous_strides
 
 DTYPE_CODES = {
     torch.float64: "F64",
@@ -388,6 +389,30 @@ class SafetensorsFile:
             piece = torch.empty(count, dtype=stored.dtype)
             self.read_into(piece, key, first + start)
             out[start : start + count].copy_(piece)
+
+    def read_box(self, out: torch.Tensor, key: str, at: int, sizes: Sequence[int], offsets: Sequence[int]) -> None:
+        """Fill ``out`` with the box ``offsets .. offsets + out.shape`` of the row-major array of shape
+        ``sizes`` stored from element ``at`` of tensor ``key``: straight into ``out`` when the box is
+        back to back in the file and ``out`` is contiguous, else one read per slab of at most
+        ``READ_PIECE`` bytes (halving the box along its first dim until a slab fits)."""
+        if not out.numel():
+            return
+        span = box_span(sizes, offsets, out.shape)
+        if span is not None and out.is_contiguous():
+            self.read_into(out.view(-1), key, at + span[0])
+            return
+        strides = contiguous_strides(sizes)
+        first = sum(o * s for o, s in zip(offsets, strides))
+        extent = sum((n - 1) * s for n, s in zip(out.shape, strides)) + 1
+        split = next((d for d, n in enumerate(out.shape) if n > 1), None)
+        if extent * self.tensors[key].dtype.itemsize <= READ_PIECE or split is None:
+            out.copy_(self.read(key, at + first, extent).as_strided(tuple(out.shape), strides))
+            return
+        half = out.shape[split] // 2
+        for low, count in ((0, half), (half, out.shape[split] - half)):
+            moved = list(offsets)
+            moved[split] += low
+            self.read_box(out.narrow(split, low, count), key, at, sizes, moved)
 
     def sha256(self) -> str:
         """The SHA-256 of the whole file, read a bounded piece at a time."""

@@ -67,3 +67,15 @@ def replace_shard(checkpoint: Path, name: str, tensors: dict[str, torch.Tensor])
     meta.pop("checksum")
     (checkpoint / "shardavg.json").write_text(json.dumps(with_checksum(meta)))
     return shard
+
+
+def as_flat_ranges(meta: dict, version: int) -> dict:
+    """A manifest of this version rewritten as format ``version`` (4 or earlier) wrote it: each
+    chunk a range of the flattened tensor (``{file, start, end}``), not a box."""
+    from shardavg.parts import box_span
+
+    for entry in meta["tensors"]:
+        ranges = [(c["file"], box_span(entry["shape"], c["offsets"], c["sizes"])) for c in entry["chunks"]]
+        assert all(span is not None for _, span in ranges), "only boxes that are ranges have a flat form"
+        entry["chunks"] = [{"file": file, "start": start, "end": end} for file, (start, end) in ranges]
+    return meta | {"version": version}

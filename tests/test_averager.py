@@ -347,7 +347,7 @@ def test_a_changed_model_is_named(model, trainer) -> None:
     model.block.up = nn.Linear(6, 12)
     with pytest.raises(
         ModelChangedError,
-        match=r"changed \[block.up.weight \(shape \(10, 6\) -> \(12, 6\), range on this rank \[0, 60\) -> \[0, 72\)\)",
+        match=r"changed \[block.up.weight \(shape \(10, 6\) -> \(12, 6\), held on this rank \[0, 60\) -> \[0, 72\)\)",
     ):
         averager.update()
     model = TiedNet()

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from helpers import deadline, fresh, replace_shard, trained
+from helpers import as_flat_ranges, deadline, fresh, replace_shard, trained
 from safetensors.torch import load_file
 
 from shardavg import CheckpointError, WeightAverager
@@ -73,15 +73,37 @@ def test_an_edited_manifest_fails_its_checksum(trainer, tmp_path, capsys) -> Non
 
 def test_partial_empty_and_overlapping_chunk_tables_are_refused(trainer, tmp_path, capsys) -> None:
     averager = trained(trainer, steps=3)
-    for label, chunks in {
+
+    uncovered = r"the chunks of 'block.up.weight' .* do not cover its shape \[10, 6\] exactly"
+
+    def box(offsets, sizes, at=0):
+        return {"file": 0, "offsets": offsets, "sizes": sizes, "at": at}
+
+    for label, chunks in {  # block.up.weight is 10 x 6
         "empty": [],
-        "partial": [{"file": 0, "start": 0, "end": 30}],
-        "overlapping": [{"file": 0, "start": 0, "end": 60}, {"file": 0, "start": 30, "end": 60}],
-        "beyond": [{"file": 0, "start": 0, "end": 61}],
+        "partial": [box([0, 0], [5, 6])],
+        "columns short": [box([0, 0], [10, 3]), box([0, 3], [10, 2], at=30)],
+        "overlapping": [box([0, 0], [10, 6]), box([5, 0], [5, 6], at=60)],
+        "beyond": [box([0, 0], [11, 6])],
     }.items():
         path = averager.save(tmp_path / label)
         craft(path, lambda meta, chunks=chunks: tensor(meta, "block.up.weight").__setitem__("chunks", chunks))
-        refused_everywhere(path, r"the chunks of 'block.up.weight' .* do not cover its 60 elements", capsys)
+        refused_everywhere(path, uncovered, capsys)
+    for label, chunks in {  # the flat ranges of format version 4 and before, still read, checked the same
+        "v4 partial": [{"file": 0, "start": 0, "end": 30}],
+        "v4 overlapping": [{"file": 0, "start": 0, "end": 60}, {"file": 0, "start": 30, "end": 60}],
+    }.items():
+        path = averager.save(tmp_path / label)
+
+        def legacy(meta, chunks=chunks):
+            meta.update(as_flat_ranges(meta, 4))
+            tensor(meta, "block.up.weight")["chunks"] = chunks
+
+        craft(path, legacy)
+        refused_everywhere(path, uncovered, capsys)
+    path = averager.save(tmp_path / "unpacked")  # a file's boxes must lie back to back in its entry
+    craft(path, lambda meta: tensor(meta, "block.up.weight").__setitem__("chunks", [box([0, 0], [10, 6], at=1)]))
+    refused_everywhere(path, r"'block.up.weight': a chunk of file 0 starts at 1, expected 0", capsys)
 
 
 def test_the_offline_reader_checks_dtype_and_shape_like_load(trainer, tmp_path, capsys) -> None:
@@ -92,7 +114,12 @@ def test_the_offline_reader_checks_dtype_and_shape_like_load(trainer, tmp_path, 
     replace_shard(path, SHARD, stored)
     refused_everywhere(path, r"'gain' is \('I32', \[1\]\), the manifest says \('F32', \[1\]\)", capsys)
     path = averager.save(tmp_path / "shape")
-    craft(path, lambda meta: tensor(meta, "gain").update(shape=[2], chunks=[{"file": 0, "start": 0, "end": 2}]))
+    craft(
+        path,
+        lambda meta: tensor(meta, "gain").update(
+            shape=[2], chunks=[{"file": 0, "offsets": [0], "sizes": [2], "at": 0}]
+        ),
+    )
     with pytest.raises(CheckpointError, match=r"gain: checkpoint \(2,\) vs model \(1,\)"):
         fresh().load(path)
     cli_main(["export", str(path), str(tmp_path / "out")])
@@ -150,7 +177,7 @@ def test_dcp_entries_are_checked_before_they_are_read(trainer, tmp_path, capsys)
         metadata.state_dict_metadata[fqn].chunks.clear()
 
     path = dcp_checkpoint(averager, tmp_path / "partial", drop_chunks)
-    cli_refuses(["export", str(path), str(tmp_path / "out")], "do not tile its 60 items", capsys)
+    cli_refuses(["export", str(path), str(tmp_path / "out")], r"do not tile its shape \[10, 6\]", capsys)
     path = dcp_checkpoint(averager, tmp_path / "fifo", lambda metadata: None)
     for file in path.glob("*.distcp"):  # a pipe in place of the data file would block a reader forever
         file.unlink()
@@ -192,12 +219,16 @@ def test_cli_reports_malformed_input_in_one_line(trainer, tmp_path, capsys) -> N
         "nested": (None, "cannot read"),  # type: ignore[dict-item]
         "no-role": (lambda meta: tensor(meta, "gain").pop("role"), "role None is not one of"),
         "file-index": (
-            lambda meta: tensor(meta, "gain").__setitem__("chunks", [{"file": 3, "start": 0, "end": 1}]),
+            lambda meta: tensor(meta, "gain").__setitem__(
+                "chunks", [{"file": 3, "offsets": [0], "sizes": [1], "at": 0}]
+            ),
             "malformed chunk table",
         ),
         "tensors-text": (lambda meta: meta.__setitem__("tensors", "abc"), "'tensors' must be a list"),
         "huge": (
-            lambda meta: tensor(meta, "gain").update(shape=[10**12] * 2, chunks=[{"file": 0, "start": 0, "end": HUGE}]),
+            lambda meta: tensor(meta, "gain").update(
+                shape=[10**12] * 2, chunks=[{"file": 0, "offsets": [0, 0], "sizes": [10**12] * 2, "at": 0}]
+            ),
             r"'gain' is \('F32', \[1\]\), the manifest says \('F32', \[1000000000000000000000000\]\)",
         ),
     }

@@ -93,6 +93,37 @@ def test_a_bad_config_is_refused_naming_the_key(caplog, monkeypatch, argv, messa
     assert message in refused(caplog, monkeypatch, *argv)
 
 
+TP, PP = str(CONFIGS / "fsdp2_tp.yaml"), str(CONFIGS / "pp.yaml")
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (
+            ["--config", FSDP2, "--set", "parallel.tp=2"],
+            "'parallel.tp' is for the fsdp2_tp engine (1 otherwise), got 2",
+        ),
+        (["--config", FSDP2, "--set", "parallel.microbatches=2"], "'parallel.microbatches' are for the pp engine"),
+        (["--config", TP, "--set", "parallel.tp=3"], "'parallel.tp' (3) must divide the 4 processes"),
+        (
+            ["--config", TP, "--set", "parallel.tp=4", "--set", "model.heads=2"],
+            "'parallel.tp' (4) must divide 'model.heads' (2)",
+        ),
+        (["--config", TP, "--set", "parallel.tp=0"], "'parallel.tp' must be at least 1"),
+        (["--config", PP, "--set", "parallel.pp=3"], "'parallel.pp' (3) must be at least 2 and divide the 4 processes"),
+        (["--config", PP, "--set", "parallel.pp=4", "--set", "model.layers=2"], "'model.layers' (2) cannot fill them"),
+        (
+            ["--config", PP, "--set", "parallel.microbatches=3"],
+            "'parallel.microbatches' (3) must divide 'train.batch_size' (16)",
+        ),
+    ],
+)
+def test_tensor_and_pipeline_parallel_degrees_must_fit_the_launch_and_the_model(
+    caplog, monkeypatch, argv, message
+) -> None:
+    assert message in refused(caplog, monkeypatch, *argv, world=4)
+
+
 def test_a_config_file_with_an_unknown_missing_or_mistyped_key_is_refused(caplog, monkeypatch, tmp_path) -> None:
     def extra(config):
         config["model"]["depth"] = 3

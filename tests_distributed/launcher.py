@@ -34,7 +34,9 @@ def torchrun(script: str, nproc: int, *args: str, timeout: float = 300, env: dic
         sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
         str(HERE / script), *args,
     ]  # fmt: skip
-    env = os.environ | {"OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu", "PYTHONUNBUFFERED": "1"} | (env or {})
+    # (a rank that crashes in C++ prints where it was, Python frames included)
+    quiet = {"OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu", "PYTHONUNBUFFERED": "1", "PYTHONFAULTHANDLER": "1"}
+    env = os.environ | quiet | (env or {})
     # DeepSpeed compiles a small op on first use; build it inside this environment, where no
     # other environment's half-finished build (and its lock file) can stall the launch.
     env.setdefault("TORCH_EXTENSIONS_DIR", str(Path(sys.prefix) / "torch_extensions"))

@@ -214,7 +214,7 @@ def master(root: Path) -> None:
                     if stage == 3:  # this rank's partition of the average
                         assert torch.equal(view, shadow.to(torch.bfloat16)), info.name
                     else:  # the whole average, gathered: this rank's part of it is its fragment
-                        part = view.reshape(-1)[info.start : info.end]
+                        part = info.part.take(view)
                         assert torch.equal(part, shadow.reshape(-1).to(torch.bfloat16)), info.name
         after = run.avg.strategy.swap_views()
         assert all(torch.equal(a, b) for a, b in zip(before, after)), f"stage {stage}: live weights not restored"

@@ -41,3 +41,22 @@ def test_a_tiny_bench_has_every_row_and_every_check_passes(tmp_path: Path) -> No
         if case[0] != "ddp":  # the gathering peers receive the model every update
             assert peer["comm_bytes_per_update"] > 0, (case, peer)
     assert "| ours |" in launch.output and "copy bandwidth" in launch.output
+
+
+def test_a_tiny_tensor_parallel_bench_at_four_processes(tmp_path: Path) -> None:
+    """FSDP2 over 2 x tensor parallel over 2: ours bitwise the ``full_tensor()`` peer's average,
+    nothing communicated, a quarter of the blocks' matrices kept per rank."""
+    out = tmp_path / "bench.json"
+    args = ["--config", str(ROOT / "configs" / "bench.yaml"), "--json", str(out), "--set", "engines=[fsdp2_tp]",
+            "--set", "dtypes=[float32]", "--set", "export=false"]  # fmt: skip
+    for override in TINY:
+        args += ["--set", override]
+    launch = torchrun(str(ROOT / "launch" / "bench.py"), 4, *args, timeout=540)
+    assert launch.returncode == 0, launch.output[-20000:]
+    methods = {r["method"]: r for r in json.loads(out.read_text())}
+    assert {r["engine"] for r in methods.values()} == {"fsdp2_tp"}, methods
+    (peer,) = [r for r in methods.values() if r["check"] == "reference"]
+    assert peer["method"] == "full_tensor() + full copy" and peer["comm_bytes_per_update"] > 0
+    for name in ("ours", "ours, check off"):
+        assert methods[name]["check"] == "bitwise" and methods[name]["comm_bytes_per_update"] == 0, methods[name]
+        assert 0 < methods[name]["extra_bytes_per_rank"] < peer["extra_bytes_per_rank"] / 2, (methods[name], peer)

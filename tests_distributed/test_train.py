@@ -28,7 +28,8 @@ TINY = {
     "train.batch_size": 4, "train.warmup_steps": 2, "eval.every": 4, "eval.batches": 2,
     "checkpoint.every": 4, "checkpoint.keep_last": 2, "posthoc.snapshot_every": 3,
 }  # fmt: skip
-ENGINES = ("ddp", "fsdp1", "fsdp2", "hsdp", "zero3")
+ENGINES = ("ddp", "fsdp1", "fsdp2", "hsdp", "zero3", "fsdp2_tp", "pp")
+PROCESSES = {"fsdp2_tp": 4, "pp": 4}  # a 2 x 2 mesh: 2 data-parallel ranks, as the others at 2 processes
 KEPT = ("raw", "ema", "power")  # evaluated during training
 NAMES = (*KEPT, "posthoc")  # exported; posthoc: the best of the post-hoc sweep
 
@@ -40,7 +41,8 @@ def job_args(engine: str, out: Path, *extra: str) -> list[str]:
     return [*args, *extra]
 
 
-def train(engine: str, out: Path, *extra: str, nproc: int = 2) -> dict:
+def train(engine: str, out: Path, *extra: str, nproc: int | None = None) -> dict:
+    nproc = nproc or PROCESSES.get(engine, 2)
     launch = torchrun(str(ROOT / "launch" / "train.py"), nproc, *job_args(engine, out, *extra), timeout=300)
     assert launch.returncode == 0, launch.output[-20000:]
     assert "held-out loss at step" in launch.output, launch.output[-5000:]
@@ -74,7 +76,8 @@ def test_the_job_trains_evaluates_and_exports_what_the_plain_model_loads(runs, e
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [row["step"] for row in rows] == [4, 8]
     assert set(rows[-1]["heldout"]) == set(KEPT) and rows[-1]["heldout"]["raw"] < rows[0]["heldout"]["raw"]
-    assert summary["engine"] == engine and summary["processes"] == 2 and summary["tokens_per_s"] > 0
+    assert summary["engine"] == engine and summary["processes"] == PROCESSES.get(engine, 2)
+    assert summary["tokens_per_s"] > 0
     shares = summary["update_share_of_step"]  # what averaging costs the step, per average and in all
     assert set(shares) == {"ema", "power", "posthoc", "all"} and all(0 < v < 1 for v in shares.values()), shares
     assert (
@@ -98,6 +101,8 @@ def test_the_job_trains_evaluates_and_exports_what_the_plain_model_loads(runs, e
     full = sum(t.numel() * 4 for n, t in weights["ema"].items() if n != "head.weight")
     if engine == "ddp":
         assert shards["ema"] == full
+    elif engine in PROCESSES:  # 4 ranks: a quarter of the blocks' matrices, half of what TP or a stage replicates
+        assert full / 4 <= shards["ema"] < full / 2, (shards, full)
     else:  # every engine here shards: about half of the fp32 model per rank (FSDP1 pads, ZeRO-3 aligns)
         assert full / 2 <= shards["ema"] < full * 0.6, (shards, full)
 

@@ -1,11 +1,13 @@
 """What every strategy adapter answers: which tensors there are, and where this rank's shard is.
 
 An adapter lists each tensor of the plain (unwrapped) model once, as a ``TensorInfo``: its
-canonical name and aliases, global shape and dtype, and the part ``[start, end)`` of the
-flattened global tensor that this rank's *local view* covers. The local view is a tensor the
-engine already owns (a DTensor's local shard, the real part of a ZeRO-3 partition, a slice of
-an FSDP1 flat parameter, or the tensor itself) with exactly ``end - start`` elements.
-Everything else (averaging, swapping, gathering, checkpoints) is built on these two answers.
+canonical name and aliases, global shape and dtype, and the ``Part`` of the global tensor that
+this rank's *local view* holds (``parts.py``: boxes of the global tensor; a flat range
+``[start, end)`` of the flattened tensor is the one-dimensional case). The local view is a
+tensor the engine already owns (a DTensor's local shard, the real part of a ZeRO-3 partition,
+a slice of an FSDP1 flat parameter, or the tensor itself) with exactly ``part.numel``
+elements. Everything else (averaging, swapping, gathering, checkpoints) is built on these two
+answers.
 """
 
 from __future__ import annotations
@@ -18,6 +20,9 @@ from typing import ClassVar, Literal
 
 import torch
 from torch import nn
+
+from ..parts import Part
+from .dtensor import dtensor_part, is_dtensor, local_view
 
 TensorKind = Literal["param", "buffer"]
 
@@ -45,12 +50,15 @@ class TensorInfo:
     shape: torch.Size  # global shape
     dtype: torch.dtype
     requires_grad: bool
-    start: int  # this rank's local view covers [start, end) of the flattened global tensor
-    end: int
+    part: Part  # what of the global tensor this rank's local view holds
 
     @property
     def numel(self) -> int:
         return self.shape.numel()
+
+    @property
+    def local_numel(self) -> int:
+        return self.part.numel
 
     @property
     def names(self) -> tuple[str, ...]:
@@ -98,7 +106,8 @@ def persistent_buffers(module: nn.Module) -> list[tuple[list[str], nn.Module, st
     """Buffers that ``module.state_dict()`` holds, once each: (canonical names, owner, name in the owner, buffer).
 
     The owner and name say where to read the buffer again: ``model.to(...)`` replaces buffer
-    tensors in their owners' dicts without telling anyone.
+    tensors in their owners' dicts without telling anyone. A buffer is held whole, unless it is a
+    DTensor (then read through its local shard, as a parameter).
     """
     found: dict[int, tuple[list[str], nn.Module, str, torch.Tensor]] = {}
     for prefix, owner in module.named_modules(remove_duplicate=False):
@@ -109,8 +118,9 @@ def persistent_buffers(module: nn.Module) -> list[tuple[list[str], nn.Module, st
     return list(found.values())
 
 
-def whole_tensor_info(names: list[str], tensor: torch.Tensor, kind: TensorKind) -> TensorInfo:
-    """Info for a tensor that this rank holds whole (replicated params, every buffer)."""
+def tensor_info(names: list[str], tensor: torch.Tensor, kind: TensorKind, part: Part | None = None) -> TensorInfo:
+    """Info for ``tensor`` (its global shape and dtype), of which this rank holds ``part``: by
+    default all of it (replicated parameters, buffers)."""
     return TensorInfo(
         name=names[0],
         aliases=tuple(names[1:]),
@@ -118,18 +128,50 @@ def whole_tensor_info(names: list[str], tensor: torch.Tensor, kind: TensorKind) 
         shape=tensor.shape,
         dtype=tensor.dtype,
         requires_grad=kind == "param" and tensor.requires_grad,
-        start=0,
-        end=tensor.numel(),
+        part=Part.whole(tensor.shape) if part is None else part,
     )
 
 
+def held_info(names: list[str], tensor: torch.Tensor, kind: TensorKind) -> TensorInfo:
+    """Info for ``tensor`` as this rank holds it: a DTensor's local shard, or the whole tensor."""
+    return tensor_info(names, tensor, kind, dtensor_part(names[0], tensor, kind) if is_dtensor(tensor) else None)
+
+
 class Strategy(ABC):
-    """Adapter between one training engine and the averager."""
+    """What the averager asks of an engine: the tensors, and this rank's local view of each."""
 
     name: ClassVar[str]
     # Whether ``swapped()`` must gather the average: the forward reads whole tensors of which
     # this rank averages a part (ZeRO-1/2 masters). It is then a collective.
     swap_gathers: ClassVar[bool] = False
+    model: nn.Module  # what the user passed (its modules are watched for replaced parameters)
+
+    @abstractmethod
+    def tensors(self) -> list[TensorInfo]:
+        """Scan the model: every tensor of the plain model once, with the part of it this rank holds.
+        ``local_views()`` answers for the latest scan; rescan after the model's structure changed."""
+
+    @abstractmethod
+    def local_views(self) -> list[torch.Tensor]:
+        """Current local views aligned with the latest ``tensors()``. Called every update: keep it
+        cheap, and return the same tensor objects while the engine keeps its storage (the
+        averager regroups its fused updates whenever a view is a new object)."""
+
+    def swap_views(self) -> list[torch.Tensor]:
+        """What ``swapped()`` writes the average into: the tensors the forward reads. The local
+        views, except where the average is taken from elsewhere (ZeRO-3's fp32 master partitions)."""
+        return self.local_views()
+
+    def release_gathered(self) -> None:
+        """Drop full (unsharded) copies of parameters, so the next forward gathers the local shards.
+
+        Called before weights are swapped in and after they are swapped back.
+        """
+
+
+class ModuleStrategy(Strategy):
+    """An adapter for one model held by one engine: its parameters as the engine holds them
+    (``_scan_params``, ``_param_views``), then its persistent buffers."""
 
     def __init__(self, model: nn.Module) -> None:
         self.model = model
@@ -147,35 +189,17 @@ class Strategy(ABC):
 
     @abstractmethod
     def _param_views(self) -> list[torch.Tensor]:
-        """The parameters' current local views, in ``_scan_params`` order. Called every update:
-        keep it cheap, and return the same tensor objects while the engine keeps its storage
-        (the averager regroups its fused updates whenever a view is a new object)."""
+        """The parameters' current local views, in ``_scan_params`` order (see ``local_views``)."""
 
     def tensors(self) -> list[TensorInfo]:
-        """Scan the model: every parameter, then every persistent buffer (buffers are never sharded).
-
-        ``local_views()`` answers for the latest scan; rescan after the model's structure changed.
-        """
+        """Every parameter, then every persistent buffer (whole, unless a DTensor)."""
         infos = self._scan_params()
         buffers = persistent_buffers(self.module)
         self._buffer_slots = [(owner, name) for _, owner, name, _ in buffers]
-        infos += [whole_tensor_info(names, buffer, "buffer") for names, _, _, buffer in buffers]
+        infos += [held_info(names, buffer, "buffer") for names, _, _, buffer in buffers]
         return infos
 
     def local_views(self) -> list[torch.Tensor]:
-        """Current local views aligned with the latest ``tensors()``; the averager checks their
-        identity each update."""
         if self._buffer_slots is None:
             raise RuntimeError(f"{type(self).__name__}.local_views() before tensors(): scan the model first")
-        return self._param_views() + [owner._buffers[name] for owner, name in self._buffer_slots]
-
-    def swap_views(self) -> list[torch.Tensor]:
-        """What ``swapped()`` writes the average into: the tensors the forward reads. The local
-        views, except where the average is taken from elsewhere (ZeRO-3's fp32 master partitions)."""
-        return self.local_views()
-
-    def release_gathered(self) -> None:
-        """Drop full (unsharded) copies of parameters, so the next forward gathers the local shards.
-
-        Called before weights are swapped in and after they are swapped back.
-        """
+        return self._param_views() + [local_view(owner._buffers[name]) for owner, name in self._buffer_slots]

@@ -11,14 +11,15 @@ import torch
 from torch import nn
 from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 
-from .base import Strategy, TensorInfo, canonical_name
+from ..parts import Part
+from .base import ModuleStrategy, TensorInfo, canonical_name
 
 
 def _join(*parts: str) -> str:
     return ".".join(part for part in parts if part)
 
 
-class FSDP1(Strategy):
+class FSDP1(ModuleStrategy):
     name = "fsdp1"
     _views_key: list | None = None  # what the cached views were sliced from
 
@@ -57,8 +58,7 @@ class FSDP1(Strategy):
                         shape=torch.Size(shape),
                         dtype=flat.dtype,
                         requires_grad=requires_grad,
-                        start=start,
-                        end=end,
+                        part=Part.flat(shape, start, end),
                     )
                 )
         return infos

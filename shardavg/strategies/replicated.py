@@ -9,13 +9,13 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .base import Strategy, TensorInfo, grouped_by_identity, whole_tensor_info
+from .base import ModuleStrategy, TensorInfo, grouped_by_identity, tensor_info
 from .fsdp1 import FSDP1
 from .fsdp2 import FSDP2
 from .zero3 import Zero3
 
 
-class Replicated(Strategy):
+class Replicated(ModuleStrategy):
     name = "replicated"
 
     @staticmethod
@@ -25,7 +25,7 @@ class Replicated(Strategy):
     def _scan_params(self) -> list[TensorInfo]:
         groups = grouped_by_identity(self.module.named_parameters(remove_duplicate=False))
         self._params = [tensor for _, tensor in groups]
-        return [whole_tensor_info(names, tensor, "param") for names, tensor in groups]
+        return [tensor_info(names, tensor, "param") for names, tensor in groups]
 
     def _param_views(self) -> list[torch.Tensor]:
         return self._params

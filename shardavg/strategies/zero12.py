@@ -17,10 +17,11 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .base import Strategy, TensorInfo, grouped_by_identity, is_deepspeed_engine, whole_tensor_info
+from ..parts import Part
+from .base import ModuleStrategy, TensorInfo, grouped_by_identity, is_deepspeed_engine, tensor_info
 
 
-class Zero12Master(Strategy):
+class Zero12Master(ModuleStrategy):
     name = "zero12"
     swap_gathers = True
 
@@ -38,12 +39,13 @@ class Zero12Master(Strategy):
         self._params = [tensor for _, tensor in groups]
         infos = []
         for names, param in groups:
-            info = whole_tensor_info(names, param, "param")
+            info = tensor_info(names, param, "param")
             if param.requires_grad:
                 mapping = getattr(param, "_hp_mapping", None)
                 start = 0 if mapping is None else mapping.lp_fragment_address.start
                 end = start if mapping is None else start + mapping.lp_fragment_address.numel
-                info = TensorInfo(info.name, info.aliases, "param", info.shape, torch.float32, True, start, end)
+                part = Part.flat(info.shape, start, end)
+                info = TensorInfo(info.name, info.aliases, "param", info.shape, torch.float32, True, part)
             infos.append(info)
         return infos
 

@@ -13,7 +13,8 @@ import torch.distributed as dist
 from torch import nn
 
 from ..errors import StrategyError
-from .base import Strategy, TensorInfo, grouped_by_identity, is_deepspeed_engine, unwrap
+from ..parts import Part
+from .base import ModuleStrategy, TensorInfo, grouped_by_identity, is_deepspeed_engine, unwrap
 
 
 def _partition_info(names: list[str], param: torch.Tensor, master: bool) -> TensorInfo:
@@ -35,12 +36,11 @@ def _partition_info(names: list[str], param: torch.Tensor, master: bool) -> Tens
         shape=torch.Size(param.ds_shape),
         dtype=torch.float32 if master and param.requires_grad else param.ds_tensor.dtype,
         requires_grad=param.requires_grad,
-        start=start,
-        end=min(start + partition, param.ds_numel),
+        part=Part.flat(param.ds_shape, start, min(start + partition, param.ds_numel)),
     )
 
 
-class Zero3(Strategy):
+class Zero3(ModuleStrategy):
     """With ``master=True`` the local views of trained parameters are the optimizer's fp32 master
     partitions (``safe_get_local_fp32_param``), so a bf16/fp16 run is averaged before rounding;
     ``swapped()`` still writes the live partitions, which the forward reads. Frozen parameters
@@ -72,7 +72,7 @@ class Zero3(Strategy):
         groups = grouped_by_identity(self.module.named_parameters(remove_duplicate=False))
         self._params = [tensor for _, tensor in groups]
         infos = [_partition_info(names, tensor, self.master) for names, tensor in groups]
-        self._lengths = [info.end - info.start for info in infos]
+        self._lengths = [info.local_numel for info in infos]
         return infos
 
     def _param_views(self) -> list[torch.Tensor]:

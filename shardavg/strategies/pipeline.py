@@ -1,0 +1,130 @@
+"""Pipeline stages: each rank holds the tensors of its own stages; the averager covers the whole model.
+
+``torch.distributed.pipelining`` trains a model cut into stages, each a copy of the full model
+with the other stages' layers deleted (torchtitan's way), so every stage keeps the full model's
+names. ``Pipeline`` wraps one adapter per model part this rank holds (its stage, or its stages
+under an interleaved schedule; each part sharded or replicated within the stage as any model
+is) and lists, besides the part's own tensors, every other stage's tensor as a *placeholder*:
+its name, shape, dtype and kind, an empty part and an empty local view. So every rank tracks
+the same tensors in the same order, and the layout, gathers, checkpoints, DCP and exports see
+the whole model with no special case: a tensor's parts come from the ranks of the stage that
+holds it. A tensor that two stages both hold (an embedding tied to the output head, kept in
+the first and the last stage) is replicated between them, the lowest rank owning it, and
+should be kept equal by the training loop. ``update()`` and ``swapped()`` touch this rank's
+own tensors only: no communication.
+
+The other stages' tensors are learnt once, when the averager is built (a collective over all
+ranks); a later rescan looks at this rank's parts only. The pipeline group (the ranks of one
+pipeline, as ``PipelineStage`` is given) tells which ranks must agree: ranks at the same place
+in their pipeline groups hold the same stages, so they must list the same tensors.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import Counter
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ..errors import LayoutError, ModelChangedError
+from ..parts import Part
+from .base import Strategy, TensorInfo
+
+
+class Pipeline(Strategy):
+    def __init__(self, parts: Sequence[Strategy], group: Any) -> None:
+        self.parts = list(parts)
+        self.name = self.parts[0].name  # type: ignore[misc]
+        self.swap_gathers = any(part.swap_gathers for part in self.parts)  # type: ignore[misc]
+        self.model = nn.ModuleList(part.model for part in self.parts)  # what the structure watch follows
+        self.group = group.get_group() if hasattr(group, "get_group") else group
+        self._order: list[tuple[str, TensorInfo]] | None = None  # (name, placeholder) of every stage's tensors
+
+    def tensors(self) -> list[TensorInfo]:
+        """This rank's tensors, every other stage's as a placeholder, in one order on every rank.
+        A collective the first time (when the averager is built)."""
+        own = [info for part in self.parts for info in part.tensors()]
+        counted = Counter(name for info in own for name in info.names)
+        twice = sorted(name for name, count in counted.items() if count > 1)
+        if twice:
+            raise LayoutError(f"the model parts of rank {dist.get_rank()} list {twice} more than once")
+        if self._order is None:
+            self._order = self._learn(own)
+        mine = {info.name: k for k, info in enumerate(own)}
+        unknown = sorted(set(mine) - {name for name, _ in self._order})
+        if unknown:
+            raise ModelChangedError(
+                f"rank {dist.get_rank()}'s stages hold {unknown[:8]}, which no stage held when the averager was "
+                "built; build a new WeightAverager for the new model"
+            )
+        self._slots = [mine.get(name) for name, _ in self._order]  # per tensor: its place among this rank's own
+        return [
+            placeholder if slot is None else dataclasses.replace(own[slot], aliases=placeholder.aliases)
+            for (_, placeholder), slot in zip(self._order, self._slots)
+        ]
+
+    def _learn(self, own: list[TensorInfo]) -> list[tuple[str, TensorInfo]]:
+        """Collective: every rank's tensors, checked, in one order (rank by rank, first seen first)."""
+        listed = [
+            (info.name, info.aliases, info.kind, tuple(info.shape), info.dtype, info.requires_grad) for info in own
+        ]
+        place = dist.get_rank(self.group) if self.group is not None else 0
+        everyone: list = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, (place, listed))
+        stages: dict[int, tuple[int, set[str]]] = {}
+        for holder, (their_place, theirs) in enumerate(everyone):
+            names = {entry[0] for entry in theirs}
+            first, expected = stages.setdefault(their_place, (holder, names))
+            if names != expected:
+                raise LayoutError(
+                    f"ranks {first} and {holder} are at place {their_place} of their pipelines but hold different "
+                    f"tensors: only on rank {first}: {sorted(expected - names)[:8]}, only on rank {holder}: "
+                    f"{sorted(names - expected)[:8]}"
+                )
+        seen: dict[str, tuple[int, tuple]] = {}
+        aliases: dict[str, list[str]] = {}
+        for holder, (_, theirs) in enumerate(everyone):
+            for name, their_aliases, *described in theirs:
+                first, known = seen.setdefault(name, (holder, tuple(described)))
+                if known != tuple(described):
+                    raise LayoutError(
+                        f"{name!r} is {_shown(known)} on rank {first} but {_shown(described)} on rank {holder}"
+                    )
+                known_aliases = aliases.setdefault(name, [])
+                known_aliases += [alias for alias in their_aliases if alias not in known_aliases]
+        both = sorted(set(seen) & {alias for names in aliases.values() for alias in names})
+        if both:
+            raise LayoutError(f"{both} name a tensor of their own on some ranks and an alias on others")
+        device = next((view.device for part in self.parts for view in part.local_views()), torch.device("cpu"))
+        order = []
+        for name, (_, (kind, shape, dtype, requires_grad)) in seen.items():
+            size = torch.Size(shape)
+            placeholder = TensorInfo(name, tuple(aliases[name]), kind, size, dtype, requires_grad, Part.empty(size))
+            order.append((name, placeholder))
+        self._empty = {name: torch.empty(0, dtype=info.dtype, device=device) for name, info in order}
+        return order
+
+    def local_views(self) -> list[torch.Tensor]:
+        return self._arranged([view for part in self.parts for view in part.local_views()])
+
+    def swap_views(self) -> list[torch.Tensor]:
+        return self._arranged([view for part in self.parts for view in part.swap_views()])
+
+    def _arranged(self, own: list[torch.Tensor]) -> list[torch.Tensor]:
+        """This rank's own views in the order of ``tensors()``, the placeholders' empty ones between."""
+        if self._order is None:
+            raise RuntimeError("Pipeline.local_views() before tensors(): scan the model first")
+        return [self._empty[name] if slot is None else own[slot] for (name, _), slot in zip(self._order, self._slots)]
+
+    def release_gathered(self) -> None:
+        for part in self.parts:
+            part.release_gathered()
+
+
+def _shown(described: Sequence) -> str:
+    kind, shape, dtype, requires_grad = described
+    return f"a {kind} of shape {tuple(shape)} and {dtype}{'' if requires_grad or kind != 'param' else ', frozen'}"
