@@ -1,12 +1,14 @@
 """shardavg's update side by side with the ways people average a sharded model today.
 
     torchrun --nproc_per_node 2 launch/bench.py --config configs/bench.yaml [--json bench.json]
+    torchrun --nproc_per_node 4 launch/bench.py --config configs/bench.yaml --set "engines=[fsdp2_tp]"
 
 For each engine, model shape and live dtype it times, on the slowest rank after warm-up:
 ``ours`` (``WeightAverager.update()``, with the non-finite check and with ``on_nonfinite="off"``),
 the engine's gather-based peer (DDP: a full ``AveragedModel`` replica; FSDP1:
-``summon_full_params``; FSDP2: ``full_tensor()`` per parameter; ZeRO-3: ``GatheredParameters``
-per parameter; each with an fp32 EMA into a full copy), and the floor (the same fused kernels
+``summon_full_params``; FSDP2 and FSDP2 + tensor parallel: ``full_tensor()`` per parameter;
+ZeRO-3: ``GatheredParameters`` per parameter; each with an fp32 EMA into a full copy), and the floor
+(the same fused kernels
 over plain tensors of this rank's local-shard sizes). The methods take turns on each new set of
 live weights, so every one sees the same sequence (and ours is checked against the reference's
 average) and a drift in the machine's speed falls on all of them alike. It also measures bytes received
@@ -191,7 +193,7 @@ def gathering(wrapped: engines.Wrapped, decay: float) -> Method:
             for name, param in wrapped.module.named_parameters():
                 state["copies"] = ema_into_one(state["copies"], name, param.full_tensor(), decay)
 
-    label = {"fsdp1": "summon_full_params", "zero3": "GatheredParameters", "fsdp2": "full_tensor()"}[wrapped.kind]
+    label = {"fsdp1": "summon_full_params", "zero3": "GatheredParameters"}.get(wrapped.kind, "full_tensor()")
     return Method(
         f"{label} + full copy",
         "reference",
@@ -256,7 +258,7 @@ def compare(got: dict | None, want: dict | None, dtype: torch.dtype, failing: st
 
 def run_case(kind: str, shape_name: str, shape: dict, dtype: torch.dtype, cfg: dict) -> list[Row]:
     module, block = build_model(shape)
-    wrapped = engines.wrap(kind, module, block, dtype, cfg["deepspeed"])
+    wrapped = engines.wrap(kind, module, block, dtype, cfg["deepspeed"], parallel=cfg["parallel"])
     shards = [s for s in wrapped.local_shards() if s.numel()]
 
     def next_weights() -> None:  # what an optimizer step would do: every live shard changes in place
@@ -428,9 +430,10 @@ def main() -> None:
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config key")
     args = parser.parse_args()
     cfg = configs.load(args.config, args.set)
-    unknown = [e for e in cfg["engines"] if e not in ("ddp", "fsdp1", "fsdp2", "zero3")]
+    known = ("ddp", "fsdp1", "fsdp2", "zero3", "fsdp2_tp")
+    unknown = [e for e in cfg["engines"] if e not in known]
     if unknown:
-        raise configs.ConfigError(f"engines: unknown {unknown}; expected ddp, fsdp1, fsdp2, zero3")
+        raise configs.ConfigError(f"engines: unknown {unknown}; expected some of {', '.join(known)}")
     engines.init_distributed("zero3" if "zero3" in cfg["engines"] else "ddp")
     rank, world = dist.get_rank(), dist.get_world_size()
     logging.basicConfig(level=logging.INFO if rank == 0 else logging.WARNING, format="%(message)s")
@@ -440,6 +443,7 @@ def main() -> None:
         for name, shape in cfg["shapes"].items()
         for dtype in cfg["dtypes"]
         for kind in cfg["engines"]
+        if kind != "fsdp2_tp" or shape["kind"] == "transformer"  # (tensor parallel needs the transformer's layers)
     ]
     from tqdm import tqdm
 

@@ -31,7 +31,7 @@ log = logging.getLogger("train")
 
 OPTIONAL_STR = (str, type(None))
 SCHEMA = {
-    "engine": str,  # ddp | fsdp1 | fsdp2 | hsdp | zero3
+    "engine": str,  # ddp | fsdp1 | fsdp2 | hsdp | zero3 | fsdp2_tp | pp
     "seed": int,
     "steps": int,
     "dtype": str,  # of the live weights: float32 or bfloat16 (the averages stay fp32)
@@ -50,6 +50,7 @@ SCHEMA = {
     "posthoc": {"snapshot_every": int, "sigma_rels": list, "sweep": list},  # snapshot_every 0: off
     "checkpoint": {"every": int, "keep_last": int},
     "hsdp": {"replicas": (int, type(None))},  # null: one replica per node
+    "parallel": {"tp": int, "pp": int, "microbatches": int},  # fsdp2_tp's tensor-parallel degree, pp's stages
     "deepspeed": OPTIONAL_STR,  # the DeepSpeed JSON config (zero3 only), relative to the YAML file
 }
 
@@ -70,6 +71,9 @@ INTS = {
     "posthoc.snapshot_every": (0, BIG, "a 32-bit count (0: off)"),
     "checkpoint.every": (1, BIG, "a 32-bit count"),
     "checkpoint.keep_last": (1, 2**20, "a sane count"),
+    "parallel.tp": (1, 2**10, "a sane degree"),
+    "parallel.pp": (1, 2**10, "a sane number of stages"),
+    "parallel.microbatches": (1, 2**20, "a sane count"),
 }
 # The range of every float key: a finite number with a lower bound, open or closed.
 FLOATS = {
@@ -213,12 +217,38 @@ def _check_engine_fits(cfg: dict, config_path: Path, world: int) -> dict | None:
             raise ConfigError(f"config key 'deepspeed': {path} does not set zero_optimization.stage 3")
     elif cfg["deepspeed"] is not None:
         raise ConfigError(f"config key 'deepspeed' is for the zero3 engine, not {engine}")
+    _check_parallel(cfg, world)
     replicas = cfg["hsdp"]["replicas"]
     if engine == "hsdp" and replicas is not None and (replicas < 1 or world % replicas):
         raise ConfigError(f"config key 'hsdp.replicas': {world} processes cannot form {replicas} replicas")
     if engine in ("fsdp1", "fsdp2", "hsdp", "zero3") and world == 1:
         log.warning("%s on one process shards nothing; launch with --nproc_per_node 2 or more", engine)
     return ds_config
+
+
+def _check_parallel(cfg: dict, world: int) -> None:
+    """Tensor and pipeline parallel: degrees that divide the launch and the model."""
+    engine, parallel, model = cfg["engine"], cfg["parallel"], cfg["model"]
+    tp, pp, microbatches = parallel["tp"], parallel["pp"], parallel["microbatches"]
+    if engine != "fsdp2_tp" and tp != 1:
+        raise ConfigError(f"config key 'parallel.tp' is for the fsdp2_tp engine (1 otherwise), got {tp} for {engine}")
+    if engine != "pp" and (pp, microbatches) != (1, 1):
+        raise ConfigError("config keys 'parallel.pp' and 'parallel.microbatches' are for the pp engine (1 otherwise)")
+    if engine == "fsdp2_tp":
+        if world % tp:
+            raise ConfigError(f"config key 'parallel.tp' ({tp}) must divide the {world} processes")
+        if model["heads"] % tp:  # a column-wise shard of qkv must hold whole heads
+            raise ConfigError(f"config key 'parallel.tp' ({tp}) must divide 'model.heads' ({model['heads']})")
+    if engine == "pp":
+        if pp < 2 or world % pp:
+            raise ConfigError(f"config key 'parallel.pp' ({pp}) must be at least 2 and divide the {world} processes")
+        if model["layers"] < pp:
+            raise ConfigError(f"config key 'parallel.pp' ({pp}): 'model.layers' ({model['layers']}) cannot fill them")
+        if cfg["train"]["batch_size"] % microbatches:
+            raise ConfigError(
+                f"config key 'parallel.microbatches' ({microbatches}) must divide 'train.batch_size' "
+                f"({cfg['train']['batch_size']})"
+            )
 
 
 def _resume_from(args: argparse.Namespace, out: Path, engine: str) -> Path | None:

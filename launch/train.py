@@ -67,34 +67,16 @@ def lr_at(step: int, cfg: dict) -> float:
     return train["min_lr"] + (train["lr"] - train["min_lr"]) * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
 
 
-def train_step(wrapped: engines.Wrapped, tokens: torch.Tensor, targets: torch.Tensor, lr: float, clip: float) -> float:
-    for group in wrapped.optimizer.param_groups:
-        group["lr"] = lr
-    loss = wrapped.model(tokens, targets)
-    if wrapped.kind == "zero3":  # the engine clips (gradient_clipping) and steps
-        wrapped.deepspeed_engine.backward(loss)
-        wrapped.deepspeed_engine.step()
-        return loss.item()
-    loss.backward()
-    if wrapped.kind == "fsdp1":
-        wrapped.model.clip_grad_norm_(clip)
-    else:
-        torch.nn.utils.clip_grad_norm_(wrapped.module.parameters(), clip)
-    wrapped.optimizer.step()
-    wrapped.optimizer.zero_grad(set_to_none=True)
-    return loss.item()
-
-
 @torch.no_grad()
 def heldout_loss(wrapped: engines.Wrapped, batches: list) -> float:
-    """Mean held-out loss over every rank's share of the fixed evaluation set."""
+    """Mean held-out loss over every data-parallel rank's share of the fixed evaluation set."""
     wrapped.model.eval()
     total = torch.zeros((), dtype=torch.float64)
     for tokens, targets in batches:
-        total += wrapped.model(tokens, targets).double()
+        total += wrapped.eval_loss(tokens, targets)
     dist.all_reduce(total)
     wrapped.model.train()
-    return total.item() / (len(batches) * dist.get_world_size())
+    return total.item() / (len(batches) * wrapped.data_world)
 
 
 def evaluate(wrapped: engines.Wrapped, averages: dict[str, WeightAverager], batches: list) -> dict[str, float]:
@@ -173,17 +155,14 @@ def run(job: Job) -> dict:
         "gradient_accumulation_steps": 1,
         "gradient_clipping": train["grad_clip"],
     }
+    gpt = GPT(model_config)
+    params = sum(p.numel() for p in gpt.parameters())
     wrapped = engines.wrap(
-        cfg["engine"],
-        GPT(model_config),
-        Block,
-        getattr(torch, cfg["dtype"]),
-        ds_config,
-        optimizer,
-        cfg["hsdp"]["replicas"],
-    )
-    averages = {name: WeightAverager(wrapped.model, rule) for name, rule in job.rules.items()}
-    params = sum(p.ds_numel if hasattr(p, "ds_numel") else p.numel() for p in wrapped.module.parameters())
+        cfg["engine"], gpt, Block, getattr(torch, cfg["dtype"]), ds_config, optimizer, cfg["hsdp"]["replicas"],
+        cfg["parallel"],
+    )  # fmt: skip
+    options = wrapped.averager_options  # (a pipeline's group)
+    averages = {name: WeightAverager(wrapped.model, rule, **options) for name, rule in job.rules.items()}
     log.info(
         "model: %.2fM parameters, %s on %d processes; averages: %s",
         params / 1e6,
@@ -199,6 +178,7 @@ def run(job: Job) -> dict:
             tuple(cfg["posthoc"]["sigma_rels"]),
             snapshot_every=cfg["posthoc"]["snapshot_every"],
             directory=out / "posthoc",
+            **options,
         )
     checkpointed = averages | ({"posthoc": posthoc} if posthoc else {})  # PostHocEMA checkpoints like an averager
 
@@ -211,10 +191,11 @@ def run(job: Job) -> dict:
     elif metrics.path.exists() and rank == 0:
         metrics.path.unlink()  # a fresh run in an old folder starts a fresh record
 
+    data_rank, data_world = wrapped.data_rank, wrapped.data_world  # (ranks of one TP group or pipeline share one)
     evaluation = data.heldout_batches(
-        corpus.heldout, rank, world, cfg["eval"]["batches"], train["batch_size"], model_config.context
+        corpus.heldout, data_rank, data_world, cfg["eval"]["batches"], train["batch_size"], model_config.context
     )
-    tokens_per_step = train["batch_size"] * model_config.context * world
+    tokens_per_step = train["batch_size"] * model_config.context * data_world
     from tqdm import tqdm
     from tqdm.contrib.logging import logging_redirect_tqdm
 
@@ -225,10 +206,10 @@ def run(job: Job) -> dict:
     with logging_redirect_tqdm():
         for step in range(start + 1, cfg["steps"] + 1):
             tokens, targets = data.train_batch(
-                corpus.train, step, rank, train["batch_size"], model_config.context, cfg["seed"]
+                corpus.train, step, data_rank, train["batch_size"], model_config.context, cfg["seed"]
             )
             step_began = time.perf_counter()
-            loss = train_step(wrapped, tokens, targets, lr_at(step, cfg), train["grad_clip"])
+            loss = wrapped.train_step(tokens, targets, lr_at(step, cfg), train["grad_clip"])
             for name, average in updated.items():
                 clock.update(name, average, step)
             training_time += time.perf_counter() - step_began
@@ -252,7 +233,7 @@ def run(job: Job) -> dict:
     wall = time.perf_counter() - began
 
     exported = {}
-    for name, average in {"raw": raw_weights(wrapped), **averages}.items():
+    for name, average in {"raw": raw_weights(wrapped, options), **averages}.items():
         exported[name] = str(average.export(out / "export" / name))
     sweep = posthoc_sweep(posthoc, wrapped, evaluation, cfg["posthoc"]["sweep"], out) if posthoc else None
     if sweep is not None and sweep["best"] is not None:
@@ -372,9 +353,9 @@ def plot_posthoc(sweep: dict, final: dict, path: Path, cfg: dict) -> None:
     plt.close(figure)
 
 
-def raw_weights(wrapped: engines.Wrapped) -> WeightAverager:
+def raw_weights(wrapped: engines.Wrapped, options: dict) -> WeightAverager:
     """The raw weights, to export like an average: an averager's first update copies the live shards exactly."""
-    copy = WeightAverager(wrapped.model, EMA(decay=0.5))
+    copy = WeightAverager(wrapped.model, EMA(decay=0.5), **options)
     copy.update()
     return copy
 
