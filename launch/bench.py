@@ -39,6 +39,7 @@ import engines  # noqa: E402
 from measure import CommCounter, allocated_peak, copy_bandwidth, interleaved_ms  # noqa: E402
 
 from shardavg import EMA, SWA, WeightAverager  # noqa: E402
+from shardavg.strategies import canonical_name  # noqa: E402
 
 log = logging.getLogger("bench")
 
@@ -84,10 +85,6 @@ class Method:
     update: Callable[[], object]
     result: Callable[[], dict | None]
     extra_bytes: Callable[[], int]  # what the average keeps on this rank, read after the updates
-
-
-def plain_name(name: str) -> str:
-    return ".".join(part for part in name.split(".") if part not in ("_fsdp_wrapped_module", "module"))
 
 
 def ema_into(copies: dict[str, torch.Tensor] | None, full: dict[str, torch.Tensor], decay: float) -> dict:
@@ -181,7 +178,7 @@ def gathering(wrapped: engines.Wrapped, decay: float) -> Method:
             from torch.distributed.fsdp import FullyShardedDataParallel
 
             with FullyShardedDataParallel.summon_full_params(wrapped.model, writeback=False):
-                full = {plain_name(n): p for n, p in wrapped.model.named_parameters()}
+                full = {canonical_name(n): p for n, p in wrapped.model.named_parameters()}
                 state["copies"] = ema_into(state["copies"], full, decay)
         elif wrapped.kind == "zero3":
             import deepspeed

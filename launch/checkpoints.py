@@ -1,11 +1,13 @@
 """The main job's checkpoints: model, optimizer, data position and every average, resumable bitwise.
 
-``OUT/checkpoints/step-NNNNNNNN/`` holds either a ``torch.distributed.checkpoint`` (DDP, FSDP1,
-FSDP2, HSDP: model and optimizer through ``get_state_dict``, each average as a DCP Stateful) or,
+``OUT/checkpoints/step-NNNNNNNNN/`` (the library's step naming) holds either a
+``torch.distributed.checkpoint`` (DDP, FSDP1, FSDP2, HSDP, TP, PP: model and optimizer through
+``get_state_dict``, each average as a DCP Stateful) or,
 under ZeRO-3, the DeepSpeed engine's own checkpoint plus each average's ``save``. A checkpoint
-is written into a hidden staging folder and renamed into place once every rank is done, with
-``train.json`` (the step, the engine, and the SHA-256 of every other file) written last: a
-folder without it was never finished and is ignored. Only folders with that marker are ever
+is written into a hidden staging folder and committed once every rank is done, with
+``train.json`` (the step, the engine, and the SHA-256 of every other file) written last, by the
+library's atomic commit (a resumed run's checkpoint of the same step is exchanged for it in one
+step): a folder without ``train.json`` was never finished and is ignored. Only folders with that marker are ever
 pruned. ``problem`` checks a checkpoint before anything reads it: ``train.json`` itself, every
 file against its hash, and DCP's pickled ``.metadata`` with shardavg's restricted unpickler
 (``dcp.load`` would unpickle anything); ``--resume`` takes the newest checkpoint that passes.
@@ -29,9 +31,11 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 
 import shardavg
 from shardavg import WeightAverager
+from shardavg.format import step_directory
+from shardavg.storage import commit_directory, staging_path
 
 MARKER = "train.json"
-STEP = re.compile(r"step-(\d{8})")
+STEP = re.compile(r"step-(\d{8,9})")  # (eight digits: checkpoints of runs before the library's naming)
 
 
 class Unreadable(RuntimeError):
@@ -50,8 +54,8 @@ def _reason(error: BaseException) -> str:
 
 def save(root: Path, step: int, wrapped: Wrapped, averages: dict[str, WeightAverager], keep_last: int) -> Path:
     """Collective: a checkpoint of everything training needs at ``step``; returns its folder."""
-    target = root / f"step-{step:08d}"
-    staging = root / f".step-{step:08d}.partial"
+    target = root / step_directory(step)
+    staging = staging_path(target)
     if target.exists() and not (target / MARKER).is_file():
         raise RuntimeError(f"{target} exists and is not a checkpoint of this job: refusing to replace it")
     if dist.get_rank() == 0:
@@ -68,9 +72,7 @@ def save(root: Path, step: int, wrapped: Wrapped, averages: dict[str, WeightAver
     if dist.get_rank() == 0:
         record = {"step": step, "engine": wrapped.kind, "files": digests(staging)}
         (staging / MARKER).write_text(json.dumps(record, indent=1))
-        if target.exists():  # this job's own, from a run resumed from an earlier step
-            shutil.rmtree(target)
-        staging.rename(target)
+        commit_directory(staging, target)  # (a run resumed from an earlier step replaces its own)
         for old in finished(root)[:-keep_last]:
             shutil.rmtree(old)
     dist.barrier()

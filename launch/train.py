@@ -34,7 +34,7 @@ import rundir  # noqa: E402
 from job import Job, load_job  # noqa: E402
 from model import GPT, Block, GPTConfig  # noqa: E402
 
-from shardavg import EMA, PostHocEMA, WeightAverager  # noqa: E402
+from shardavg import PostHocEMA, WeightAverager  # noqa: E402
 
 log = logging.getLogger("train")
 
@@ -133,8 +133,37 @@ def plot(rows: list[dict], path: Path, title: str) -> None:
 # ----------------------------------------------------------------------------- the job
 
 
+@dataclass
+class Run:
+    """What a launch trains: the engine-wrapped model, its averages and post-hoc profiles, the
+    evaluation set, and the record of the held-out losses."""
+
+    job: Job
+    wrapped: engines.Wrapped
+    averages: dict[str, WeightAverager]
+    posthoc: PostHocEMA | None
+    evaluation: list
+    metrics: Metrics
+    params: int
+    start: int = 0  # the step training goes on from
+
+    @property
+    def checkpointed(self) -> dict[str, WeightAverager | PostHocEMA]:
+        """What a checkpoint holds besides the model and optimizer (PostHocEMA checkpoints like an averager)."""
+        return self.averages | ({"posthoc": self.posthoc} if self.posthoc else {})
+
+
 def run(job: Job) -> dict:
-    rank, world, cfg, out = dist.get_rank(), dist.get_world_size(), job.cfg, job.out
+    """Build, resume (with --resume), train, then export and report."""
+    current = build(job)
+    resume(current)
+    clock, training_time, wall = train_steps(current)
+    return finish(current, clock, training_time, wall)
+
+
+def build(job: Job) -> Run:
+    """The model wrapped by the engine, its averages and post-hoc profiles, the evaluation set."""
+    cfg, out = job.cfg, job.out
     torch.manual_seed(cfg["seed"])
     model_config = GPTConfig(**cfg["model"])
     corpus = job.corpus
@@ -167,10 +196,9 @@ def run(job: Job) -> dict:
         "model: %.2fM parameters, %s on %d processes; averages: %s",
         params / 1e6,
         cfg["engine"],
-        world,
+        dist.get_world_size(),
         ", ".join(f"{n} = {a.rule!r}" for n, a in averages.items()),
     )
-
     posthoc = None
     if cfg["posthoc"]["snapshot_every"]:
         posthoc = PostHocEMA(
@@ -180,33 +208,42 @@ def run(job: Job) -> dict:
             directory=out / "posthoc",
             **options,
         )
-    checkpointed = averages | ({"posthoc": posthoc} if posthoc else {})  # PostHocEMA checkpoints like an averager
-
-    metrics = Metrics(out / "metrics.jsonl")
-    start = 0
-    if job.resume_from is not None:
-        start = checkpoints.load(job.resume_from, wrapped, checkpointed)
-        metrics.keep_until(start)
-        log.info("resumed from %s (step %d)", job.resume_from, start)
-    elif metrics.path.exists() and rank == 0:
-        metrics.path.unlink()  # a fresh run in an old folder starts a fresh record
-
-    data_rank, data_world = wrapped.data_rank, wrapped.data_world  # (ranks of one TP group or pipeline share one)
     evaluation = data.heldout_batches(
-        corpus.heldout, data_rank, data_world, cfg["eval"]["batches"], train["batch_size"], model_config.context
-    )
-    tokens_per_step = train["batch_size"] * model_config.context * data_world
+        corpus.heldout, wrapped.data_rank, wrapped.data_world, cfg["eval"]["batches"], train["batch_size"],
+        model_config.context,
+    )  # fmt: skip
+    return Run(job, wrapped, averages, posthoc, evaluation, Metrics(out / "metrics.jsonl"), params)
+
+
+def resume(current: Run) -> None:
+    """Restore everything from ``--resume``'s checkpoint; a fresh run starts a fresh record."""
+    job = current.job
+    if job.resume_from is not None:
+        current.start = checkpoints.load(job.resume_from, current.wrapped, current.checkpointed)
+        current.metrics.keep_until(current.start)
+        log.info("resumed from %s (step %d)", job.resume_from, current.start)
+    elif current.metrics.path.exists() and dist.get_rank() == 0:
+        current.metrics.path.unlink()
+
+
+def train_steps(current: Run) -> tuple[UpdateClock, float, float]:
+    """The training loop: a step, every average's update, evaluations and checkpoints as the
+    config says. Returns the update clock, the seconds spent in training steps, the wall time."""
+    cfg, wrapped, out = current.job.cfg, current.wrapped, current.job.out
+    train, context = cfg["train"], cfg["model"]["context"]
+    tokens_per_step = train["batch_size"] * context * wrapped.data_world
     from tqdm import tqdm
     from tqdm.contrib.logging import logging_redirect_tqdm
 
-    bar = tqdm(total=cfg["steps"], initial=start, disable=rank != 0, desc=cfg["engine"], file=sys.stderr)
+    start = current.start
+    bar = tqdm(total=cfg["steps"], initial=start, disable=dist.get_rank() != 0, desc=cfg["engine"], file=sys.stderr)
     began, training_time = time.perf_counter(), 0.0
-    updated = averages | ({"posthoc": posthoc} if posthoc is not None else {})  # in this order, every step
-    clock = UpdateClock(dict.fromkeys(updated, 0.0))
+    updated = current.averages | ({"posthoc": current.posthoc} if current.posthoc is not None else {})
+    clock = UpdateClock(dict.fromkeys(updated, 0.0))  # (every step, in this order)
     with logging_redirect_tqdm():
         for step in range(start + 1, cfg["steps"] + 1):
             tokens, targets = data.train_batch(
-                corpus.train, step, data_rank, train["batch_size"], model_config.context, cfg["seed"]
+                current.job.corpus.train, step, wrapped.data_rank, train["batch_size"], context, cfg["seed"]
             )
             step_began = time.perf_counter()
             loss = wrapped.train_step(tokens, targets, lr_at(step, cfg), train["grad_clip"])
@@ -216,65 +253,78 @@ def run(job: Job) -> dict:
             bar.update()
             bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{tokens_per_step * (step - start) / training_time:.0f}")
             if step % cfg["eval"]["every"] == 0 or step == cfg["steps"]:
-                losses = evaluate(wrapped, averages, evaluation)
-                metrics.append(
-                    {
-                        "step": step,
-                        "tokens": step * tokens_per_step,
-                        "train_loss": loss,
-                        "lr": lr_at(step, cfg),
-                        "heldout": losses,
-                    }
-                )
+                losses = evaluate(wrapped, current.averages, current.evaluation)
+                current.metrics.append(
+                    {"step": step, "tokens": step * tokens_per_step, "train_loss": loss, "lr": lr_at(step, cfg),
+                     "heldout": losses}
+                )  # fmt: skip
                 log.info("step %d: held-out %s", step, ", ".join(f"{k} {v:.4f}" for k, v in losses.items()))
             if step % cfg["checkpoint"]["every"] == 0 or step == cfg["steps"]:
-                checkpoints.save(out / "checkpoints", step, wrapped, checkpointed, cfg["checkpoint"]["keep_last"])
+                checkpoints.save(
+                    out / "checkpoints", step, wrapped, current.checkpointed, cfg["checkpoint"]["keep_last"]
+                )
     bar.close()
-    wall = time.perf_counter() - began
+    return clock, training_time, time.perf_counter() - began
 
-    exported = {}
-    for name, average in {"raw": raw_weights(wrapped, options), **averages}.items():
+
+def finish(current: Run, clock: UpdateClock, training_time: float, wall: float) -> dict:
+    """Export the raw weights and every average, sweep the post-hoc EMA, plot, and write the summary."""
+    cfg, out, wrapped, averages = current.job.cfg, current.job.out, current.wrapped, current.averages
+    first = next(iter(averages.values()))
+    exported = {"raw": str(first.export(out / "export" / "raw", live=True))}  # (any averager gathers the live weights)
+    for name, average in averages.items():
         exported[name] = str(average.export(out / "export" / name))
-    sweep = posthoc_sweep(posthoc, wrapped, evaluation, cfg["posthoc"]["sweep"], out) if posthoc else None
+    posthoc = current.posthoc
+    sweep = posthoc_sweep(posthoc, wrapped, current.evaluation, cfg["posthoc"]["sweep"], out) if posthoc else None
     if sweep is not None and sweep["best"] is not None:
         exported["posthoc"] = str(out / "export" / "posthoc")
     shadow = torch.tensor([a.shadow_bytes() for a in averages.values()])
     dist.all_reduce(shadow, op=dist.ReduceOp.MAX)
-    rows = metrics.rows() if rank == 0 else []
+    rows = current.metrics.rows() if dist.get_rank() == 0 else []
+    tokens_per_step = cfg["train"]["batch_size"] * cfg["model"]["context"] * wrapped.data_world
     summary = {
         "engine": cfg["engine"],
-        "processes": world,
+        "processes": dist.get_world_size(),
         "steps": cfg["steps"],
-        "resumed_from": start,
+        "resumed_from": current.start,
         "heldout": rows[-1]["heldout"] if rows else {},
         "wall_s": round(wall, 1),
-        "tokens_per_s": round(tokens_per_step * (cfg["steps"] - start) / training_time) if training_time else None,
+        "tokens_per_s": round(tokens_per_step * (cfg["steps"] - current.start) / training_time)
+        if training_time
+        else None,
         "shadow_bytes_per_rank": dict(zip(averages, shadow.tolist())),
         "update_share_of_step": clock.shares(training_time),
         "export": exported,
         "posthoc": sweep,
     }
-    if rank == 0:
-        plot(rows, out / "plot.png", f"{cfg['engine']}, {world} processes, {params / 1e6:.2f}M parameters")
-        if sweep is not None:
-            plot_posthoc(sweep, rows[-1]["heldout"] if rows else {}, out / "posthoc.png", cfg)
-        (out / "summary.json").write_text(json.dumps(summary, indent=1))
-        final = summary["heldout"]
-        log.info("held-out loss at step %d: %s", cfg["steps"], ", ".join(f"{k} {v:.4f}" for k, v in final.items()))
-        log.info(
-            "wall time %.1f s, %s tokens/s in training steps; shadows per rank: %s",
-            wall,
-            summary["tokens_per_s"],
-            ", ".join(f"{k} {v / 2**20:.2f} MiB" for k, v in summary["shadow_bytes_per_rank"].items()),
-        )
-        shares = summary["update_share_of_step"]
-        log.info(
-            "averaging took %.1f%% of the training steps' time (%s)",
-            100 * shares["all"],
-            ", ".join(f"{k} {100 * v:.1f}%" for k, v in shares.items() if k != "all"),
-        )
-        log.info("wrote %s, %s and %s/", metrics.path, out / "plot.png", out / "export")
+    if dist.get_rank() == 0:
+        report(current, summary, sweep, rows)
     return summary
+
+
+def report(current: Run, summary: dict, sweep: dict | None, rows: list[dict]) -> None:
+    """Rank 0: the plots, ``summary.json`` and the log lines a person reads."""
+    cfg, out = current.job.cfg, current.job.out
+    title = f"{cfg['engine']}, {dist.get_world_size()} processes, {current.params / 1e6:.2f}M parameters"
+    plot(rows, out / "plot.png", title)
+    if sweep is not None:
+        plot_posthoc(sweep, rows[-1]["heldout"] if rows else {}, out / "posthoc.png", cfg)
+    (out / "summary.json").write_text(json.dumps(summary, indent=1))
+    final = summary["heldout"]
+    log.info("held-out loss at step %d: %s", cfg["steps"], ", ".join(f"{k} {v:.4f}" for k, v in final.items()))
+    log.info(
+        "wall time %.1f s, %s tokens/s in training steps; shadows per rank: %s",
+        summary["wall_s"],
+        summary["tokens_per_s"],
+        ", ".join(f"{k} {v / 2**20:.2f} MiB" for k, v in summary["shadow_bytes_per_rank"].items()),
+    )
+    shares = summary["update_share_of_step"]
+    log.info(
+        "averaging took %.1f%% of the training steps' time (%s)",
+        100 * shares["all"],
+        ", ".join(f"{k} {100 * v:.1f}%" for k, v in shares.items() if k != "all"),
+    )
+    log.info("wrote %s, %s and %s/", current.metrics.path, out / "plot.png", out / "export")
 
 
 @dataclass
@@ -351,13 +401,6 @@ def plot_posthoc(sweep: dict, final: dict, path: Path, cfg: dict) -> None:
     figure.tight_layout()
     figure.savefig(path)
     plt.close(figure)
-
-
-def raw_weights(wrapped: engines.Wrapped, options: dict) -> WeightAverager:
-    """The raw weights, to export like an average: an averager's first update copies the live shards exactly."""
-    copy = WeightAverager(wrapped.model, EMA(decay=0.5), **options)
-    copy.update()
-    return copy
 
 
 CONFIG_ERROR_GRACE = 2.0  # seconds the other ranks give rank 0 to report a config error first

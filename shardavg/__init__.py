@@ -1,7 +1,7 @@
 """shardavg: shard-local weight averaging (EMA, SWA, power-function EMA) for distributed training."""
 
 from .averager import WeightAverager
-from .errors import CheckpointError, LayoutError, ModelChangedError, NonFiniteError, StrategyError
+from .errors import CheckpointError, ExportError, LayoutError, ModelChangedError, NonFiniteError, StrategyError
 from .offline import check_dcp
 from .ownership import TargetLock
 from .posthoc import PostHocEMA
@@ -17,13 +17,14 @@ from .rules import (
 )
 from .strategies import detect
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 __all__ = [
     "EMA",
     "SWA",
     "CheckpointError",
     "CustomRule",
+    "ExportError",
     "InverseGammaWarmup",
     "LayoutError",
     "ModelChangedError",

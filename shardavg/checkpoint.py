@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import math
 import os
 import secrets
 import shutil
@@ -30,11 +29,21 @@ from typing import Any, NamedTuple
 
 import torch
 
-from .description import with_checksum
+from . import validate
+from .dist import agree_or_raise, all_gathered, gather_or_raise, rank, world_size
 from .errors import CheckpointError
-from .layout import agree_or_raise, all_gathered, gather_or_raise, rank, world_size
-from .ownership import (
+from .format import (
     MANIFEST,
+    SAVE_ID_KEY,
+    STEP_DIR,
+    chunk_table,
+    entry_lengths,
+    shard_file,
+    step_directory,
+    tensor_key,
+    with_checksum,
+)
+from .ownership import (
     STAGING_MARKER,
     TargetLock,
     enclosing_checkpoint,
@@ -46,8 +55,6 @@ from .ownership import (
 from .parts import Part, box_slices, intersect
 from .reading import (
     ATTEMPTS,
-    SAVE_ID_KEY,
-    STEP_DIR,
     CheckpointReplaced,
     OpenCheckpoint,
     busy,
@@ -55,7 +62,7 @@ from .reading import (
     open_checkpoint,
     reserve_descriptors,
 )
-from .state import AverageState, tensor_key
+from .state import AverageState
 from .storage import (
     Entry,
     FileDigest,
@@ -244,11 +251,7 @@ def _commit(
         "sequence": sequence,
     }
     for entry, chunks in zip(manifest["tensors"], state.layout.chunks):
-        entry["chunks"] = [
-            {"file": owner, "offsets": list(block.offsets), "sizes": list(block.sizes), "at": at}
-            for owner, part in chunks
-            for block, at in zip(part.blocks, packed_positions(part))
-        ]
+        entry["chunks"] = chunk_table(chunks)
         if dtype is not None and entry["role"] == "average":
             entry["dtype"] = dtype_name(dtype)
     with atomic_file(staging / MANIFEST) as handle:
@@ -278,10 +281,8 @@ def save(
     dtype (loading casts them back to the shadows'; copied and live ones are stored as they are).
     Returns the committed checkpoint's path.
     """
-    if keep_last is not None and (isinstance(keep_last, bool) or not isinstance(keep_last, int) or keep_last < 1):
-        raise ValueError(f"keep_last must be an int >= 1 or None, got {keep_last!r}")
-    if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
-        raise ValueError(f"dtype must be a floating torch.dtype or None, got {dtype!r}")
+    validate.count("keep_last", keep_last, 1, optional=True)
+    validate.floating_dtype("dtype", dtype)
 
     def cast(index: int) -> bool:
         return dtype is not None and state.roles[index] == "average"
@@ -292,10 +293,10 @@ def save(
 
     state.check_current()
     directory = target_path(directory, "save", replaced_whole=not keep_last)
-    target = directory / f"step-{state.step:09d}" if keep_last else directory
+    target = directory / step_directory(state.step) if keep_last else directory
     staging = staging_path(target)
     me, ranks = rank(), world_size()
-    files = [f"rank-{r:05d}-of-{ranks:05d}.safetensors" for r in range(ranks)]
+    files = [shard_file(r, ranks) for r in range(ranks)]
     with contextlib.ExitStack() as held:
         error: BaseException | None = None
         identity = None  # the save's sequence number in its directory and its id, decided by rank 0
@@ -336,15 +337,6 @@ def save(
             except Exception as caught:  # the checkpoint is committed: pruning is housekeeping
                 warnings.warn(f"{target} is saved, but removing older checkpoints failed: {caught}", stacklevel=2)
     return target
-
-
-def packed_positions(part: Part) -> list[int]:
-    """Where each box of ``part`` starts in its saved entry: the boxes back to back, in order."""
-    positions, at = [], 0
-    for block in part.blocks:
-        positions.append(at)
-        at += block.numel
-    return positions
 
 
 def packed(part: Part, piece: torch.Tensor) -> torch.Tensor:
@@ -388,14 +380,6 @@ def _plan_reads(state: AverageState, opened: OpenCheckpoint, slots: list[Slot]) 
                 target = block.view(piece)[box_slices(_minus(common[0], block.offsets), common[1])]
                 reads.append(_Read(target, file, slot.saved_key, chunk["at"], box[1], _minus(common[0], box[0])))
     return reads
-
-
-def entry_lengths(entry: dict[str, Any]) -> dict[int, int]:
-    """Elements each file holds of a tensor (its boxes back to back)."""
-    lengths: dict[int, int] = {}
-    for chunk in entry["chunks"]:
-        lengths[chunk["file"]] = chunk["at"] + math.prod(chunk["sizes"])
-    return lengths
 
 
 def _minus(a: tuple[int, ...], b: tuple[int, ...]) -> tuple[int, ...]:

@@ -13,9 +13,9 @@ from collections import Counter
 from pathlib import Path
 from typing import NoReturn
 
-from .description import numel
 from .errors import CheckpointError
 from .export import export_entries, export_metadata, parse_size, write_model
+from .format import numel
 from .offline import SavedAverage
 from .ownership import enclosing_checkpoint
 from .storage import DTYPES

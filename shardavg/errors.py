@@ -21,3 +21,7 @@ class LayoutError(RuntimeError):
 
 class CheckpointError(ValueError):
     """A checkpoint is missing, never committed, corrupt, not ours or of another model; the message names it."""
+
+
+class ExportError(CheckpointError):
+    """An export refused (its target is not a model folder of its own) or failed on a rank."""

@@ -1,4 +1,5 @@
-"""Consolidated export: the full averaged model as safetensors, in the Hugging Face layout.
+"""Consolidated export: the full averaged model as safetensors, in the Hugging Face layout, or
+as a state dict on rank 0 (``full_state_dict``) or in a plain module on every rank (``copy_to``).
 
 Tensors arrive one at a time (gathered by the averager, or read from a checkpoint by the
 offline CLI) and are streamed to disk as they come, so the writer holds one tensor at a time.
@@ -18,9 +19,11 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 import torch
+from torch import nn
 
-from .errors import CheckpointError
-from .layout import agree_or_raise, rank
+from . import validate
+from .dist import agree_or_raise, rank
+from .errors import ExportError
 from .ownership import INDEX_FILE, MANIFEST, TargetLock, enclosing_checkpoint, export_files, target_path
 from .state import AverageState
 from .storage import Entry, atomic_file, write_safetensors
@@ -68,19 +71,19 @@ def _check_target(directory: Path) -> dict[str, bool]:
     """Refuse a target that is a file, a checkpoint or inside one, or holds weight files shardavg
     did not write; return the weight files it holds, each with whether it is shardavg's own."""
     if directory.is_symlink() or (directory.exists() and not directory.is_dir()):
-        raise CheckpointError(f"{directory} exists and is not a directory: shardavg will not replace it")
+        raise ExportError(f"{directory} exists and is not a directory: shardavg will not replace it")
     if (directory / MANIFEST).exists() or (directory / ".metadata").exists():
-        raise CheckpointError(f"{directory} is a checkpoint: export into a model folder of its own")
+        raise ExportError(f"{directory} is a checkpoint: export into a model folder of its own")
     enclosing = enclosing_checkpoint(directory)
     if enclosing is not None:
-        raise CheckpointError(
+        raise ExportError(
             f"{directory} is inside the checkpoint {enclosing}, which holds only its own files: export into a "
             "model folder of its own"
         )
     present = export_files(directory)
     foreign = sorted(name for name, own in present.items() if not own)
     if foreign:
-        raise CheckpointError(
+        raise ExportError(
             f"{directory} holds weight files shardavg did not write ({', '.join(foreign)}): they would be "
             "replaced; export into another directory, or move them"
         )
@@ -137,12 +140,13 @@ def write_model(
     return directory
 
 
-def export_metadata(description: dict, average: str | None) -> dict[str, str]:
+def export_metadata(description: dict, average: str | None, live: bool = False) -> dict[str, str]:
     """What goes into every file's ``__metadata__`` (safetensors wants strings): which average
-    (its name and rule), after how many steps and updates, from which engine."""
+    (its name and rule; or the live weights), after how many steps and updates, from which engine."""
     rules = {entry["name"]: entry["rule"] for entry in description["averages"]}
     keep = ("step", "num_updates", "strategy", "world_size")
-    content = {"average": average, "rule": rules[average]} | {key: description.get(key) for key in keep}
+    which = {"weights": "live"} if live else {"average": average, "rule": rules[average]}
+    content = which | {key: description.get(key) for key in keep}
     return {"format": "pt", "shardavg": json.dumps(content)}
 
 
@@ -164,17 +168,18 @@ def export(
     max_shard_size: int | str = "5GB",
     dtype: torch.dtype | None = None,
     average: str | None = None,
+    live: bool = False,
 ) -> Path:
-    """Collective: gather ``average`` tensor by tensor and write it on rank 0 (see ``write_model``)."""
+    """Collective: gather ``average`` (or the live weights) tensor by tensor and write it on rank 0
+    (see ``write_model``)."""
     max_bytes = parse_size(max_shard_size)
     path = target_path(path, "export", replaced_whole=False)
-    if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
-        raise ValueError(f"dtype must be a floating torch.dtype or None, got {dtype!r}")
-    name = state.average(average).name
-    gathered = state.gathered(dst=0, average=name)  # checks the averager before anything is written
+    validate.floating_dtype("dtype", dtype)
+    name = None if live else state.average(average).name
+    gathered = state.gathered(dst=0, average=name, live=live)  # checks the averager before anything is written
+    pieces = (state.piece(i, name, live) for i in range(len(state.infos)))
     entries = export_entries(
-        ((list(info.names), state.piece(i, name).dtype, tuple(info.shape)) for i, info in enumerate(state.infos)),
-        dtype,
+        ((list(info.names), piece.dtype, tuple(info.shape)) for info, piece in zip(state.infos, pieces)), dtype
     )
     error: BaseException | None = None
     if rank() == 0:
@@ -188,7 +193,7 @@ def export(
 
         stream = tensors()
         try:
-            write_model(path, entries, stream, export_metadata(state.describe(), name), max_bytes)
+            write_model(path, entries, stream, export_metadata(state.describe(), name, live), max_bytes)
         except Exception as caught:
             error = caught
         for _ in stream:  # finish the collective gather even if writing failed
@@ -196,5 +201,39 @@ def export(
     else:
         for _ in gathered:
             pass
-    agree_or_raise(error, f"exporting to {path}")
+    agree_or_raise(error, f"exporting to {path}", ExportError)
     return Path(path)
+
+
+def full_state_dict(state: AverageState, average: str | None, live: bool = False) -> dict[str, torch.Tensor]:
+    """Collective: on rank 0 ``{name: full tensor}`` on CPU (every name of a tied tensor), ``{}`` elsewhere."""
+    result: dict[str, torch.Tensor] = {}
+    for info, full in state.gathered(dst=0, average=average, live=live):
+        if full is not None:
+            full = full.cpu()
+            for name in info.names:
+                result[name] = full
+    return result
+
+
+def copy_to(state: AverageState, module: nn.Module, average: str | None) -> None:
+    """Collective: write ``average`` into the plain ``module`` on every rank, the owners' values."""
+    state.average(average)  # a wrong name is refused before anything else
+    target = module.state_dict(keep_vars=True)
+    expected = {name: info.shape for info in state.infos for name in info.names}
+    missing = sorted(set(expected) - set(target))
+    unexpected = sorted(set(target) - set(expected))
+    misshaped = sorted(
+        f"{name}: {tuple(target[name].shape)} vs {tuple(shape)}"
+        for name, shape in expected.items()
+        if name in target and target[name].shape != shape
+    )
+    if missing or unexpected or misshaped:
+        raise ValueError(
+            f"copy_to(): {type(module).__name__} does not match the averaged model: missing {missing}, "
+            f"unexpected {unexpected}, mis-shaped {misshaped}"
+        )
+    with torch.no_grad():
+        for info, full in state.gathered(dst=None, average=average):
+            for name in info.names:
+                target[name].copy_(full)

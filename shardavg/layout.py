@@ -23,7 +23,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from .errors import CheckpointError, LayoutError
+from .dist import distributed, rank
+from .errors import LayoutError
 from .parts import Part, place, tiles
 from .strategies.base import TensorInfo
 
@@ -32,43 +33,7 @@ Chunk = tuple[int, Part]  # (owner rank, the part of the tensor it owns)
 DEFAULT_BUCKET_BYTES = 64 * 2**20
 
 
-def distributed() -> bool:
-    return dist.is_available() and dist.is_initialized()
-
-
-def rank() -> int:
-    return dist.get_rank() if distributed() else 0
-
-
-def world_size() -> int:
-    return dist.get_world_size() if distributed() else 1
-
-
-def all_gathered(value: object) -> list:
-    """Collective: every rank's ``value`` (small, plain data), in rank order."""
-    values = [value]
-    if distributed():
-        values = [None] * dist.get_world_size()
-        dist.all_gather_object(values, value)
-    return values
-
-
-def gather_or_raise(error: BaseException | None, value: object, what: str) -> list:
-    """Collective: every rank's ``value``, or raise everywhere if any rank failed, naming the
-    ranks and their errors."""
-    reports = all_gathered((None if error is None else f"{type(error).__name__}: {error}", value))
-    failed = "; ".join(f"rank {r}: {e}" for r, (e, _) in enumerate(reports) if e is not None)
-    if failed:
-        raise CheckpointError(f"{what} failed: {failed}") from error
-    return [value for _, value in reports]
-
-
-def agree_or_raise(error: BaseException | None, what: str) -> None:
-    """Collective: raise everywhere if any rank failed, naming the ranks and their errors."""
-    gather_or_raise(error, None, what)
-
-
-def _tiling(info: TensorInfo, parts: Sequence[Part]) -> tuple[Chunk, ...]:
+def tiling(info: TensorInfo, parts: Sequence[Part]) -> tuple[Chunk, ...]:
     """Owned chunks of one tensor from every rank's part, checked to tile it."""
     owned: dict[Part, int] = {}
     for holder, part in enumerate(parts):
@@ -110,7 +75,7 @@ class ShardLayout:
                     f"only on rank {other}: {only_theirs}; other shape: {reshaped}"
                 )
         parts = tuple(tuple(theirs[index][2] for theirs in everyone) for index in range(len(infos)))
-        chunks = tuple(_tiling(info, parts[index]) for index, info in enumerate(infos))
+        chunks = tuple(tiling(info, parts[index]) for index, info in enumerate(infos))
         return cls(parts=parts, chunks=chunks)
 
     def holds_whole(self, index: int, holder: int) -> bool:

@@ -22,14 +22,11 @@ from typing import Any
 
 import torch
 
-from .checkpoint import entry_lengths
-from .description import is_count
 from .errors import CheckpointError
+from .format import decode_description, entry_lengths, is_count, tensor_key
 from .ownership import MANIFEST
 from .parts import Box, Part, box_slices, tiles, within
 from .reading import STEP_DIR, open_checkpoint
-from .state import tensor_key
-from .stateful import decode_description
 from .storage import DTYPES
 
 Chunk = tuple[list[Box], Callable[[torch.Tensor], None]]  # (the boxes it holds, fill(full tensor))

@@ -30,11 +30,10 @@ from pathlib import Path
 from typing import Any
 
 from .errors import CheckpointError
+from .format import CHECKPOINT_FILE, MANIFEST
 from .storage import safetensors_metadata
 
-MANIFEST = "shardavg.json"
 STAGING_MARKER = ".shardavg-staging"
-CHECKPOINT_FILE = re.compile(r"^(shardavg\.json|rank-\d{5}-of-\d{5}\.safetensors)$")
 EXPORT_FILE = re.compile(r"^(model\.safetensors|model-\d{5}-of-\d{5}\.safetensors|model\.safetensors\.index\.json)$")
 INDEX_FILE = "model.safetensors.index.json"
 

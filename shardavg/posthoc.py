@@ -25,10 +25,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from ._logging import internal
+from . import validate
 from .averager import WeightAverager
+from .dist import agree_or_raise, all_gathered, rank
 from .errors import CheckpointError
-from .layout import agree_or_raise, all_gathered, rank
+from .logs import internal
 from .reading import read_manifest
 from .rules import PowerEMA, gamma_to_sigma_rel, rule_from_config, shown, sigma_rel_to_gamma
 from .storage import DTYPES
@@ -253,6 +254,20 @@ class PostHocEMA:
         snapshot_dtype: the dtype snapshots are stored in (fp32 by default; ``torch.bfloat16``
             halves them, at bf16 rounding of each snapshot).
         averager_options: passed to ``WeightAverager`` (``dtype``, ``buffers``, ...).
+
+    Example (one process; under torchrun every rank runs the same lines)::
+
+        >>> import tempfile, torch, shardavg
+        >>> model = torch.nn.Linear(4, 2)
+        >>> ph = shardavg.PostHocEMA(model, sigma_rels=(0.05, 0.10), snapshot_every=5,
+        ...                          directory=tempfile.mkdtemp())
+        >>> for _ in range(20):
+        ...     with torch.no_grad():
+        ...         _ = model.weight.add_(0.1)  # what an optimizer step would do
+        ...     _ = ph.update()
+        >>> best = ph.synthesize(sigma_rel=0.08)  # any sigma_rel the profiles fit, after training
+        >>> best.num_updates, sorted(best.full_state_dict())
+        (20, ['bias', 'weight'])
     """
 
     def __init__(
@@ -269,10 +284,8 @@ class PostHocEMA:
         rules = _profile_rules(sigma_rels, gammas)
         if len(rules) < 2:
             raise ValueError(f"PostHocEMA needs at least two profiles to synthesize from, got {len(rules)}")
-        if isinstance(snapshot_every, bool) or not isinstance(snapshot_every, int) or snapshot_every < 1:
-            raise ValueError(f"snapshot_every must be an int >= 1, got {snapshot_every!r}")
-        if not (isinstance(snapshot_dtype, torch.dtype) and snapshot_dtype.is_floating_point):
-            raise ValueError(f"snapshot_dtype must be a floating torch.dtype, got {snapshot_dtype!r}")
+        validate.count("snapshot_every", snapshot_every, 1)
+        validate.floating_dtype("snapshot_dtype", snapshot_dtype, optional=False)
         self.model = model
         self.snapshot_every = snapshot_every
         self.directory = Path(directory)
@@ -362,20 +375,16 @@ def synthesize(
     with internal():  # the library's own averagers: they do not log as if the user had built them
         result = WeightAverager(model, target, **averager_options)
         scratch = WeightAverager(model, found[0].rules, **averager_options)  # each snapshot is read into it
-    state, shadows = result._state, result._state.average(None).shadows
-    stored = [i for i, s in enumerate(shadows) if s is not None and state.roles[i] == "average"]
-    with torch.no_grad():
+
+    def read() -> Iterator[tuple[WeightAverager, str, float]]:
+        """Each snapshot loaded into ``scratch`` in turn, then each of its terms."""
         for snapshot in dict.fromkeys(s for s, _, _ in terms):
             scratch.load(snapshot.path)
             for term_snapshot, name, coefficient in terms:
-                if term_snapshot is snapshot and stored:
-                    source = scratch._state.average(name).shadows
-                    torch._foreach_add_([shadows[i] for i in stored], [source[i] for i in stored], alpha=coefficient)
-        copied = [i for i, s in enumerate(shadows) if s is not None and state.roles[i] == "copy"]
-        last = scratch._state.average(next(iter(found[0].gammas))).shadows
-        for i in copied:  # the last snapshot's buffers
-            shadows[i].copy_(last[i])
-    state.step, state.num_updates = terms[-1][0].step, t_target
+                if term_snapshot is snapshot:
+                    yield scratch, name, coefficient
+
+    result.combine(read(), step=terms[-1][0].step, num_updates=t_target)  # buffers: the last snapshot's
     return result
 
 

@@ -17,21 +17,15 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import re
 import warnings
 from pathlib import Path
 from typing import Any
 
-from .description import check_description, fail, is_count, numel
 from .errors import CheckpointError
-from .ownership import CHECKPOINT_FILE, MANIFEST, is_own_checkpoint
-from .parts import Part, tiles
+from .format import MANIFEST, SAVE_ID_KEY, STEP_DIR, is_count, parse_manifest
+from .ownership import is_own_checkpoint
 from .storage import SafetensorsFile, open_regular, replaced_path
 
-STEP_DIR = re.compile(r"^step-(\d+)$")
-SAVE_ID = re.compile(r"^[0-9a-f]{32}$")
-SHA256 = re.compile(r"^[0-9a-f]{64}$")
-SAVE_ID_KEY = "shardavg_save"  # in each shard's safetensors metadata
 ATTEMPTS = 10  # newer saves a reader follows before it gives up
 
 
@@ -110,96 +104,6 @@ def resolve(directory: str | os.PathLike) -> Path:
     )
 
 
-# ------------------------------------------------------------------------- the manifest
-
-
-def check_chunk_table(meta: dict[str, Any], where: str) -> None:
-    """The manifest's files are shardavg's own names (with their sizes, hashes and save id since
-    version 4), and each tensor's chunks tile it exactly."""
-    if meta["version"] >= 2 and "sequence" not in meta:
-        raise fail(where, "lacks 'sequence'")
-    files = meta.get("files")
-    if not isinstance(files, list) or not all(isinstance(f, str) and CHECKPOINT_FILE.match(f) for f in files):
-        raise fail(where, f"'files' must list rank-NNNNN-of-NNNNN.safetensors names, got {str(files)[:200]}")
-    if not files or MANIFEST in files or len(set(files)) != len(files):
-        raise fail(where, f"'files' must list the shard files, each once, got {str(files)[:200]}")
-    if meta["version"] >= 4:
-        _check_digests(meta, files, where)
-    for entry in meta["tensors"]:
-        entry["chunks"] = _boxes(entry, len(files), meta["version"], where)
-
-
-def _well_formed(chunk: Any, shape: list[int], files: int, version: int) -> bool:
-    """A chunk names one of the files, and a flat range (before version 5) or a box and its place."""
-    if not (isinstance(chunk, dict) and is_count(chunk.get("file")) and chunk["file"] < files):
-        return False
-    if version < 5:
-        start, end = chunk.get("start"), chunk.get("end")
-        return is_count(start) and is_count(end) and start <= end <= numel(shape)
-    return is_count(chunk.get("at")) and all(
-        isinstance(chunk.get(key), list) and len(chunk[key]) == len(shape) and all(map(is_count, chunk[key]))
-        for key in ("offsets", "sizes")
-    )
-
-
-def _boxes(entry: dict[str, Any], files: int, version: int, where: str) -> list[dict[str, Any]]:
-    """A tensor's chunk table as boxes ``{file, offsets, sizes, at}`` (the part of the tensor a file's
-    entry holds from its element ``at``, row-major), checked: within the tensor, tiling it exactly,
-    and each file's boxes back to back from its element 0. Before version 5 a chunk was a flat
-    range ``{file, start, end}``: it is read as the boxes of that range."""
-    shape, chunks = entry["shape"], entry.get("chunks")
-    if not isinstance(chunks, list) or not all(_well_formed(c, shape, files, version) for c in chunks):
-        raise fail(where, f"tensor {entry['name']!r} has a malformed chunk table: {str(chunks)[:200]}")
-    if version < 5:
-        chunks = [
-            {"file": c["file"], "offsets": list(block.offsets), "sizes": list(block.sizes), "at": block.at}
-            for c in chunks
-            for block in Part.flat(shape, c["start"], c["end"]).blocks
-        ]
-    boxes = [(tuple(c["offsets"]), tuple(c["sizes"])) for c in chunks]
-    if not tiles(shape, boxes):
-        raise fail(
-            where,
-            f"the chunks of {entry['name']!r} {boxes[:8]} do not cover its shape {shape} exactly once",
-        )
-    packed: dict[int, int] = {}  # each file's entry holds its boxes back to back, in the table's order
-    for c in chunks:
-        if c["at"] != packed.get(c["file"], 0):
-            raise fail(where, f"tensor {entry['name']!r}: a chunk of file {c['file']} starts at {c['at']}, "
-                              f"expected {packed.get(c['file'], 0)}")  # fmt: skip
-        packed[c["file"]] = c["at"] + numel(c["sizes"])
-    return chunks
-
-
-def _check_digests(meta: dict[str, Any], files: list[str], where: str) -> None:
-    if not (isinstance(meta.get("save_id"), str) and SAVE_ID.match(meta["save_id"])):
-        raise fail(where, f"'save_id' must be 32 hex digits, got {str(meta.get('save_id'))[:80]!r}")
-    digests = meta.get("digests")
-    if not (
-        isinstance(digests, list)
-        and len(digests) == len(files)
-        and all(
-            isinstance(d, dict)
-            and set(d) == {"bytes", "sha256"}
-            and is_count(d["bytes"])
-            and isinstance(d["sha256"], str)
-            and SHA256.match(d["sha256"])
-            for d in digests
-        )
-    ):
-        raise fail(where, f"'digests' must give each file's bytes and sha256, got {str(digests)[:200]}")
-
-
-def _parse_manifest(raw: bytes, where: str) -> dict[str, Any]:
-    try:
-        meta = json.loads(raw)
-    except (UnicodeDecodeError, ValueError, RecursionError) as error:
-        raise CheckpointError(f"cannot read {where}: {error}") from error
-    meta = check_description(meta, where)
-    check_chunk_table(meta, where)
-    return meta
-
-
 # ------------------------------------------------------------------------- one save, opened
 
 
@@ -221,7 +125,7 @@ class OpenCheckpoint:
             raise CheckpointError(f"cannot open {path}: {error.strerror}") from None
         try:
             raw = self._read_manifest()
-            self.meta = _parse_manifest(raw, str(path / MANIFEST))
+            self.meta = parse_manifest(raw, str(path / MANIFEST))
             self.identity = self.meta.get("checksum") or "sha256:" + hashlib.sha256(raw).hexdigest()
         except BaseException:
             self.close()

@@ -25,6 +25,8 @@ from typing import Any
 
 import torch
 
+from . import validate
+
 MultiAvgFn = Callable[[list[torch.Tensor], list[torch.Tensor], torch.Tensor], None]
 
 # The ranges where a rule's weights are right in float64 (measured; see tests/test_numbers.py):
@@ -317,6 +319,16 @@ def as_rule(rule: Rule | MultiAvgFn) -> Rule:
     if callable(rule):
         return CustomRule(rule)
     raise TypeError(f"rule must be EMA(...), SWA(), PowerEMA(...) or a multi_avg_fn callable, got {rule!r}")
+
+
+def named_rules(rule: Rule | MultiAvgFn | Mapping[str, Rule | MultiAvgFn]) -> dict[str | None, Rule]:
+    """An averager's averages by name: ``{None: rule}`` for one rule; a dict's, each name checked."""
+    if not isinstance(rule, Mapping):
+        return {None: as_rule(rule)}
+    if not rule:
+        raise ValueError("rule={} names no average: give at least one, e.g. {'ema': EMA(decay=0.999)}")
+    validate.average_names(list(rule))
+    return {name: as_rule(value) for name, value in rule.items()}
 
 
 def rule_from_config(config: Mapping[str, Any]) -> Rule:

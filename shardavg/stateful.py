@@ -9,7 +9,6 @@ then loads it under any layout, world size or strategy, as ``avg.save`` does. Th
 
 from __future__ import annotations
 
-import json
 import warnings
 from typing import Any
 
@@ -17,26 +16,10 @@ import torch
 import torch.distributed as dist
 
 from .checkpoint import Slot, check_compatible, loadable
-from .description import check_description, with_checksum
+from .dist import agree_or_raise, distributed, rank
 from .errors import CheckpointError
-from .layout import agree_or_raise, distributed, rank
+from .format import decode_description, encode_description
 from .state import AverageState
-
-
-def encode_description(meta: dict[str, Any]) -> str:
-    """The description as a JSON string: DCP stores a plain ``str`` through ``torch.save``, which
-    shardavg's offline reader loads back with ``weights_only=True`` (no Python objects)."""
-    return json.dumps(with_checksum(meta))
-
-
-def decode_description(value: Any, where: str) -> dict[str, Any]:
-    if not isinstance(value, str):
-        raise CheckpointError(f"{where}: 'meta' is {type(value).__name__}, not a shardavg description")
-    try:
-        meta = json.loads(value)
-    except json.JSONDecodeError as error:
-        raise CheckpointError(f"{where}: 'meta' is not valid JSON: {error}") from error
-    return check_description(meta, where)
 
 
 def dcp_shape(shape: torch.Size) -> torch.Size:

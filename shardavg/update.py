@@ -1,249 +1,259 @@
-"""The update itself: shadows and live shards grouped for a handful of fused ``_foreach`` calls.
+"""The update pipeline, in one place: what ``WeightAverager.update()`` does to the shadows.
 
-A group holds tensors that one call can update together: the same role (averaged or
-copied), shadow device and dtype, and live dtype and device. It holds one list of shadows per
-average kept (copied tensors have one, shared by all), so each live shard is read, screened
-and staged once per update however many averages take it in. Within a group, neighbours that
-lie back to back in memory on both sides (FSDP1's flat shard, ZeRO-3's flattened partitions,
-against shadows carved from one slab) are fused into one flat view, so the kernels run over
-a few large tensors instead of one small tensor per parameter; the elementwise results are
-the same bits. Nothing here loops over parameters in Python except where a bounded staging
-copy is unavoidable (shadows on another device than the live shards, or a custom rule that
-needs the shadow dtype).
+An ``Updater`` keeps the state's live views grouped for the fused kernels (``fused.py``) and
+regroups them only when the engine really changed them; it stages live shards for offloaded
+shadows and casts (``staging.py``); it screens them for NaN and infinity, on the host, or on an
+accelerator without a host read (the verdicts read later, ``settle``); it looks up each rule's
+weight; and it is the one place that counts an update, applied or skipped. No collective runs
+here.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
-from typing import Literal, NamedTuple
+import operator
+import warnings
+from collections import deque
+from typing import Protocol
 
 import torch
 
-from .rules import MultiAvgFn
+from .dist import rank
+from .errors import NonFiniteError
+from .fused import (
+    Step,
+    UpdateGroup,
+    Verdict,
+    apply,
+    apply_masked,
+    group_tensors,
+    groups_current,
+    nonfinite,
+    screen_on_device,
+    stage_gathered,
+)
+from .options import Options, Role
+from .rules import LerpRule, Rule
 from .staging import Stager
 
-Role = Literal["average", "copy", "live"]  # averaged; copied at each update; not stored (live value exported)
-# Fused views are cut into pieces of at most this many elements: on CPU a mixed-dtype add or a
-# bf16 norm over one huge tensor runs 4-6x slower than over 1M-element pieces (measured).
-FUSED_CHUNK = 2**20
-# With several averages, the fused pieces are walked in batches of about this many live bytes, so
-# each piece is still in cache when the next average reads it.
-CACHE_BYTES = 4 * 2**20
-data_ptr = torch.Tensor.data_ptr
+MAX_PENDING = 64  # updates whose non-finite verdict the host may not have read yet
 
 
-@dataclass
-class UpdateGroup:
-    role: Role
-    indices: list[int] = field(default_factory=list)
-    shadows: list[list[torch.Tensor]] = field(default_factory=list)  # one list per average (one if copied)
-    lives: list[torch.Tensor] = field(default_factory=list)
-    # the same elements, neighbours in memory merged into one flat view (see ``fuse``)
-    fused_shadows: list[list[torch.Tensor]] = field(default_factory=list)
-    fused_lives: list[torch.Tensor] = field(default_factory=list)
-    live_pointers: list[int] = field(default_factory=list)  # where each live shard's data was
+class Averaged(Protocol):
+    """What an ``Updater`` works on (``AverageState`` is one): the tensors and their views, the
+    averages, the settings, and the counters it alone counts."""
+
+    infos: list
+    live: list[torch.Tensor]
+    roles: list[Role]
+    averages: dict
+    options: Options
+    step: int
+    num_updates: int
+    num_skipped: int
+
+    def current_views(self) -> list[torch.Tensor]: ...
+
+    def adopt(self, live: list[torch.Tensor]) -> None: ...
 
 
-def group_tensors(
-    roles: Sequence[Role], shadow_sets: Sequence[Sequence[torch.Tensor | None]], lives: Sequence[torch.Tensor]
-) -> list[UpdateGroup]:
-    """Group the stored tensors; ``shadow_sets`` holds one list of shadows per average."""
-    groups: dict[tuple, UpdateGroup] = {}
-    for index, (role, live) in enumerate(zip(roles, lives)):
-        shadow = shadow_sets[0][index]
-        if shadow is None:
-            continue
-        key = (role, shadow.device, shadow.dtype, live.dtype, live.device)
-        group = groups.setdefault(key, UpdateGroup(role, shadows=[[] for _ in shadow_sets[: _sets(role, shadow_sets)]]))
-        group.indices.append(index)
-        for shadows, shadow_set in zip(group.shadows, shadow_sets):
-            shadows.append(shadow_set[index])
-        group.lives.append(live)
-    for group in groups.values():
-        group.fused_shadows, group.fused_lives = fuse(group.shadows, group.lives)
-        group.live_pointers = list(map(data_ptr, group.lives))
-    return list(groups.values())
+class Updater:
+    """The update of one ``AverageState``. Its public attributes are for tests and tools:
+    ``groups`` (the fused groups, the same objects while nothing changes), ``stager``,
+    ``pending`` (updates whose device-side verdict is not read yet) and ``on_device`` (None:
+    decide by where the live shards are; True or False force the device-side check's path)."""
 
+    def __init__(self, state: Averaged) -> None:
+        self.state = state
+        self.groups: list[UpdateGroup] = self._group()
+        self.stager = Stager()  # staging buffers for offloaded shadows and casts, kept between updates
+        self.on_device: bool | None = None
+        # The check on an accelerator: verdicts not yet read, by step; each lerp rule's weights by
+        # update count; the update count itself, as device tensors.
+        self.pending: deque[tuple[int, list[Verdict]]] = deque()
+        self.weight_tables: dict[tuple, torch.Tensor] = {}
+        self.device_counters: dict[torch.device, torch.Tensor] = {}
 
-def _sets(role: Role, shadow_sets: Sequence[Sequence]) -> int:
-    """Copied tensors have one shadow, shared by every average: it is written once."""
-    return len(shadow_sets) if role == "average" else 1
+    # ------------------------------------------------------------------ the update
 
+    def update(self, step: int | None) -> bool:
+        """Take ``step`` (one more than the last when None); average the live shards in when the
+        step is due. Returns whether an update was applied."""
+        state = self.state
+        state.step = self.next_step(step)
+        if not state.options.due(state.step):
+            return False
+        with torch.no_grad():
+            self.follow(state.current_views())
+            if self.check_on_device():
+                self._apply_on_device()
+                return True
+            self.settle()  # (nothing pending unless the model just left its accelerator)
+            stage_gathered(self.groups)  # the small shards that lie apart, into one buffer per group
+            if self._skip_nonfinite():
+                return False
+            self._apply()
+        self._counted()
+        return True
 
-def fuse(shadow_sets: Sequence[Sequence[torch.Tensor]], lives: Sequence[torch.Tensor]) -> tuple[list, list]:
-    """Merge each run of tensors that are back to back in memory on every side (the live shards
-    and each average's shadows) into one flat view, cut into ``FUSED_CHUNK`` pieces (empty
-    shards, which have no place in memory, are left out: there is nothing to update)."""
-    kept = [position for position, live in enumerate(lives) if live.numel()]
-    lives = [lives[p] for p in kept]
-    shadow_sets = [[shadows[p] for p in kept] for shadows in shadow_sets]
-    fused_sets: list[list[torch.Tensor]] = [[] for _ in shadow_sets]
-    fused_lives: list[torch.Tensor] = []
-    start = 0
-    for stop in range(1, len(lives) + 1):
-        if (
-            stop < len(lives)
-            and _adjacent(lives[stop - 1], lives[stop])
-            and all(_adjacent(shadows[stop - 1], shadows[stop]) for shadows in shadow_sets)
-        ):
-            continue
-        if lives[start].is_contiguous() and all(shadows[start].is_contiguous() for shadows in shadow_sets):
-            fused_lives.extend(_pieces(lives[start:stop]))
-            for fused, shadows in zip(fused_sets, shadow_sets):
-                fused.extend(_pieces(shadows[start:stop]))
-        else:  # a strided live shard (adjacency needs dense ones, so it is alone): as it is
-            fused_lives.append(lives[start])
-            for fused, shadows in zip(fused_sets, shadow_sets):
-                fused.append(shadows[start])
-        start = stop
-    return fused_sets, fused_lives
+    def next_step(self, step: int | None) -> int:
+        """The step of this update: steps only go forward, so no step is averaged in twice."""
+        state = self.state
+        if step is None:
+            return state.step + 1
+        step = operator.index(step)
+        seen = state.step > 0 or state.num_updates > 0 or state.num_skipped > 0
+        if step < 0 or step < state.step or (step == state.step and seen):
+            raise ValueError(
+                f"update(step={step}) after step {state.step}: steps must increase (call update() once per "
+                "optimizer step; a run restarted from an earlier checkpoint first restores the averager saved "
+                "with it, through load() or dcp.load)"
+            )
+        return step
 
+    def _counted(self, applied: bool = True) -> None:
+        """The one place an update is counted: applied (the device counters move with it) or skipped."""
+        if applied:
+            self.state.num_updates += 1
+            for counter in self.device_counters.values():
+                counter.add_(1)
+        else:
+            self.state.num_skipped += 1
 
-def _adjacent(first: torch.Tensor, second: torch.Tensor) -> bool:
-    """``second`` starts where ``first`` ends, in the same storage, both dense."""
-    return (
-        first.is_contiguous()
-        and second.is_contiguous()
-        and first.untyped_storage().data_ptr() == second.untyped_storage().data_ptr()
-        and first.data_ptr() + first.nbytes == second.data_ptr()
-    )
+    def _apply(self) -> None:
+        state = self.state
+        for group in self.groups:
+            if state.num_updates == 0 or group.role == "copy":
+                steps: list[Step] = [None] * len(group.shadows)
+            else:
+                steps = [self._step(average.rule, group) for average in state.averages.values()]
+            apply(group, steps, self.stager, gathered=True)
 
+    def _step(self, rule: Rule, group: UpdateGroup) -> Step:
+        if isinstance(rule, LerpRule):
+            return rule.weight(self.state.num_updates)
+        return rule.fn, self._counter(group)  # type: ignore[attr-defined]
 
-def _pieces(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-    """Flat views of at most ``FUSED_CHUNK`` elements over adjacent dense tensors."""
-    span = tensors[0].detach().as_strided((sum(t.numel() for t in tensors),), (1,))
-    return list(span.split(FUSED_CHUNK))
+    def _counter(self, group: UpdateGroup) -> torch.Tensor:
+        """``num_updates`` as a tensor on the group's device, kept there and incremented in place."""
+        device = group.shadows[0][0].device
+        if device not in self.device_counters:
+            self.settle()  # the count must be exact when it moves to the device
+            self.device_counters[device] = torch.tensor(self.state.num_updates, device=device)
+        return self.device_counters[device]
 
+    # ------------------------------------------------------------------ the non-finite check
 
-def groups_current(groups: Sequence[UpdateGroup]) -> bool:
-    """Whether every live shard's data is still where its group (and its fused views) found it.
+    def _skip_nonfinite(self) -> bool:
+        """Check every live shard the update reads, on the host; raise, or warn and return True to skip."""
+        state = self.state
+        if state.options.on_nonfinite == "off":
+            return False
+        bad = [state.infos[index].name for index in nonfinite(self.groups, gathered=True)]
+        if not bad:
+            return False
+        self._nonfinite_found(
+            bad,
+            state.step,
+            raised="non-finite live values in {bad} {where}; the average was not updated "
+            "(on_nonfinite='skip' skips such updates instead)",
+            warned="skipping the update {where}: non-finite live values in {bad}",
+        )
+        return True
 
-    A cast or a move (``model.to(...)``), or ``param.data = other``, gives a tensor new data
-    while the object stays the same: its pointer tells, at C speed per tensor."""
-    return all(list(map(data_ptr, group.lives)) == group.live_pointers for group in groups)
+    def check_on_device(self) -> bool:
+        """Whether the non-finite check runs on the device, read by the host later: with the check
+        on, built-in rules only, and every live shard on one accelerator (a host read there waits
+        for every kernel queued before it)."""
+        state = self.state
+        if state.options.on_nonfinite == "off" or state.num_updates == 0:  # the first update: on the host
+            return False
+        if not all(isinstance(average.rule, LerpRule) for average in state.averages.values()):
+            return False
+        if self.on_device is not None:
+            return self.on_device
+        devices = {group.lives[0].device for group in self.groups}
+        return len(devices) == 1 and next(iter(devices)).type != "cpu"
 
+    def _apply_on_device(self) -> None:
+        """The update with the non-finite check left on the device: screened, masked and counted
+        there, so the host never waits; its verdict is read later (``settle``)."""
+        state = self.state
+        self.settle(block=len(self.pending) >= MAX_PENDING)
+        verdicts, oks = screen_on_device(self.groups)
+        (live_device,) = {group.lives[0].device for group in self.groups}
+        ok = oks.get(live_device, torch.ones((), dtype=torch.bool, device=live_device))  # no floating shard: ok
+        for group in self.groups:
+            ok_here = ok.to(group.shadows[0][0].device)  # offloaded shadows: the host waits for the flag
+            counter = self._counter(group)
+            if group.role == "copy":
+                weights: list[torch.Tensor | None] = [None]
+            else:
+                dtype = group.shadows[0][0].dtype
+                weights = [self._weight(name, counter, dtype) for name in state.averages]
+            apply_masked(group, ok_here, weights, self.stager)
+        for device, counter in self.device_counters.items():
+            counter.add_(ok.to(device))
+        self.pending.append((state.step, verdicts))
+        self.settle(block=False)
 
-def nonfinite(groups: Sequence[UpdateGroup]) -> list[int]:
-    """Indices of live shards holding NaN or infinity.
+    def _weight(self, name: str | None, counter: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """Average ``name``'s lerp weight after ``counter`` updates (a device tensor), looked up on
+        the device in a table the host extends before the count can outgrow it."""
+        key = (name, counter.device, dtype)
+        table = self.weight_tables.get(key)
+        needed = self.state.num_updates + len(self.pending) + 1
+        if table is None or table.numel() <= needed:
+            rule = self.state.averages[name].rule
+            weights = [1.0] + [rule.weight(n) for n in range(1, 2 * needed + 64)]  # type: ignore[attr-defined]
+            table = self.weight_tables[key] = torch.tensor(weights, dtype=dtype, device=counter.device)
+        return table.index_select(0, counter.view(1))
 
-    One ``_foreach_norm`` over the group's fused views screens them (any NaN or infinity makes a
-    norm non-finite; finite values only do so when their squares overflow fp32) and one flag per
-    group is read on the host; only a positive screen is followed by the exact per-tensor check.
-    """
-    screened = []
-    for group in groups:
-        if group.fused_lives and group.lives[0].dtype.is_floating_point:
-            accumulate = torch.promote_types(group.lives[0].dtype, torch.float32)
-            norms = torch._foreach_norm(group.fused_lives, 2, dtype=accumulate)
-            if not bool(torch.stack(norms).isfinite().all()):
-                screened.append(group)
-    return [
-        index
-        for group in screened
-        for index, live in zip(group.indices, group.lives)
-        if not bool(torch.isfinite(live).all())
-    ]
+    def settle(self, block: bool = True) -> None:
+        """Read the verdicts of updates checked on the device, in order: count each one applied,
+        or (non-finite live values: the device left the average untouched) raise or warn as the
+        ``on_nonfinite`` policy says. Without ``block`` only verdicts already on the host are read."""
+        while self.pending:
+            step, verdicts = self.pending[0]
+            if any(v.event is None or not v.event.query() for v in verdicts) and not block:
+                return
+            for verdict in verdicts:
+                if verdict.event is not None:
+                    verdict.event.synchronize()
+            self.pending.popleft()
+            bad = [self.state.infos[i].name for v in verdicts for i, flag in zip(v.indices, v.bad.tolist()) if flag]
+            if not bad:
+                self.state.num_updates += 1  # (the device counters moved already, on the device)
+                continue
+            self._nonfinite_found(
+                bad,
+                step,
+                raised="non-finite live values in {bad} {where} (found on the device after the update was issued: "
+                "that update was masked out there, the average holds the others; on_nonfinite='skip' warns instead)",
+                warned="skipped the update {where}: non-finite live values in {bad}",
+            )
 
+    def _nonfinite_found(self, bad: list[str], step: int, raised: str, warned: str) -> None:
+        """The ``on_nonfinite`` policy for an update whose live shards ``bad`` were not finite:
+        raise ``raised``, or warn ``warned`` and count the update skipped."""
+        where = f"at step {step} on rank {rank()}"
+        if self.state.options.on_nonfinite == "raise":
+            raise NonFiniteError(raised.format(bad=bad, where=where))
+        warnings.warn(warned.format(bad=bad, where=where), RuntimeWarning, stacklevel=5)
+        self._counted(applied=False)
 
-# What one average does in an update: copy the live values (``None``), lerp toward them by a
-# weight, or call a custom rule's ``multi_avg_fn`` with ``num_updates`` as a device tensor.
-Step = float | None | tuple[MultiAvgFn, torch.Tensor]
+    def forget(self) -> None:
+        """Drop what the device holds of the counts: the state's counters were just restored."""
+        self.device_counters.clear()
+        self.pending.clear()
 
+    # ------------------------------------------------------------------ grouping
 
-def apply(group: UpdateGroup, steps: Sequence[Step], stager: Stager) -> None:
-    """Apply each average's step to its shadows in ``group``, staging each live shard once for all.
+    def follow(self, live: list[torch.Tensor]) -> None:
+        """Regroup only when a view is a new object or its data moved (a cast, ``model.to``)."""
+        if not all(map(operator.is_, live, self.state.live)) or not groups_current(self.groups):
+            self.state.adopt(live)
+            self.groups = self._group()
 
-    A custom rule sees live shards cast to the shadow dtype, one tensor per parameter shard as
-    AveragedModel would show them (never fused: the function may look at shapes)."""
-    custom = any(isinstance(step, tuple) for step in steps)
-    dtype = group.shadows[0][0].dtype if custom else None
-    same_dtype = group.lives[0].dtype == group.shadows[0][0].dtype  # as the shards are, staged or not
-    for shadow_sets, lives in staged(group, dtype, stager, fused=not custom):
-        for shadows, step in zip(shadow_sets, steps):
-            if step is None:
-                torch._foreach_copy_(shadows, lives)
-            elif isinstance(step, tuple):
-                step[0](shadows, lives, step[1])
-            elif same_dtype:  # bitwise as AveragedModel's EMA
-                torch._foreach_lerp_(shadows, lives, step)
-            else:  # lerp refuses mixed dtypes; this is 4x faster than casting the lives first
-                torch._foreach_mul_(shadows, 1.0 - step)
-                torch._foreach_add_(shadows, lives, alpha=step)
-
-
-class Verdict(NamedTuple):
-    """Which live shards held NaN or infinity, on the host once ``event`` (if any) has completed."""
-
-    indices: list[int]
-    bad: torch.Tensor  # bool per shard in ``indices``, on the host
-    event: torch.Event | None  # recorded after the copy to the host; None when nothing was copied
-
-
-def screen_on_device(groups: Sequence[UpdateGroup]) -> tuple[list[Verdict], dict[torch.device, torch.Tensor]]:
-    """The non-finite screen with no host read: per device, a ``Verdict`` copied to the host behind
-    an event, and ``ok[device]``, a 0-d device flag that no live shard there is non-finite. An
-    infinity-norm per shard (its largest magnitude) never overflows: a finite shard is never flagged."""
-    indices: dict[torch.device, list[int]] = {}
-    flags: dict[torch.device, list[torch.Tensor]] = {}
-    for group in groups:
-        shards = [(index, live) for index, live in zip(group.indices, group.lives) if live.numel()]
-        if not shards or not group.lives[0].dtype.is_floating_point:
-            continue
-        accumulate = torch.promote_types(group.lives[0].dtype, torch.float32)
-        norms = torch._foreach_norm([live for _, live in shards], float("inf"), dtype=accumulate)
-        device = group.lives[0].device
-        indices.setdefault(device, []).extend(index for index, _ in shards)
-        flags.setdefault(device, []).append(~torch.stack(norms).isfinite())
-    verdicts, oks = [], {}
-    for device, device_flags in flags.items():
-        bad = torch.cat(device_flags)
-        oks[device] = ~bad.any()
-        if device.type == "cpu":
-            verdicts.append(Verdict(indices[device], bad, None))
-        else:  # into pinned host memory, read once the event says it landed
-            event = torch.Event(device=device)
-            host = bad.to("cpu", non_blocking=True)
-            event.record()
-            verdicts.append(Verdict(indices[device], host, event))
-    return verdicts, oks
-
-
-def apply_masked(group: UpdateGroup, ok: torch.Tensor, weights: Sequence[torch.Tensor | None], stager: Stager) -> None:
-    """The update made conditional on the device: each average lerps toward ``where(ok, live,
-    shadow)`` with its weight as a 0-d device tensor (``None``: copy), so when ``ok`` is false no
-    shadow changes. One bounded piece (a fused view or a staged bucket) at a time."""
-    for shadow_sets, lives in staged(group, None, stager):
-        for shadows, weight in zip(shadow_sets, weights):
-            for shadow, live in zip(shadows, lives):
-                masked = torch.where(ok, live, shadow)
-                if weight is None:
-                    shadow.copy_(masked)
-                else:
-                    shadow.lerp_(masked, weight)
-
-
-def needs_staging(group: UpdateGroup, dtype: torch.dtype | None) -> bool:
-    """Whether the live shards must be copied before the update: to the shadows' device, or to ``dtype``."""
-    return group.lives[0].device != group.shadows[0][0].device or dtype not in (None, group.lives[0].dtype)
-
-
-def staged(
-    group: UpdateGroup, dtype: torch.dtype | None, stager: Stager, fused: bool = True
-) -> Iterator[tuple[list[list[torch.Tensor]], list[torch.Tensor]]]:
-    """(shadows per average, lives) with the lives on the shadows' device (and ``dtype``), in
-    bounded buckets (``staging.py``), each staged once for every average. When nothing needs
-    staging: the fused views (in cache-sized batches when several averages read the same live
-    pieces), or with ``fused=False`` the shards themselves."""
-    if not needs_staging(group, dtype):
-        if not fused:
-            yield group.shadows, group.lives
-            return
-        lives = group.fused_lives  # empty when every shard in the group is
-        batch = max(1, len(lives))
-        if len(group.shadows) > 1 and lives:
-            batch = max(1, CACHE_BYTES // lives[0].nbytes)
-        for start in range(0, len(lives), batch):
-            yield [fused[start : start + batch] for fused in group.fused_shadows], lives[start : start + batch]
-        return
-    yield from stager.stage(group.shadows, group.lives, dtype or group.lives[0].dtype, split=fused)
+    def _group(self) -> list[UpdateGroup]:
+        state = self.state
+        return group_tensors(state.roles, [a.shadows for a in state.averages.values()], state.live)

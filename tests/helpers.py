@@ -14,7 +14,7 @@ from harness import TiedNet
 from safetensors.torch import save_file
 
 from shardavg import EMA, WeightAverager
-from shardavg.description import with_checksum
+from shardavg.format import with_checksum
 
 
 def trained(trainer, steps: int = 5, **kwargs) -> WeightAverager:

@@ -459,17 +459,17 @@ def test_local_views_are_the_same_objects_until_the_engine_changes_them(model, t
     averager = WeightAverager(model, EMA(decay=0.9))
     trainer.step()
     averager.update()
-    views, groups = averager.strategy.local_views(), averager._state.groups
+    views, groups = averager.strategy.local_views(), averager.updater.groups
     for _ in range(3):
         trainer.step()
         averager.update()
         assert all(a is b for a, b in zip(averager.strategy.local_views(), views))
-        assert averager._state.groups is groups
+        assert averager.updater.groups is groups
     model.double()  # buffers are replaced in their modules' dicts, parameters get new .data
     with torch.no_grad():
         model.block.norm.running_mean.add_(1.0)  # only the new buffer holds this
     after = averager.strategy.local_views()
-    assert averager.update() and averager._state.groups is not groups
+    assert averager.update() and averager.updater.groups is not groups
     assert {v.dtype for v in after if v.is_floating_point()} == {torch.float64}
     running_mean = averager.full_state_dict()["block.norm.running_mean"]  # copied into its fp32 shadow
     assert torch.equal(running_mean, model.block.norm.running_mean.float())

@@ -15,7 +15,7 @@ from safetensors import safe_open
 
 from shardavg import CheckpointError
 from shardavg.cli import main as cli_main
-from shardavg.description import with_checksum
+from shardavg.format import with_checksum
 
 SHARD = "rank-00000-of-00001.safetensors"
 

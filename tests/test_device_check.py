@@ -49,7 +49,7 @@ def pair(model, policy: str, rules=RULES) -> tuple[WeightAverager, WeightAverage
     """The same averager twice: checked on the host, and checked on the 'device'."""
     on_host = WeightAverager(model, rules, on_nonfinite=policy, buffers="average")
     on_device = WeightAverager(model, rules, on_nonfinite=policy, buffers="average")
-    on_device._state.deferred = True
+    on_device.updater.on_device = True
     return on_host, on_device
 
 
@@ -72,8 +72,8 @@ def test_the_update_reads_nothing_back_and_equals_the_host_checked_one(model, tr
         with functions, scalars:
             on_device.update()
     assert functions.seen == [] and scalars.count == 0, (functions.seen, scalars.count)
-    assert len(on_device._state.pending) == 6, "the updates did not take the device path: the check is vacuous"
-    assert on_device.num_updates == 7 and not on_device._state.pending
+    assert len(on_device.updater.pending) == 6, "the updates did not take the device path: the check is vacuous"
+    assert on_device.num_updates == 7 and not on_device.updater.pending
     assert_same(on_host, on_device)
 
 
@@ -100,7 +100,7 @@ def test_masked_updates_raise_or_skip_later_exactly_as_on_the_host(model, traine
             if poisoned:
                 with torch.no_grad():
                     model.block.up.weight[0, 0] = 0.5
-        assert len(on_device._state.pending) == 7
+        assert len(on_device.updater.pending) == 7
         if policy == "skip":
             with pytest.warns(RuntimeWarning, match=r"skipped the update at step 5 on rank 0.*block.up.weight"):
                 assert (on_device.num_updates, on_device.num_skipped) == (7, 1)

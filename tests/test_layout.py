@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from shardavg import LayoutError
-from shardavg.layout import _tiling
+from shardavg.layout import tiling
 from shardavg.parts import Part, place, tiles
 from shardavg.strategies.base import TensorInfo
 
@@ -23,16 +23,16 @@ def flat(shape, *ranges) -> list[Part]:
 
 def test_shards_tile_a_tensor_and_empty_ranks_own_nothing() -> None:
     parts = flat((10,), (0, 4), (4, 8), (8, 10), (10, 10))
-    assert _tiling(info("w", (10,)), parts) == ((0, parts[0]), (1, parts[1]), (2, parts[2]))
+    assert tiling(info("w", (10,)), parts) == ((0, parts[0]), (1, parts[1]), (2, parts[2]))
 
 
 def test_replicas_are_owned_by_the_lowest_rank() -> None:
-    assert _tiling(info("w", (6,)), flat((6,), (0, 6), (0, 6), (0, 6))) == ((0, Part.whole((6,))),)
+    assert tiling(info("w", (6,)), flat((6,), (0, 6), (0, 6), (0, 6))) == ((0, Part.whole((6,))),)
     hsdp = flat((6,), (0, 3), (3, 6), (0, 3), (3, 6))
-    assert [owner for owner, _ in _tiling(info("w", (6,)), hsdp)] == [0, 1]
+    assert [owner for owner, _ in tiling(info("w", (6,)), hsdp)] == [0, 1]
     rows = [Part.grid((4, 6), [range(0, 2), range(6)]), Part.grid((4, 6), [range(2, 4), range(6)])]
     tp = [rows[0], rows[0], rows[1], rows[1]]  # sharded over dp, replicated over tp
-    assert [owner for owner, _ in _tiling(info("w", (4, 6)), tp)] == [0, 2]
+    assert [owner for owner, _ in tiling(info("w", (4, 6)), tp)] == [0, 2]
 
 
 @pytest.mark.parametrize(
@@ -48,16 +48,16 @@ def test_shards_that_do_not_tile_are_named(ranges) -> None:
     with pytest.raises(
         LayoutError, match=r"the shards of 'block.up.weight' \(shape \(10,\)\) do not tile it: rank 0 holds \[0,"
     ):
-        _tiling(info("block.up.weight", (10,)), flat((10,), *ranges))
+        tiling(info("block.up.weight", (10,)), flat((10,), *ranges))
 
 
 def test_column_and_row_shards_tile_and_their_overlaps_are_named() -> None:
     shape = (4, 6)
     columns = [Part.grid(shape, [range(4), range(0, 3)]), Part.grid(shape, [range(4), range(3, 6)])]
-    assert len(_tiling(info("w", shape), columns)) == 2
+    assert len(tiling(info("w", shape), columns)) == 2
     mixed = [columns[0], Part.grid(shape, [range(2, 4), range(6)])]  # overlaps in rows 2-3, columns 0-2
     with pytest.raises(LayoutError, match=r"rank 0 holds boxes \[0, 0\]\+\[4, 3\], rank 1 holds \[12, 24\)"):
-        _tiling(info("w", shape), mixed)
+        tiling(info("w", shape), mixed)
 
 
 def test_a_flat_range_is_at_most_2n_minus_1_boxes_and_reads_back() -> None:

@@ -22,7 +22,7 @@ from safetensors.torch import load_file
 
 from shardavg import CheckpointError, WeightAverager
 from shardavg.cli import main as cli_main
-from shardavg.description import with_checksum
+from shardavg.format import with_checksum
 
 SHARD = "rank-00000-of-00001.safetensors"
 HUGE = 10**24  # elements: no allocator could serve it
@@ -53,11 +53,11 @@ def refused_everywhere(path: Path, match: str, capsys) -> None:
     """``load`` raises a CheckpointError and leaves the averager as it was; the CLI's inspect or
     export end with one line on stderr and exit code 2, writing nothing."""
     averager = fresh()
-    shadows = [s.clone() if s is not None else None for s in averager._state.average(None).shadows]
+    shadows = [s.clone() if s is not None else None for s in averager.shadows()]
     with deadline(20), pytest.raises(CheckpointError, match=match):
         averager.load(path)
     assert (averager.step, averager.num_updates) == (0, 0)
-    assert all(a is None or torch.equal(a, b) for a, b in zip(shadows, averager._state.average(None).shadows))
+    assert all(a is None or torch.equal(a, b) for a, b in zip(shadows, averager.shadows()))
     cli_refuses(["export", str(path), str(path.parent / f"{path.name}-export")], match, capsys)
     assert not (path.parent / f"{path.name}-export").exists()
 
@@ -191,10 +191,10 @@ def test_load_state_dict_checks_everything_before_changing_anything(trainer, tmp
     state = source.state_dict()
     target = fresh()
     target.update()
-    shadows = [s.clone() if s is not None else None for s in target._state.average(None).shadows]
+    shadows = [s.clone() if s is not None else None for s in target.shadows()]
 
     def unchanged() -> bool:
-        same = all(a is None or torch.equal(a, b) for a, b in zip(shadows, target._state.average(None).shadows))
+        same = all(a is None or torch.equal(a, b) for a, b in zip(shadows, target.shadows()))
         return same and (target.step, target.num_updates) == (1, 1)
 
     missing = {"meta": state["meta"], "tensors": {k: v for k, v in state["tensors"].items() if k != "gain"}}

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+import shardavg.fused
 import shardavg.staging
-import shardavg.update
 from shardavg import EMA, SWA, PowerEMA, WeightAverager
 from shardavg.staging import Stager, _plan
 
@@ -62,7 +62,7 @@ def test_a_staged_update_has_the_bits_of_the_unstaged_one(model, trainer, monkey
     most shards: each average is bitwise the one updated in place, and the buffers stay bounded."""
     direct = WeightAverager(model, RULES, buffers="average")
     staged = WeightAverager(model, RULES, buffers="average")
-    staged._state.deferred = on_device
+    staged.updater.on_device = on_device
     staged_buckets = []
     real_stage = Stager.stage
 
@@ -77,10 +77,10 @@ def test_a_staged_update_has_the_bits_of_the_unstaged_one(model, trainer, monkey
         trainer.step()
         direct.update()
         with monkeypatch.context() as forced:  # as if every live shard were on another device
-            forced.setattr(shardavg.update, "needs_staging", lambda group, dtype: True)
+            forced.setattr(shardavg.fused, "needs_staging", lambda group, dtype: True)
             staged.update()
     assert len(staged_buckets) > 6 * 10, "few buckets were staged: the check is vacuous"
-    assert 0 < staged._state.stager.buffer_bytes() <= 2 * 40 * 2  # two buckets each of fp32 and int64 (a counter)
+    assert 0 < staged.updater.stager.buffer_bytes() <= 2 * 40 * 2  # two buckets each of fp32 and int64 (a counter)
     for name in RULES:
         got, want = staged.full_state_dict(name), direct.full_state_dict(name)
         for key in want:

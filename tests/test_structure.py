@@ -1,42 +1,166 @@
-"""The library's layering: the I/O modules see the averager only through ``AverageState``."""
+"""The package's structure: every module imports only modules below it (the order here is the
+layering, bottom first), and none reaches into another object's private attributes, except the
+engine internals listed in ``ENGINE_INTERNALS`` (each with why: the engines offer no public way).
+The checks run on every module of the package and the integrations, and on planted sources
+that must fail them."""
 
 from __future__ import annotations
 
 import ast
 from pathlib import Path
 
+import pytest
+
 PACKAGE = Path(__file__).resolve().parents[1] / "shardavg"
-IO_MODULES = ("checkpoint", "stateful", "export", "offline", "cli")
+
+ORDER = [  # bottom first: a module may import only modules before it
+    "errors", "parts", "validate", "dist", "logs", "storage",
+    "strategies.dtensor", "strategies.base", "strategies.fsdp1", "strategies.fsdp2", "strategies.zero3",
+    "strategies.zero12", "strategies.replicated", "strategies.pipeline", "strategies",
+    "rules", "options", "format", "ownership", "reading", "layout", "staging", "fused", "watch", "update",
+    "state", "swap", "export", "checkpoint", "stateful", "offline", "averager", "posthoc", "cli",
+    "__init__", "__main__",
+    "integrations", "integrations.accelerate", "integrations.deepspeed", "integrations.lightning",
+    "integrations.transformers",
+]  # fmt: skip
+
+# Private names of other libraries shardavg reads, by module: (the expression or name, why).
+ENGINE_INTERNALS = {
+    "strategies.dtensor": {
+        "_local_tensor": "a DTensor's local shard itself: to_local() makes a new alias at every call, which "
+        "would look like a new view every update",
+        "_StridedShard": "the placement FSDP2 gives a parameter sharded by tensor parallel on the same dim",
+    },
+    "strategies.base": {
+        "_orig_mod": "the module inside torch.compile's OptimizedModule, which offers no accessor",
+        "torch._dynamo.eval_frame": "where OptimizedModule lives",
+        "_buffers": "where a buffer lives, to read it again after model.to() replaced it",
+        "_non_persistent_buffers_set": "which buffers state_dict() holds, with their owner",
+    },
+    "strategies.fsdp1": {
+        "_handle": "FSDP1's flat parameter handle: the only description of each rank's slice",
+        "_fqns": "the names of the parameters in a flat parameter",
+        "_shapes": "their shapes",
+        "_shard_param_infos": "which part of each parameter this rank's slice holds",
+        "_shared_param_infos": "tied parameters in a flat parameter",
+        "_params": "the original parameters (use_orig_params), for requires_grad",
+        "_use_orig_params": "whether they exist",
+        "_local_shard": "this rank's slice of a flat parameter",
+        "torch.distributed.fsdp._runtime_utils": "FSDP1's _reshard: frees a root unit's unsharded copy",
+        "_reshard": "that function",
+    },
+    "strategies.zero12": {"_hp_mapping": "DeepSpeed ZeRO-1/2's link from a parameter to its fp32 master fragment"},
+    "stateful": {
+        "torch.distributed.tensor._shards_wrapper": "LocalShardsWrapper, the DTensor payload DCP reads for "
+        "arbitrary shards (torchrec's way); no public path"
+    },
+}
+ANYWHERE = {"_foreach_": "torch's fused multi-tensor kernels (torch.optim and swa_utils use them)"}
+FRAMEWORKS = ("accelerate", "transformers", "lightning", "pytorch_lightning")  # integrations only
 
 
-def imported_modules(module: str) -> set[str]:
-    """shardavg modules that ``module`` imports, at run time or for type checking."""
-    tree = ast.parse((PACKAGE / f"{module}.py").read_text())
+def module_name(path: Path) -> str:
+    parts = path.relative_to(PACKAGE).with_suffix("").parts
+    return ".".join(parts[:-1]) if parts[-1] == "__init__" and len(parts) > 1 else ".".join(parts)
+
+
+def modules() -> dict[str, Path]:
+    return {module_name(path): path for path in sorted(PACKAGE.rglob("*.py"))}
+
+
+def internal_imports(name: str, tree: ast.AST) -> set[str]:
+    """The package's modules ``name`` imports, anywhere in it (function bodies and type checking too)."""
+    is_package = not (PACKAGE / Path(*name.split("."))).with_suffix(".py").exists()  # (an __init__)
+    package = name.split(".") if is_package else name.split(".")[:-1]
     found = set()
     for node in ast.walk(tree):
-        if isinstance(node, ast.ImportFrom) and node.level == 1:
-            found.add(node.module or "")
-        elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("shardavg."):
-            found.add(node.module.removeprefix("shardavg."))
+        if isinstance(node, ast.ImportFrom) and node.level:
+            base = package[: len(package) - node.level + 1]
+            if node.module:
+                found.add(".".join([*base, node.module]))
+            else:
+                found.update(".".join([*base, alias.name]) for alias in node.names)
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            names = [node.module] if isinstance(node, ast.ImportFrom) else [a.name for a in node.names]
+            found.update(n.removeprefix("shardavg.") for n in names if n and n.startswith("shardavg."))
+    return {target for target in found if target}
+
+
+def private_uses(name: str, tree: ast.AST) -> list[str]:
+    """Private attributes of other objects this source reads, and private names it imports, that
+    ``ENGINE_INTERNALS`` does not list for it."""
+    allowed = ENGINE_INTERNALS.get(name, {})
+    found = []
+
+    def check(what: str, line: int) -> None:
+        parts = [part for part in what.split(".") if part.startswith("_") and not part.startswith("__")]
+        if parts and what not in allowed and not all(p in allowed or p.startswith(tuple(ANYWHERE)) for p in parts):
+            found.append(f"{name}:{line}: {what}")
+
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__"):
+            if not (isinstance(node.value, ast.Name) and node.value.id in ("self", "cls")):
+                check(node.attr, node.lineno)
+        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in ("getattr", "hasattr"):
+            if len(node.args) > 1 and isinstance(node.args[1], ast.Constant) and isinstance(node.args[1].value, str):
+                if not (isinstance(node.args[0], ast.Name) and node.args[0].id in ("self", "cls")):
+                    check(node.args[1].value, node.lineno)
+        elif isinstance(node, ast.ImportFrom) and not node.level and node.module:
+            if not node.module.startswith("shardavg"):
+                check(node.module, node.lineno)
+                for alias in node.names:
+                    check(alias.name, node.lineno)
     return found
 
 
-def test_io_modules_never_import_the_averager() -> None:
-    for module in IO_MODULES:
-        assert "averager" not in imported_modules(module), f"shardavg/{module}.py imports averager"
+def framework_imports(tree: ast.AST) -> set[str]:
+    names = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names.update(alias.name.split(".")[0] for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and not node.level and node.module:
+            names.add(node.module.split(".")[0])
+    return names & set(FRAMEWORKS)
 
 
-def test_io_modules_use_no_private_attribute_of_the_state() -> None:
-    for module in IO_MODULES:
-        tree = ast.parse((PACKAGE / f"{module}.py").read_text())
-        private = sorted(
-            {
-                node.attr
-                for node in ast.walk(tree)
-                if isinstance(node, ast.Attribute)
-                and isinstance(node.value, ast.Name)
-                and node.value.id in ("state", "avg", "averager")
-                and node.attr.startswith("_")
-            }
-        )
-        assert not private, f"shardavg/{module}.py reads private attributes {private}"
+def test_every_module_is_placed_in_the_layering() -> None:
+    assert sorted(modules()) == sorted(ORDER), f"place these in ORDER: {sorted(set(modules()) ^ set(ORDER))}"
+
+
+def test_no_import_runs_back_up() -> None:
+    upward = []
+    for name, path in modules().items():
+        for target in internal_imports(name, ast.parse(path.read_text())):
+            target = target if target in ORDER else target.rsplit(".", 1)[0]  # a name from a package's __init__
+            if ORDER.index(target) >= ORDER.index(name):
+                upward.append(f"{name} imports {target}")
+    assert not upward, upward
+
+
+def test_no_module_touches_another_objects_private_attributes() -> None:
+    found = [use for name, path in modules().items() for use in private_uses(name, ast.parse(path.read_text()))]
+    assert not found, found
+
+
+def test_the_core_never_imports_a_framework() -> None:
+    for name, path in modules().items():
+        if not name.startswith("integrations"):
+            assert not framework_imports(ast.parse(path.read_text())), name
+
+
+@pytest.mark.parametrize(
+    "source",
+    [
+        "def f(avg):\n    return avg._state",
+        "def f(accelerator):\n    return getattr(accelerator, '_save_model_state_pre_hook', {})",
+        "from torch.distributed.tensor._utils import compute_local_shape_and_global_offset",
+        "from torch.distributed.tensor.placement_types import _StridedShard",  # allowed in strategies.dtensor only
+    ],
+)
+def test_a_planted_private_access_is_found(source: str) -> None:
+    assert private_uses("averager", ast.parse(source)), source
+
+
+def test_a_planted_upward_import_is_found() -> None:
+    tree = ast.parse("from .averager import WeightAverager")
+    assert "averager" in internal_imports("state", tree) and ORDER.index("averager") > ORDER.index("state")

@@ -141,7 +141,7 @@ def test_a_config_file_with_an_unknown_missing_or_mistyped_key_is_refused(caplog
 
 
 def test_resume_without_a_finished_checkpoint_is_refused(caplog, monkeypatch, tmp_path) -> None:
-    (tmp_path / "checkpoints" / ".step-00000004.partial").mkdir(parents=True)  # never finished
+    (tmp_path / "checkpoints" / ".step-000000004.incomplete").mkdir(parents=True)  # never finished
     message = refused(caplog, monkeypatch, "--config", FSDP2, "--out", str(tmp_path), "--resume")
     assert message == f"config error: --resume: no finished checkpoint under {tmp_path / 'checkpoints'}"
 
@@ -255,7 +255,7 @@ def dcp_checkpoint(root: Path, step: int, engine: str = "fsdp2", hashed: bool = 
     """A finished checkpoint as the job writes one: a DCP folder, then train.json with every file's hash."""
     import torch.distributed.checkpoint as dcp
 
-    folder = root / "checkpoints" / f"step-{step:08d}"
+    folder = root / "checkpoints" / f"step-{step:08d}"  # (the eight digits of earlier runs: still read)
     state = {"model": {"w": torch.arange(6.0) * step}, "step": torch.tensor(step)}
     dcp.save(state, checkpoint_id=str(folder), no_dist=True)
     record = {"step": step, "engine": engine} | ({"files": checkpoints.digests(folder)} if hashed else {})

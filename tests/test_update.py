@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
+from shardavg.fused import FUSED_CHUNK, apply, fuse, group_tensors, nonfinite
 from shardavg.staging import Stager
-from shardavg.update import FUSED_CHUNK, apply, fuse, group_tensors, nonfinite
 
 SHAPES = [(3, 4), (0,), (5,), (2, 2), (7,)]
 

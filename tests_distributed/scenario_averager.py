@@ -235,7 +235,7 @@ class StableViews:
         self.seen: dict[str, tuple[list[torch.Tensor], object]] = {}
 
     def check(self, label: str, averager: WeightAverager) -> None:
-        views, groups = averager.strategy.local_views(), averager._state.groups
+        views, groups = averager.strategy.local_views(), averager.updater.groups
         if label in self.seen:
             old_views, old_groups = self.seen[label]
             changed = [i for i, (a, b) in enumerate(zip(old_views, views)) if a is not b]
@@ -368,7 +368,7 @@ def main() -> None:
         per_rank, local_bytes, kernels = [None] * world, [None] * world, [None] * world
         dist.all_gather_object(per_rank, ema.shadow_bytes())
         dist.all_gather_object(local_bytes, expected)
-        groups = ema._state.groups  # how many tensors one fused kernel call of the update walks
+        groups = ema.updater.groups  # how many tensors one fused kernel call of the update walks
         dist.all_gather_object(kernels, [sum(len(g.fused_lives) for g in groups),
                                          sum(1 for g in groups for live in g.lives if live.numel())])  # fmt: skip
         harness.report(

@@ -100,7 +100,7 @@ def save(kind: str, root: Path) -> None:
 
 def assert_local_shards(label: str, avg: WeightAverager, want: dict[str, torch.Tensor], average: str) -> None:
     """Every rank's stored shard, replicas included, is its part of the reference."""
-    for info, shadow in zip(avg._state.infos, avg._state.average(average).shadows):
+    for info, shadow in zip(avg.tensors, avg.shadows(average)):
         if shadow is not None:
             expected = info.part.take(want[info.name])
             assert torch.equal(shadow.reshape(-1), expected), f"{label}: rank {dist.get_rank()}'s {info.name}"

@@ -207,8 +207,8 @@ def master(root: Path) -> None:
 
         before = [view.clone() for view in run.avg.strategy.swap_views()]
         with run.avg.swapped("ema"):
-            averaged = run.avg._state.average("ema").shadows
-            for info, shadow, view in zip(run.avg._state.infos, averaged, run.avg.strategy.swap_views()):
+            averaged = run.avg.shadows("ema")
+            for info, shadow, view in zip(run.avg.tensors, averaged, run.avg.strategy.swap_views()):
                 if shadow is not None and info.kind == "param":
                     assert view.dtype == torch.bfloat16, (info.name, view.dtype)
                     if stage == 3:  # this rank's partition of the average

@@ -87,9 +87,8 @@ def check(label: str, got: dict, want: dict, averaged: set[str], exact: bool) ->
 
 def check_parts(label: str, averager: WeightAverager, want: dict[str, torch.Tensor]) -> None:
     """Every rank's shadow is exactly its part of the reference, whatever the part's shape."""
-    state = averager._state
-    for index, (info, shadow) in enumerate(zip(state.infos, state.average(None).shadows)):
-        if shadow is None or state.roles[index] != "average":
+    for info, shadow in zip(averager.tensors, averager.shadows()):
+        if shadow is None or averager.options.role(info) != "average":
             continue
         expected = info.part.take(want[info.name].to(shadow.dtype))
         assert torch.equal(shadow.reshape(-1), expected), f"{label}: rank {dist.get_rank()}'s part of {info.name}"
@@ -135,7 +134,7 @@ def run(engine: Engine, moe: bool = False, pipeline=None, reference_forward=None
         assert set(got) == set(want) and all(torch.equal(got[k], want[k]) for k in want), f"several/{name}"
     ema = averagers["ema"]
     local_bytes = sum(engine.local_param_numels().values()) * 4
-    local_bytes += sum(v.numel() * v.element_size() for v, info in zip(ema.strategy.local_views(), ema._state.infos)
+    local_bytes += sum(v.numel() * v.element_size() for v, info in zip(ema.strategy.local_views(), ema.tensors)
                        if info.kind == "buffer")  # fmt: skip
     assert ema.shadow_bytes() == local_bytes, f"{engine.name}: shadow bytes {ema.shadow_bytes()} != {local_bytes}"
     shadows = [None] * dist.get_world_size()

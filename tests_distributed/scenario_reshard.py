@@ -85,11 +85,9 @@ def train(root: Path) -> None:
 
 def check_loaded(label: str, avg: WeightAverager, reference: dict[str, dict[str, torch.Tensor]]) -> None:
     """Every rank's part of every average is its part of the reference; rank 0's gather too."""
-    state = avg._state
     for name in RULES:
-        shadows = state.average(name).shadows
-        for index, (info, shadow) in enumerate(zip(state.infos, shadows)):
-            if shadow is not None and state.roles[index] == "average":
+        for info, shadow in zip(avg.tensors, avg.shadows(name)):
+            if shadow is not None and avg.options.role(info) == "average":
                 want = info.part.take(reference[name][info.name])
                 assert torch.equal(shadow.reshape(-1), want), f"{label}: rank {dist.get_rank()}'s {name}/{info.name}"
         got = avg.full_state_dict(name)

@@ -10,11 +10,11 @@ import pytest
 from launcher import torchrun
 
 ENGINES = ["replicated", "fsdp2", "fsdp1", "zero3"]
-README = Path(__file__).resolve().parents[1] / "README.md"
+SHADOW_TABLE = Path(__file__).resolve().parents[1] / "docs" / "tables" / "shadow-memory.md"
 
-# The rows of the README's shadow-memory table (measured at world size 2) and the configurations
-# of scenario_averager.py each one stands for.
-README_ROWS = {
+# The rows of the documentation's shadow-memory table (measured at world size 2) and the
+# configurations of scenario_averager.py each one stands for.
+TABLE_ROWS = {
     "DDP fp32": ["ddp-float32"],
     "DDP bf16": ["ddp-bfloat16"],
     "FSDP2 fp32": ["fsdp2-float32"],
@@ -35,19 +35,18 @@ README_ROWS = {
 }
 
 
-def readme_shadow_table() -> dict[str, tuple[list[int], int]]:
-    """README row label -> (shadow bytes per rank, full model bytes)."""
-    section = README.read_text().split("## Shadow memory, measured", 1)[1].split("\n## ", 1)[0]
+def shadow_table() -> dict[str, tuple[list[int], int]]:
+    """Row label -> (shadow bytes per rank, full model bytes), from the table's data file."""
     rows = {}
-    for line in section.splitlines():
+    for line in SHADOW_TABLE.read_text().splitlines():
         cells = [cell.strip() for cell in line.strip().strip("|").split("|")]
         if len(cells) == 3 and re.fullmatch(r"\d+ / \d+", cells[1]):
             rows[cells[0]] = ([int(n) for n in cells[1].split(" / ")], int(cells[2]))
     return rows
 
 
-def test_the_readme_table_has_every_row() -> None:
-    assert set(readme_shadow_table()) == set(README_ROWS)
+def test_the_shadow_table_has_every_row() -> None:
+    assert set(shadow_table()) == set(TABLE_ROWS)
 
 
 @pytest.mark.parametrize("world_size", [1, 2, 4])
@@ -70,11 +69,11 @@ def test_averager_matches_reference(engine: str, world_size: int) -> None:
         assert any(not config.startswith("zero3-init") for config in fused), measured
     elif engine in ("replicated", "fsdp2"):  # a storage per tensor: nothing to fuse
         assert all(f == n for b in measured for f, n in b["fused_and_shards_per_rank"]), measured
-    if world_size == 2:  # the README's table is this launch's measurement
-        table = readme_shadow_table()
+    if world_size == 2:  # the documented table is this launch's measurement
+        table = shadow_table()
         for bytes_ in measured:
-            rows = [label for label, configs in README_ROWS.items() if bytes_["config"] in configs]
-            assert rows, f"{bytes_['config']} has no row in the README's shadow-memory table"
+            rows = [label for label, configs in TABLE_ROWS.items() if bytes_["config"] in configs]
+            assert rows, f"{bytes_['config']} has no row in docs/tables/shadow-memory.md"
             assert table[rows[0]] == (bytes_["shadow_bytes_per_rank"], bytes_["model_bytes"]), (rows[0], bytes_)
     if engine == "zero3":
         (asked,) = launch.reports("ZERO_INIT_ASKED_FLOAT32_WITHOUT_FP16")

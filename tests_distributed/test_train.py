@@ -116,7 +116,7 @@ def test_every_engine_reaches_the_same_losses(runs) -> None:
 
 @pytest.mark.parametrize("engine", ENGINES)
 def test_resume_from_a_mid_run_checkpoint_ends_bitwise_where_the_uninterrupted_run_ends(runs, engine, tmp_path) -> None:
-    middle = runs[engine] / "checkpoints" / "step-00000004"
+    middle = runs[engine] / "checkpoints" / "step-000000004"
     assert (middle / "train.json").is_file(), sorted(p.name for p in middle.parent.iterdir())
     shutil.copytree(middle, tmp_path / "checkpoints" / middle.name)
     for snapshot in ("snapshot-000000003",):  # what the run had written by step 4 (the next comes at 6)
@@ -183,7 +183,7 @@ def test_a_second_job_is_refused_while_one_runs_and_a_damaged_newest_checkpoint_
     damaged newest checkpoint, says so, and ends bitwise where the uninterrupted run ends."""
     out = tmp_path / "run"
     shutil.copytree(runs["fsdp2"], out)
-    newest = out / "checkpoints" / "step-00000008"
+    newest = out / "checkpoints" / "step-000000008"
     data_file = next(newest.glob("*.distcp"))
     data_file.write_bytes(data_file.read_bytes()[: data_file.stat().st_size // 2])  # truncated
     holder = subprocess.Popen([sys.executable, "-c", HOLD, str(out)], stdout=subprocess.PIPE, text=True)
@@ -205,7 +205,7 @@ def test_a_second_job_is_refused_while_one_runs_and_a_damaged_newest_checkpoint_
     assert (out / ".train.lock").exists()  # the killed holder's, left behind: no obstacle
     launch = torchrun(str(ROOT / "launch" / "train.py"), 2, *job_args("fsdp2", out, "--resume"), timeout=300)
     assert launch.returncode == 0, launch.output[-20000:]
-    assert "--resume: skipped step-00000008, which cannot be resumed from: " in launch.output
+    assert "--resume: skipped step-000000008, which cannot be resumed from: " in launch.output
     summary = json.loads((out / "summary.json").read_text())
     assert summary["resumed_from"] == 4 and not (out / ".train.lock").exists()
     assert_bitwise(exported(out), exported(runs["fsdp2"]), "resumed past a damaged checkpoint")
@@ -229,8 +229,8 @@ data[info.offset : info.offset + info.length] = evil.ljust(info.length, b".")
 def test_a_pickle_in_a_checkpoint_entry_is_refused_in_one_line(runs, tmp_path) -> None:
     """An entry of a checkpoint saved before hashes were recorded holds a pickle: DCP's loader
     refuses it; the job says so in one line, without torch's advice to load it unsafely."""
-    folder = tmp_path / "step-00000004"
-    shutil.copytree(runs["fsdp2"] / "checkpoints" / "step-00000004", folder)
+    folder = tmp_path / "step-000000004"
+    shutil.copytree(runs["fsdp2"] / "checkpoints" / "step-000000004", folder)
     record = json.loads((folder / "train.json").read_text())
     (folder / "train.json").write_text(json.dumps({"step": record["step"], "engine": record["engine"]}))
     subprocess.run([sys.executable, "-c", PLANT, str(folder)], check=True)

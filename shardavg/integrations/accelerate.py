@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import os
 import weakref
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -23,22 +25,56 @@ from ..averager import WeightAverager
 
 DIRECTORY = "shardavg"  # inside the accelerator's checkpoint folder
 
-# accelerator -> {directory: (averager, save hook handle, check)}: a second attach is refused, load_state checks
+# accelerator -> {directory: Registration}: a second attach is refused, load_state checks each
 _ATTACHED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
-def attach(accelerator: Any, avg: WeightAverager, directory: str = DIRECTORY) -> tuple[Any, Any]:
+@dataclass
+class Registration:
+    averager: WeightAverager
+    check: Callable[[str | os.PathLike], None]
+
+
+class Handle:
+    """One of accelerate's hook handles, kept: ``remove()`` removes the hook and detaches the
+    averager from the accelerator here too (so it can be attached again)."""
+
+    def __init__(self, handle: Any, registrations: dict, directory: str) -> None:
+        self.handle, self._registrations, self._directory = handle, registrations, directory
+
+    def remove(self) -> None:
+        self.handle.remove()
+        self._registrations.pop(self._directory, None)
+
+
+def attach(accelerator: Any, avg: WeightAverager, directory: str = DIRECTORY) -> tuple[Handle, Handle]:
     """Save and load ``avg`` with ``accelerator.save_state``/``load_state`` under ``<dir>/<directory>``.
 
-    Returns the two hook handles (``handle.remove()`` detaches). Attaching the same averager
+    Returns the two hook handles (``remove()`` either to detach). Attaching the same averager
     twice, or another one to the same directory, is refused. Update the averager once per real
     optimizer step: ``if accelerator.sync_gradients: avg.update()`` after ``optimizer.step()``.
+
+    Example (one process; under ``accelerate launch`` or torchrun every rank runs the same lines)::
+
+        >>> import tempfile, torch, shardavg
+        >>> from accelerate import Accelerator
+        >>> accelerator = Accelerator(cpu=True)
+        >>> model = torch.nn.Linear(4, 2)
+        >>> model, optimizer = accelerator.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
+        >>> avg = shardavg.WeightAverager(model, shardavg.EMA(decay=0.9))
+        >>> handles = attach(accelerator, avg)
+        >>> _ = avg.update()
+        >>> folder = tempfile.mkdtemp()
+        >>> _ = accelerator.save_state(folder)  # writes folder/shardavg/ too
+        >>> _ = load_state(accelerator, folder)  # checks the average first, then loads everything
+        >>> avg.num_updates
+        1
     """
     if not directory or os.sep in directory or directory in (".", ".."):
         raise ValueError(f"directory must be a plain folder name inside the checkpoint, got {directory!r}")
-    live = _live(accelerator)
-    for name, (other, _, _) in live.items():
-        if other is avg:
+    registrations = _ATTACHED.setdefault(accelerator, {})
+    for name, registration in registrations.items():
+        if registration.averager is avg:
             raise ValueError(f"this averager is already attached to the accelerator (under {name!r})")
         if name == directory:
             raise ValueError(f"another averager is attached under {directory!r}: pass directory= another name")
@@ -52,26 +88,17 @@ def attach(accelerator: Any, avg: WeightAverager, directory: str = DIRECTORY) ->
     def check(input_dir: str | os.PathLike) -> None:
         avg.check_checkpoint(Path(input_dir) / directory)
 
-    save_handle = accelerator.register_save_state_pre_hook(save)
-    load_handle = accelerator.register_load_state_pre_hook(load)
-    live[directory] = (avg, save_handle, check)
-    _ATTACHED[accelerator] = live
-    return save_handle, load_handle
+    registrations[directory] = Registration(avg, check)
+    return (
+        Handle(accelerator.register_save_state_pre_hook(save), registrations, directory),
+        Handle(accelerator.register_load_state_pre_hook(load), registrations, directory),
+    )
 
 
 def load_state(accelerator: Any, input_dir: str | os.PathLike, **kwargs: Any) -> Any:
     """Collective: check every average attached to ``accelerator`` in ``input_dir`` (every file, names,
     shapes, rules), then ``accelerator.load_state(input_dir, **kwargs)``: a damaged average is
     refused before the model or the optimizer changes."""
-    for _, _, check in _live(accelerator).values():
-        check(input_dir)
+    for registration in list(_ATTACHED.get(accelerator, {}).values()):
+        registration.check(input_dir)
     return accelerator.load_state(str(input_dir), **kwargs)
-
-
-def _live(accelerator: Any) -> dict:
-    """The registrations on ``accelerator`` whose hooks were not removed since."""
-    return {
-        name: registration
-        for name, registration in _ATTACHED.get(accelerator, {}).items()
-        if registration[1].id in getattr(accelerator, "_save_model_state_pre_hook", {registration[1].id: None})
-    }

@@ -20,8 +20,8 @@ from pathlib import Path
 from typing import Any
 
 from ..averager import WeightAverager
+from ..dist import agree_or_raise, gather_or_raise, rank
 from ..errors import CheckpointError
-from ..layout import agree_or_raise, gather_or_raise, rank
 from ..storage import atomic_file
 
 AVERAGE_DIR = "shardavg"  # inside the tag's directory
@@ -38,7 +38,34 @@ def save_checkpoint(
     **kwargs: Any,
 ) -> Any:
     """Collective: ``engine.save_checkpoint`` and the average, then ``latest``; returns what the
-    engine returned. ``tag`` defaults to DeepSpeed's ``global_step<N>``; ``kwargs`` go to the engine."""
+    engine returned. ``tag`` defaults to DeepSpeed's ``global_step<N>``; ``kwargs`` go to the engine.
+
+    Example (a world of one process, made and torn down here; under torchrun every rank runs the
+    lines between)::
+
+        >>> import os, socket, tempfile, torch, deepspeed, shardavg
+        >>> with socket.socket() as probe:
+        ...     _ = probe.bind(("127.0.0.1", 0))
+        ...     port = str(probe.getsockname()[1])
+        >>> world = dict(MASTER_ADDR="127.0.0.1", MASTER_PORT=port, RANK="0", LOCAL_RANK="0", WORLD_SIZE="1")
+        >>> os.environ.update(world)
+        >>> deepspeed.init_distributed(dist_backend="gloo", verbose=False)
+        >>> model = torch.nn.Linear(4, 2)
+        >>> config = {"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 3},
+        ...           "zero_allow_untested_optimizer": True}
+        >>> engine, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+        ...                                   config=config)
+        >>> avg = shardavg.WeightAverager(engine, shardavg.EMA(decay=0.9))
+        >>> _ = avg.update()
+        >>> folder = tempfile.mkdtemp()
+        >>> _ = save_checkpoint(engine, avg, folder)  # the engine's files, the average, then `latest`
+        >>> _ = load_checkpoint(engine, avg, folder)  # the average checked whole before the engine loads
+        >>> avg.num_updates
+        1
+        >>> torch.distributed.destroy_process_group()
+        >>> for key in world:
+        ...     del os.environ[key]
+    """
     tag = agreed_tag(f"global_step{engine.global_steps}" if tag is None else tag)
     result = engine.save_checkpoint(
         str(save_dir), tag=tag, client_state={} if client_state is None else client_state, save_latest=False, **kwargs

@@ -45,13 +45,34 @@ class ShardedWeightAveraging(Callback):
     Args:
         decay: the EMA decay, as in Lightning's ``EMAWeightAveraging`` (ignored when ``rule`` is given).
         rule: any shardavg rule (``SWA()``, ``PowerEMA(...)``, a ``multi_avg_fn``) instead.
-        update_every_n_steps, update_starting_at_step: update after optimizer step ``i`` (counted
-            from 0) when ``i >= update_starting_at_step`` and ``i % update_every_n_steps == 0``,
-            as ``EMAWeightAveraging`` does.
+        update_every_n_steps: update after optimizer step ``i`` (counted from 0) when
+            ``i % update_every_n_steps == 0`` (and ``i >= update_starting_at_step``), as
+            ``EMAWeightAveraging`` does.
+        update_starting_at_step: the first optimizer step (from 0) that updates; None: the first.
         copy_at_end: write the average into the model when training ends.
         strict: on resume, refuse a checkpoint without its sidecar average; with False, warn and
             restart the average from the loaded weights instead.
         averager_options: passed to ``WeightAverager`` (``dtype``, ``buffers``, ``device``, ...).
+
+    Example (a tiny model in one process; with a strategy, every rank runs the same lines)::
+
+        >>> import torch
+        >>> import lightning as L
+        >>> class Tiny(L.LightningModule):
+        ...     def __init__(self):
+        ...         super().__init__()
+        ...         self.layer = torch.nn.Linear(4, 1)
+        ...     def training_step(self, batch, index):
+        ...         return self.layer(batch[0]).pow(2).mean()
+        ...     def configure_optimizers(self):
+        ...         return torch.optim.SGD(self.parameters(), lr=0.1)
+        >>> averaging = ShardedWeightAveraging(decay=0.9)
+        >>> trainer = L.Trainer(max_steps=3, callbacks=[averaging], accelerator="cpu", logger=False,
+        ...                     enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+        >>> data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.randn(12, 4)), batch_size=4)
+        >>> trainer.fit(Tiny(), data)
+        >>> averaging.averager.num_updates
+        3
     """
 
     def __init__(

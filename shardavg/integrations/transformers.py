@@ -209,5 +209,22 @@ def _resumed_checkpoint(trainer: Any, resume: Any) -> Path | None:
 
 
 def with_weight_averaging(trainer: Any, rule: Rule | MultiAvgFn | dict, **options: Any) -> WeightAveragingCallback:
-    """Add a ``WeightAveragingCallback`` to ``trainer``, bound to it for ``eval_avg_*`` metrics."""
+    """Add a ``WeightAveragingCallback`` to ``trainer``, bound to it for ``eval_avg_*`` metrics and
+    to see which checkpoint ``trainer.train`` resumes.
+
+    Example (a tiny model in one process; under torchrun every rank runs the same lines)::
+
+        >>> import tempfile, torch, shardavg
+        >>> from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
+        >>> model = GPT2LMHeadModel(GPT2Config(vocab_size=32, n_positions=8, n_embd=8, n_layer=1, n_head=2))
+        >>> data = [{"input_ids": torch.arange(8) % 32, "labels": torch.arange(8) % 32}] * 8
+        >>> args = TrainingArguments(tempfile.mkdtemp(), max_steps=3, per_device_train_batch_size=4,
+        ...                          report_to=[], use_cpu=True, disable_tqdm=True, save_strategy="no")
+        >>> trainer = Trainer(model=model, args=args, train_dataset=data)
+        >>> averaging = with_weight_averaging(trainer, shardavg.EMA(decay=0.9))
+        >>> _ = trainer.train()  # the Trainer prints its summary
+        {'train_runtime': ..., 'train_loss': ..., 'epoch': ...}
+        >>> averaging.averager.num_updates
+        3
+    """
     return WeightAveragingCallback(rule, **options).bind(trainer)

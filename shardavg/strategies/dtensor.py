@@ -14,6 +14,7 @@ tensor's) and placements this module does not know are refused, naming the tenso
 from __future__ import annotations
 
 import functools
+import operator
 
 import torch
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
@@ -33,6 +34,14 @@ def local_view(tensor: torch.Tensor) -> torch.Tensor:
     """The local shard of a DTensor (the same object at every call, unlike ``to_local()``, which
     makes a new alias each time), or the tensor itself."""
     return tensor._local_tensor if isinstance(tensor, DTensor) else tensor
+
+
+_LOCAL = operator.attrgetter("_local_tensor")
+
+
+def local_views(tensors: list[torch.Tensor], all_dtensors: bool) -> list[torch.Tensor]:
+    """``local_view`` of each, at C speed when every one is a DTensor (read at every update)."""
+    return list(map(_LOCAL, tensors)) if all_dtensors else [local_view(tensor) for tensor in tensors]
 
 
 def dtensor_part(name: str, tensor: DTensor, kind: str) -> Part:

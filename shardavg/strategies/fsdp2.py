@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from .base import ModuleStrategy, TensorInfo, grouped_by_identity, held_info
-from .dtensor import is_dtensor, local_view
+from .dtensor import is_dtensor, local_views
 
 
 class FSDP2(ModuleStrategy):
@@ -27,13 +27,14 @@ class FSDP2(ModuleStrategy):
         self.release_gathered()  # after a forward the root may still hold its unsharded parameters
         groups = grouped_by_identity(self.module.named_parameters(remove_duplicate=False))
         self._params = [tensor for _, tensor in groups]
+        self._all_dtensors = all(map(is_dtensor, self._params))
         return [held_info(names, tensor, "param") for names, tensor in groups]
 
     def _param_views(self) -> list[torch.Tensor]:
         # The local shard itself: to_local() makes a new alias at every call, which would look
         # like a new view each update. FSDP2 replaces it only when the storage really changes
         # (``model.to(...)`` swaps the parameter's contents).
-        return [local_view(p) for p in self._params]
+        return local_views(self._params, self._all_dtensors)
 
     def release_gathered(self) -> None:
         from torch.distributed.fsdp import FSDPModule

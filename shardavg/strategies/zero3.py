@@ -80,8 +80,10 @@ class Zero3(ModuleStrategy):
             return self._live_views()
         key = [flat.data_ptr() for flat in self._flats]  # the masters stay put while these do
         if key != self._master_key:
+            from deepspeed.utils import safe_get_local_fp32_param
+
             self._masters = [
-                p._z3_optimizer.get_local_fp32_param(p).detach().narrow(0, 0, n) if p.requires_grad else live
+                safe_get_local_fp32_param(p).detach().narrow(0, 0, n) if p.requires_grad else live
                 for p, n, live in zip(self._params, self._lengths, self._live_views())
             ]
             self._master_key = key

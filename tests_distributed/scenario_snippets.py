@@ -1,8 +1,8 @@
-"""Run a README snippet as a user would, under torchrun, so the README cannot drift from the code.
+"""Run a documentation snippet as a user would, under torchrun, so the docs cannot drift from the code.
 
-    torchrun --standalone --nproc_per_node 2 tests_distributed/scenario_readme.py NAME ROOT
+    torchrun --standalone --nproc_per_node 2 tests_distributed/scenario_snippets.py NAME ROOT
 
-The snippet after ``<!-- snippet: NAME -->`` in README.md runs in ROOT with what a user brings:
+The snippet after ``<!-- snippet: NAME -->`` in docs/integrations/NAME.md runs in ROOT with what a user brings:
 ``model``, ``optimizer``, ``loader``, ``compute_loss`` (and ``ds_config`` for ``deepspeed``).
 Afterwards its average must hold one update per optimizer step and its checkpoint be complete.
 """
@@ -20,13 +20,13 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.elastic.multiprocessing.errors import record
 
-README = Path(__file__).resolve().parents[1] / "README.md"
+DOCS = Path(__file__).resolve().parents[1] / "docs" / "integrations"
 STEPS = 8  # batches each rank sees
 
 
 def snippet(name: str) -> str:
-    match = re.search(rf"<!-- snippet: {name} -->\s*```python\n(.*?)```", README.read_text(), re.DOTALL)
-    assert match, f"README.md has no snippet {name!r}"
+    match = re.search(rf"<!-- snippet: {name} -->\s*```python\n(.*?)```", (DOCS / f"{name}.md").read_text(), re.DOTALL)
+    assert match, f"docs/integrations/{name}.md has no snippet {name!r}"
     return match.group(1)
 
 
@@ -92,7 +92,7 @@ def main() -> None:
     if name == "deepspeed":
         harness.init_distributed(deepspeed=True)
     namespace = user_parts(name)
-    exec(compile(snippet(name), f"README.md snippet {name}", "exec"), namespace)  # noqa: S102
+    exec(compile(snippet(name), f"docs/integrations/{name}.md snippet", "exec"), namespace)  # noqa: S102
     if name == "transformers":
         trainer = namespace["trainer"]
         (callback,) = [c for c in trainer.callback_handler.callbacks if hasattr(c, "averager")]

@@ -1,4 +1,4 @@
-"""The README's integration snippets run as written, under torchrun on 2 CPU processes."""
+"""The documentation's integration snippets run as written, under torchrun on 2 CPU processes."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ ENVIRONMENTS = {
 
 
 @pytest.mark.parametrize("name", sorted(ENVIRONMENTS))
-def test_the_readme_snippet_runs(name: str, tmp_path: Path) -> None:
-    launch = torchrun("scenario_readme.py", 2, name, str(tmp_path), timeout=300, env=ENVIRONMENTS[name])
+def test_the_documented_snippet_runs(name: str, tmp_path: Path) -> None:
+    launch = torchrun("scenario_snippets.py", 2, name, str(tmp_path), timeout=300, env=ENVIRONMENTS[name])
     assert launch.returncode == 0, launch.output[-20000:]
     assert {"name": name, "world_size": 2} in launch.reports("SNIPPET"), launch.output[-5000:]

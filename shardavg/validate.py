@@ -1,0 +1,63 @@
+"""The checks every argument that enters shardavg goes through, each with its one message.
+
+A bad value is refused where it enters, naming the argument and what it got, before anything
+changes: counts (a bool is not an int), floating dtypes, average names, and the choices of a
+``Literal`` setting.
+"""
+
+from __future__ import annotations
+
+import operator
+import re
+from typing import Any, get_args
+
+import torch
+
+AVERAGE_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_-]{0,63}$")  # never a dot or a slash: names join keys
+RUN_ID = re.compile(r"^[0-9a-f]{32}$")  # a run's identity, in the checkpoints it writes
+
+
+def count(name: str, value: Any, minimum: int, optional: bool = False) -> None:
+    """``value`` is an int (not a bool) of at least ``minimum`` (or None when ``optional``)."""
+    if optional and value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"{name} must be an int >= {minimum}{' or None' if optional else ''}, got {value!r}")
+
+
+def step(name: str, value: Any) -> int:
+    """A step count: anything ``operator.index`` takes (numpy integers too), >= 0."""
+    value = operator.index(value)
+    if value < 0:
+        raise ValueError(f"{name}: a step is >= 0, got {value}")
+    return value
+
+
+def floating_dtype(name: str, value: Any, optional: bool = True) -> None:
+    """``value`` is a floating ``torch.dtype`` (or None when ``optional``)."""
+    if optional and value is None:
+        return
+    if not (isinstance(value, torch.dtype) and value.is_floating_point):
+        raise ValueError(f"{name} must be a floating torch.dtype{' or None' if optional else ''}, got {value!r}")
+
+
+def choice(name: str, value: Any, choices: Any) -> None:
+    """``value`` is one of a ``Literal`` type's values (or of a tuple)."""
+    allowed = get_args(choices) or tuple(choices)
+    if value not in allowed:
+        raise ValueError(f"unknown {name} {value!r}; expected one of {allowed}")
+
+
+def run_id(value: Any) -> None:
+    if value is not None and not (isinstance(value, str) and RUN_ID.match(value)):
+        raise ValueError(f"run_id must be 32 lower-case hex digits or None, got {value!r}")
+
+
+def average_names(names: list[Any]) -> None:
+    """Names of several averages: plain words that can join checkpoint keys."""
+    bad = [name for name in names if not (isinstance(name, str) and AVERAGE_NAME.match(name))]
+    if bad:
+        raise ValueError(
+            f"average names {bad!r} are not plain names: use letters, digits, '_' and '-' (no dots or slashes, "
+            "which join checkpoint keys), starting with a letter or '_', at most 64 characters"
+        )
