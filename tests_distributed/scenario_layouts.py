@@ -178,7 +178,11 @@ def check_refused_placements() -> None:
 
     model = nn.Linear(4, 4)
     model.weight = nn.Parameter(DTensor.from_local(torch.zeros(1, 4), mesh, [Unknown(0)], run_check=False))
-    with expect_raises(StrategyError, "param 'weight' has the placement", "which shardavg does not know"):
+    if type(model.weight.placements[0]) is Unknown:  # torch 2.13 keeps the class as given
+        with expect_raises(StrategyError, "param 'weight' has the placement", "which shardavg does not know"):
+            WeightAverager(model)
+    else:  # torch 2.14 makes any Shard subclass a Shard (a plain Placement subclass crashes it): nothing unknown is left
+        assert model.weight.placements == (Shard(0),), model.weight.placements
         WeightAverager(model)
     model = nn.Linear(4, 4)
     model.register_buffer("stat", DTensor.from_local(torch.zeros(4), mesh, [Partial()], run_check=False))
