@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import sys
+import time
 from pathlib import Path
 
 import harness
@@ -30,7 +31,7 @@ from torch.distributed.elastic.multiprocessing.errors import record
 from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 from torch.distributed.fsdp import StateDictType
 
-from shardavg import EMA, SWA, WeightAverager
+from shardavg import EMA, SWA, CheckpointError, WeightAverager
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "launch"))
 from measure import allocated_peak  # noqa: E402  (the bench's own measure of peak memory)
@@ -130,6 +131,21 @@ def load(kind: str, root: Path) -> None:
             harness.report(
                 "LOADED", {"source": source.name, "how": how, "into": kind, "world_size": dist.get_world_size()}
             )
+    refused_on_one_rank(engine)
+
+
+def refused_on_one_rank(engine: harness.Engine) -> None:
+    """A state dict that one rank refuses (through DCP, its entry of another shape, say) makes every
+    rank raise with that rank's reason, at once: none waits in the broadcast that follows."""
+    avg = averager(engine)
+    state, last = avg.state_dict(), dist.get_world_size() - 1
+    if dist.get_rank() == last:
+        state = {"tensors": state["tensors"]}  # its 'meta' lost
+    started = time.monotonic()
+    with harness.expect_raises(CheckpointError, "loading the averager's state dict failed", f"rank {last}: "):
+        avg.load_state_dict(state)
+    waited = time.monotonic() - started
+    assert waited < 20, f"the ranks took {waited:.0f} s to agree (the process group's timeout is 120 s)"
 
 
 def kill(kind: str, root: Path) -> None:
