@@ -2,6 +2,7 @@
 
 from .averager import WeightAverager
 from .errors import CheckpointError, ExportError, LayoutError, ModelChangedError, NonFiniteError, StrategyError
+from .merge import merge
 from .offline import check_dcp
 from .ownership import TargetLock
 from .posthoc import PostHocEMA
@@ -38,5 +39,6 @@ __all__ = [
     "WeightAverager",
     "check_dcp",
     "detect",
+    "merge",
     "rule_from_config",
 ]

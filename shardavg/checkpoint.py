@@ -20,10 +20,12 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
 import secrets
 import shutil
 import warnings
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -64,6 +66,7 @@ from .reading import (
 )
 from .state import AverageState
 from .storage import (
+    DTYPES,
     Entry,
     FileDigest,
     SafetensorsFile,
@@ -77,19 +80,27 @@ from .storage import (
 
 
 def check_compatible(state: AverageState, meta: dict[str, Any], where: str, strict: bool) -> dict[str, dict]:
-    """Compare a checkpoint with the averager; return the saved tensors by name.
+    """Compare a checkpoint with the averager; return the saved tensors by this averager's names.
 
     Names and shapes must match (the error lists missing, unexpected and mis-shaped
     tensors); with ``strict=False`` missing and unexpected tensors, other averages and a
-    different rule only warn.
+    different rule only warn. Ties need not match: a tied tensor is read from the saved entry of
+    its first name the checkpoint holds (a checkpoint of an untied model, or a merge, holds each
+    name apart), and a name tied in the checkpoint serves every tensor of this model it names.
     """
-    saved = {entry["name"]: entry for entry in meta["tensors"]}
+    by_name = {name: entry for entry in meta["tensors"] for name in (entry["name"], *entry["aliases"])}
     mine = {info.name: info for info in state.infos}
+    saved = {
+        info.name: by_name[found]
+        for info in state.infos
+        if (found := next((name for name in info.names if name in by_name), None)) is not None
+    }
+    names = {name for info in state.infos for name in info.names}
     missing = sorted(set(mine) - set(saved))
-    unexpected = sorted(set(saved) - set(mine))
+    unexpected = sorted(e["name"] for e in meta["tensors"] if not names & {e["name"], *e["aliases"]})
     misshaped = sorted(
         f"{name}: checkpoint {tuple(saved[name]['shape'])} vs model {tuple(mine[name].shape)}"
-        for name in set(mine) & set(saved)
+        for name in saved
         if tuple(saved[name]["shape"]) != tuple(mine[name].shape)
     )
     if misshaped or (strict and (missing or unexpected)):
@@ -104,7 +115,7 @@ def check_compatible(state: AverageState, meta: dict[str, Any], where: str, stri
     stored = {info.name: role != "live" for info, role in zip(state.infos, state.roles)}
     restored = sorted(
         f"{name} ({'averaged' if stored[name] else 'live'} here, {saved[name]['role']} in the checkpoint)"
-        for name in set(stored) & set(saved)
+        for name in saved
         if stored[name] != (saved[name]["role"] != "live")
     )
     if restored:
@@ -158,7 +169,7 @@ def loadable(state: AverageState, saved: dict[str, dict], meta: dict[str, Any]) 
             source = average if average is not None else saved_averages[0]
             if source not in saved_averages:
                 continue
-            saved_key = tensor_key(source, info.name) if entry["role"] == "average" else info.name
+            saved_key = tensor_key(source, entry["name"]) if entry["role"] == "average" else entry["name"]
             slots.append(Slot(index, average, key, saved_key))
     return slots
 
@@ -232,30 +243,28 @@ def _prepare(directory: Path, target: Path, keep_last: int | None) -> int:
     return sequence
 
 
-def _commit(
-    state: AverageState,
-    target: Path,
-    files: list[str],
-    digests: list[FileDigest],
+def _manifest(
+    description: dict[str, Any], chunks: list[list[dict[str, Any]]], files: list[str], digests: list[FileDigest],
     identity: tuple[int, str],
-    dtype: torch.dtype | None,
-) -> None:
-    """Rank 0: write the manifest last (with every file's size and hash, and the save's sequence
-    number and id), then swap the checkpoint into place."""
-    staging = staging_path(target)
+) -> dict[str, Any]:  # fmt: skip
+    """The manifest of a save: the description, each tensor's chunk table, every file's size and
+    hash, and the save's sequence number and id."""
     sequence, save_id = identity
-    manifest = state.describe() | {
+    manifest = description | {
         "files": files,
         "digests": [{"bytes": d.bytes, "sha256": d.sha256} for d in digests],
         "save_id": save_id,
         "sequence": sequence,
     }
-    for entry, chunks in zip(manifest["tensors"], state.layout.chunks):
-        entry["chunks"] = chunk_table(chunks)
-        if dtype is not None and entry["role"] == "average":
-            entry["dtype"] = dtype_name(dtype)
+    manifest["tensors"] = [entry | {"chunks": table} for entry, table in zip(description["tensors"], chunks)]
+    return with_checksum(manifest)
+
+
+def _commit(manifest: dict[str, Any], target: Path) -> None:
+    """Rank 0: write the manifest last, then swap the checkpoint into place."""
+    staging = staging_path(target)
     with atomic_file(staging / MANIFEST) as handle:
-        handle.write(json.dumps(with_checksum(manifest), indent=1).encode())
+        handle.write(json.dumps(manifest, indent=1).encode())
     (staging / STAGING_MARKER).unlink()
     if foreign_in_checkpoint(target):  # written by someone else since _prepare looked
         raise CheckpointError(f"{target} changed during the save and is no longer shardavg's own: left alone")
@@ -327,7 +336,12 @@ def save(
 
         if me == 0:
             try:
-                _commit(state, target, files, digests, (sequence, save_id), dtype)
+                description = state.describe()
+                if dtype is not None:
+                    for entry, role in zip(description["tensors"], state.roles):
+                        entry["dtype"] = dtype_name(dtype) if role == "average" else entry["dtype"]
+                chunks = [chunk_table(owned) for owned in state.layout.chunks]
+                _commit(_manifest(description, chunks, files, digests, (sequence, save_id)), target)
             except Exception as caught:
                 error = caught
         agree_or_raise(error, f"committing {target}")
@@ -337,6 +351,25 @@ def save(
             except Exception as caught:  # the checkpoint is committed: pruning is housekeeping
                 warnings.warn(f"{target} is saved, but removing older checkpoints failed: {caught}", stacklevel=2)
     return target
+
+
+def save_whole(directory: str | os.PathLike, description: dict[str, Any], tensors: Iterable[torch.Tensor]) -> Path:
+    """One process, no process group: save ``tensors`` (whole, one per entry of ``description``,
+    in order, produced lazily) as the checkpoint a one-rank ``save`` writes, under the same rules
+    (its own target only, locked, staged and committed atomically). ``avg.load`` reads it at any
+    world size. Returns ``directory``."""
+    directory = target_path(directory, "save", replaced_whole=True)
+    _check_outside_checkpoints(directory, directory)
+    entries = description["tensors"]
+    with TargetLock.beside(directory):
+        sequence, save_id = _prepare(directory, directory, None), secrets.token_hex(16)
+        files = [shard_file(0, 1)]
+        planned = [Entry(e["name"], DTYPES[e["dtype"]], (math.prod(e["shape"]),)) for e in entries]
+        flat = (tensor.reshape(-1) for tensor in tensors)
+        digest = write_safetensors(staging_path(directory) / files[0], planned, flat, {SAVE_ID_KEY: save_id})
+        chunks = [[{"file": 0, "offsets": [0] * len(e["shape"]), "sizes": e["shape"], "at": 0}] for e in entries]
+        _commit(_manifest(description, chunks, files, [digest], (sequence, save_id)), directory)
+    return directory
 
 
 def packed(part: Part, piece: torch.Tensor) -> torch.Tensor:

@@ -1,7 +1,8 @@
-"""``shardavg export | inspect``: consolidate or describe an averager checkpoint offline.
+"""``shardavg export | inspect | posthoc | merge``: work with checkpoints offline.
 
 Runs in one process without a process group, reading one tensor at a time, on checkpoints
-written by ``avg.save`` or on the averager entry of a ``torch.distributed.checkpoint``.
+written by ``avg.save``, on the averager entry of a ``torch.distributed.checkpoint``, on
+post-hoc EMA snapshots, and (``merge``) on model checkpoints of several kinds.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ import json
 import sys
 from collections import Counter
 from pathlib import Path
-from typing import NoReturn
+from typing import Any, NoReturn
 
 from .errors import CheckpointError
 from .export import export_entries, export_metadata, parse_size, write_model
@@ -87,7 +88,62 @@ def _parser() -> argparse.ArgumentParser:
     posthoc.add_argument("--dtype", choices=EXPORT_DTYPES, help="cast floating tensors (default fp32)")
     posthoc.add_argument("--max-shard-size", default="5GB", help="largest file before splitting (default 5GB)")
     posthoc.add_argument("--list", action="store_true", help="print the snapshots instead")
+    _merge_parser(commands)
     return parser
+
+
+def _merge_parser(commands: Any) -> None:  # (argparse's subparsers action)
+    merge = commands.add_parser(
+        "merge",
+        help="average checkpoints already on disk (uniform, weighted, last K, EMA over steps)",
+        description="Write the weighted average of checkpoints IN to OUT, one tensor at a time in fp32: "
+        "shardavg checkpoints (any average), DCP checkpoints (their --prefix tensors, or an averager with --key), "
+        "Hugging Face safetensors models; freely mixed when names and shapes agree, written at any world size. "
+        "Integer tensors come from the last input. Every input and OUT are checked before anything is written.",
+        epilog="A DeepSpeed ZeRO checkpoint is refused (its states are pickles): convert it with zero_to_fp32.py "
+        "--safe_serialization first.",
+    )
+    merge.add_argument("inputs", metavar="IN", nargs="*", help="checkpoints, oldest first")
+    merge.add_argument("--out", required=True, metavar="OUT", help="the folder to write")
+    weighting = merge.add_mutually_exclusive_group()
+    weighting.add_argument("--weights", type=float, nargs="+", metavar="W", help="one per input, normalised to sum 1")
+    weighting.add_argument(
+        "--ema", type=float, metavar="DECAY", help="weight step s by DECAY**(newest - s): an EMA over the saved steps"
+    )
+    merge.add_argument(
+        "--last", nargs=2, metavar=("K", "RUN_DIR"), help="merge the newest K finished checkpoints of RUN_DIR"
+    )
+    merge.add_argument("--average", metavar="NAME", help="which average of a shardavg checkpoint that keeps several")
+    merge.add_argument("--key", help="an averager's key in DCP checkpoints (default: their --prefix tensors)")
+    merge.add_argument("--prefix", default="model.", help="a DCP checkpoint's tensors to merge (default model.)")
+    merge.add_argument("--dtype", choices=EXPORT_DTYPES, help="floating output dtype (default: the inputs', or fp32)")
+    merge.add_argument("--accumulate", choices=("float32", "float64"), default="float32", help="(default float32)")
+    merge.add_argument("--max-shard-size", default="5GB", help="largest file before splitting (default 5GB)")
+    merge.add_argument(
+        "--format", choices=("safetensors", "shardavg"), default="safetensors",
+        help="a model folder (default), or an averager's checkpoint that avg.load restores at any world size",
+    )  # fmt: skip
+
+
+def _merge(args: argparse.Namespace) -> str:
+    from .merge import merge
+
+    inputs, last = args.inputs, None
+    if args.last is not None:
+        if inputs:
+            raise ValueError("--last K RUN_DIR picks the inputs: give no IN with it")
+        count, inputs = args.last
+        if not count.isdigit() or int(count) < 1:
+            raise ValueError(f"--last takes a count of checkpoints >= 1 and a run folder, got {count!r}")
+        last = int(count)
+    elif not inputs:
+        raise ValueError("merge needs checkpoints IN, or --last K RUN_DIR")
+    out = merge(
+        inputs, args.out, weights=args.weights, last=last, ema=args.ema, key=args.key, average=args.average,
+        prefix=args.prefix, dtype=None if args.dtype is None else DTYPES[args.dtype],
+        accumulate=DTYPES[args.accumulate], max_shard_size=args.max_shard_size, output=args.format,
+    )  # fmt: skip
+    return f"wrote the merge of {len(inputs) if last is None else last} checkpoints to {out}"
 
 
 def _posthoc(args: argparse.Namespace) -> str:
@@ -214,8 +270,8 @@ def main(argv: list[str] | None = None) -> int:
         return stop.code if isinstance(stop.code, int) else 2
     saved = None
     try:
-        if args.command == "posthoc":
-            print(_posthoc(args))
+        if args.command in ("posthoc", "merge"):
+            print(_posthoc(args) if args.command == "posthoc" else _merge(args))
             return 0
         saved = SavedAverage(args.checkpoint, key=args.key)
         if args.command == "inspect":

@@ -108,38 +108,14 @@ class SavedAverage:
     # --------------------------------------------------------------- DCP
 
     def _open_dcp(self, path: Path, key: str) -> None:
-        self._metadata = read_dcp_metadata(path)
+        self._dcp = DcpFolder(path)
         self.path, self.kind, self._prefix = path, "dcp", f"{key}."
-        entries = self._metadata.state_dict_metadata
+        entries = self._dcp.metadata.state_dict_metadata
         if f"{key}.meta" not in entries:
             found = sorted({str(name).split(".")[0] for name in entries})
             raise CheckpointError(f"{path} has no averager under key {key!r} (top-level keys: {found})")
-        meta = self._dcp_item(f"{key}.meta", None, limit=64 * 2**20)
+        meta = self._dcp.item(f"{key}.meta", None, limit=64 * 2**20)
         self.description = decode_description(meta, f"{path} [{key}]")
-
-    def _dcp_location(self, fqn: str, offset: Any, limit: int) -> tuple[Path, int, int]:
-        """Where DCP stored an item: a regular file inside the checkpoint, at most ``limit`` bytes,
-        within the file. Checked before anything is read."""
-        from torch.distributed.checkpoint.metadata import MetadataIndex
-
-        info = self._metadata.storage_data.get(MetadataIndex(fqn, offset))
-        if info is None:
-            raise CheckpointError(f"{self.path}: no stored data for {fqn} at {offset}")
-        file, start, length = _dcp_item_location(self.path, fqn, info)
-        if length > limit:
-            raise CheckpointError(f"{file}: {fqn} claims {length} bytes (at most {limit} expected)")
-        return file, start, length
-
-    def _dcp_item(self, fqn: str, offset: Any, limit: int) -> Any:
-        """One item DCP stored, loaded with ``torch.load(weights_only=True)``: no Python objects."""
-        file, start, length = self._dcp_location(fqn, offset, limit)
-        try:
-            with open(file, "rb") as handle:
-                handle.seek(start)
-                data = handle.read(length)
-            return torch.load(io.BytesIO(data), weights_only=True)
-        except Exception as error:  # torch.load refuses anything but tensors and plain containers
-            raise CheckpointError(f"cannot read {fqn} from {file}: {error}") from error
 
     # --------------------------------------------------------------- reading
 
@@ -203,24 +179,11 @@ class SavedAverage:
     def _dcp_chunks(self, key: str, entry: dict[str, Any]) -> list[Chunk]:
         """Each chunk DCP stored: since format version 5 DCP holds every tensor in its own shape (a
         0-d one as one element), each chunk a box; before, flattened, each chunk a range."""
-        fqn = f"{self._prefix}tensors.{key}"
-        stored = self._metadata.state_dict_metadata.get(fqn)
-        chunks = getattr(stored, "chunks", None)
-        if not isinstance(chunks, list):
-            raise CheckpointError(f"{self.path} lacks {fqn}")
         shape, dtype = tuple(entry["shape"]), DTYPES[entry["dtype"]]
         flattened = self.description["version"] < 5 or not shape
         stored_shape = (math.prod(shape),) if flattened else shape
         found = []
-        for chunk in chunks:
-            offsets, sizes = _box(getattr(chunk, "offsets", None), getattr(chunk, "sizes", None), stored_shape)
-            if offsets is None:
-                raise CheckpointError(f"{self.path}: {fqn} has a chunk {chunk!r}, not a box of {list(stored_shape)}")
-            if not math.prod(sizes):
-                continue
-            limit = math.prod(sizes) * dtype.itemsize + 2**16  # the tensor's bytes and torch.save's framing
-            self._dcp_location(fqn, offsets, limit)
-            load = functools.partial(self._dcp_chunk, fqn, offsets, sizes, dtype, limit)
+        for offsets, sizes, load in self._dcp.boxes(f"{self._prefix}tensors.{key}", stored_shape, dtype):
             if flattened:  # a range of the flattened tensor: its boxes, for the tiling check
                 start, end = offsets[0], offsets[0] + sizes[0]
                 found.append((Part.flat(shape, start, end).boxes, functools.partial(_fill_range, load, start, end)))
@@ -228,9 +191,84 @@ class SavedAverage:
                 found.append(([(offsets, sizes)], functools.partial(_fill_box, load, box_slices(offsets, sizes))))
         return found
 
-    def _dcp_chunk(self, fqn: str, offsets: tuple, sizes: tuple, dtype: torch.dtype, limit: int) -> torch.Tensor:
+
+class DcpFolder:
+    """A ``torch.distributed.checkpoint`` folder opened for reading in one process: its metadata
+    (read with the restricted unpickler) and its items, each checked to lie in a regular file of
+    the folder and loaded with ``torch.load(weights_only=True)``, one at a time."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.metadata = read_dcp_metadata(path)
+
+    def tensors(self, prefix: str) -> dict[str, Any]:
+        """The tensor entries whose key starts with ``prefix``: ``{key: TensorStorageMetadata}``."""
+        return {
+            str(key): stored
+            for key, stored in self.metadata.state_dict_metadata.items()
+            if str(key).startswith(prefix) and isinstance(getattr(stored, "chunks", None), list)
+        }
+
+    def location(self, fqn: str, offset: Any, limit: int) -> tuple[Path, int, int]:
+        """Where DCP stored an item: a regular file inside the checkpoint, at most ``limit`` bytes,
+        within the file. Checked before anything is read."""
+        from torch.distributed.checkpoint.metadata import MetadataIndex
+
+        info = self.metadata.storage_data.get(MetadataIndex(fqn, offset))
+        if info is None:
+            raise CheckpointError(f"{self.path}: no stored data for {fqn} at {offset}")
+        file, start, length = _dcp_item_location(self.path, fqn, info)
+        if length > limit:
+            raise CheckpointError(f"{file}: {fqn} claims {length} bytes (at most {limit} expected)")
+        return file, start, length
+
+    def item(self, fqn: str, offset: Any, limit: int) -> Any:
+        """One item DCP stored, loaded with ``torch.load(weights_only=True)``: no Python objects."""
+        file, start, length = self.location(fqn, offset, limit)
+        try:
+            with open(file, "rb") as handle:
+                handle.seek(start)
+                data = handle.read(length)
+            return torch.load(io.BytesIO(data), weights_only=True)
+        except Exception as error:  # torch.load refuses anything but tensors and plain containers
+            raise CheckpointError(f"cannot read {fqn} from {file}: {error}") from error
+
+    def boxes(
+        self, fqn: str, shape: tuple[int, ...], dtype: torch.dtype
+    ) -> list[tuple[tuple[int, ...], tuple[int, ...], Callable[[], torch.Tensor]]]:
+        """``(offsets, sizes, load)`` of each non-empty chunk of the tensor ``fqn``, stored in ``shape``:
+        each chunk checked to be a box of it whose data lies in the folder; ``load()`` reads it."""
+        stored = self.metadata.state_dict_metadata.get(fqn)
+        chunks = getattr(stored, "chunks", None)
+        if not isinstance(chunks, list):
+            raise CheckpointError(f"{self.path} lacks {fqn}")
+        found = []
+        for chunk in chunks:
+            offsets, sizes = _box(getattr(chunk, "offsets", None), getattr(chunk, "sizes", None), shape)
+            if offsets is None:
+                raise CheckpointError(f"{self.path}: {fqn} has a chunk {chunk!r}, not a box of {list(shape)}")
+            if not math.prod(sizes):
+                continue
+            limit = math.prod(sizes) * dtype.itemsize + 2**16  # the tensor's bytes and torch.save's framing
+            self.location(fqn, offsets, limit)
+            found.append((offsets, sizes, functools.partial(self._chunk, fqn, offsets, sizes, dtype, limit)))
+        return found
+
+    def read(self, fqn: str) -> torch.Tensor:
+        """The whole tensor ``fqn`` in its stored shape and dtype, its chunks checked to tile it first."""
+        stored = self.metadata.state_dict_metadata[fqn]
+        shape, dtype = tuple(stored.size), stored.properties.dtype
+        chunks = self.boxes(fqn, shape, dtype)
+        if not tiles(shape, [(offsets, sizes) for offsets, sizes, _ in chunks]):
+            raise CheckpointError(f"{self.path}: the chunks of {fqn!r} do not tile its shape {list(shape)}")
+        out = torch.empty(shape, dtype=dtype)
+        for offsets, sizes, load in chunks:
+            out[box_slices(offsets, sizes)].copy_(load())
+        return out
+
+    def _chunk(self, fqn: str, offsets: tuple, sizes: tuple, dtype: torch.dtype, limit: int) -> torch.Tensor:
         """One chunk DCP stored, checked to be the tensor its metadata says."""
-        piece = self._dcp_item(fqn, offsets, limit)
+        piece = self.item(fqn, offsets, limit)
         if not isinstance(piece, torch.Tensor) or piece.dtype != dtype or tuple(piece.shape) != sizes:
             got = f"{piece.dtype} {tuple(piece.shape)}" if isinstance(piece, torch.Tensor) else type(piece).__name__
             raise CheckpointError(f"{self.path}: a chunk of {fqn!r} is {got}, expected {dtype} {list(sizes)}")

@@ -1,0 +1,327 @@
+"""``shardavg merge``: averages of checkpoints on disk, against in-memory fp32 references.
+
+One short training run saves, at every step, the same state four ways (an averager's
+checkpoint, a DCP checkpoint of model and optimizer, a single-file and a sharded safetensors
+model); each test merges some of them and compares, bitwise, with the weighted sum of the
+state dicts kept in memory at those steps.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from conftest import Trainer
+from harness import TiedNet
+from safetensors.torch import load_file, save_file
+
+import shardavg
+from shardavg import EMA, SWA, CheckpointError, WeightAverager
+
+STEPS = 4
+
+
+class Run:
+    """Checkpoints of steps 1..STEPS in every form, and the states they hold, kept in memory."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        torch.manual_seed(0)
+        model = TiedNet()
+        trainer = Trainer(model)
+        avg = WeightAverager(model, {"ema": EMA(decay=0.8), "swa": SWA()})
+        self.live: dict[int, dict[str, torch.Tensor]] = {}
+        self.ema: dict[int, dict[str, torch.Tensor]] = {}
+        for step in range(1, STEPS + 1):
+            trainer.step()
+            avg.update(step)
+            self.live[step] = {k: v.detach().clone() for k, v in model.state_dict().items()}
+            self.ema[step] = avg.full_state_dict("ema")
+            avg.save(root / "avg", keep_last=STEPS)
+            state = {"model": model.state_dict(), "optimizer": trainer.optimizer.state_dict()}
+            dcp.save(state, checkpoint_id=str(self.dcp(step)), no_dist=True)
+            avg.export(self.hf(step), live=True)
+            avg.export(self.hf(step, sharded=True), live=True, max_shard_size=300)
+
+    def avg(self, step: int) -> Path:
+        return self.root / "avg" / f"step-{step:09d}"
+
+    def dcp(self, step: int) -> Path:
+        return self.root / "dcp" / f"step-{step}"
+
+    def hf(self, step: int, sharded: bool = False) -> Path:
+        return self.root / ("hf-sharded" if sharded else "hf") / f"checkpoint-{step}"
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory) -> Run:
+    return Run(tmp_path_factory.mktemp("merge"))
+
+
+def reference(states: list[dict[str, torch.Tensor]], shares: list[float]) -> dict[str, torch.Tensor]:
+    """sum(w_i * x_i) in fp32 in input order; integer tensors from the last state."""
+    merged = {}
+    for name, last in states[-1].items():
+        if not last.is_floating_point():
+            merged[name] = last
+            continue
+        total = torch.zeros(last.shape, dtype=torch.float32)
+        for state, share in zip(states, shares):
+            total = total + state[name].to(torch.float32) * share
+        merged[name] = total
+    return merged
+
+
+def read_model(folder: Path) -> dict[str, torch.Tensor]:
+    index = folder / "model.safetensors.index.json"
+    files = sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.exists() else ["model.safetensors"]
+    state = {}
+    for file in files:
+        state |= load_file(str(folder / file))
+    return state
+
+
+def assert_bitwise(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> None:
+    assert set(got) == set(want), set(got) ^ set(want)
+    for name, value in want.items():
+        assert got[name].dtype == value.dtype and torch.equal(got[name], value), name
+
+
+KINDS = {
+    "shardavg": lambda run, step: run.avg(step),
+    "dcp": lambda run, step: run.dcp(step),
+    "safetensors": lambda run, step: run.hf(step),
+    "safetensors-sharded": lambda run, step: run.hf(step, sharded=True),
+}
+
+
+def states_of(run: Run, kind: str, steps: list[int]) -> list[dict[str, torch.Tensor]]:
+    return [(run.ema if kind == "shardavg" else run.live)[step] for step in steps]
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_each_kind_and_weighting_is_the_weighted_sum(run: Run, kind: str, tmp_path: Path) -> None:
+    paths = [KINDS[kind](run, step) for step in (1, 2, 4)]
+    options = {"average": "ema"} if kind == "shardavg" else {}
+    uniform = shardavg.merge(paths, tmp_path / "uniform", **options)
+    assert_bitwise(read_model(uniform), reference(states_of(run, kind, [1, 2, 4]), [1 / 3] * 3))
+    weighted = shardavg.merge(paths, tmp_path / "weighted", weights=[1, 2, 1], **options)
+    assert_bitwise(read_model(weighted), reference(states_of(run, kind, [1, 2, 4]), [0.25, 0.5, 0.25]))
+    ema = shardavg.merge(paths, tmp_path / "ema", ema=0.5, **options)  # steps 1, 2, 4: 0.5**3, 0.5**2, 1
+    raw = [0.5**3, 0.5**2, 1.0]
+    assert_bitwise(read_model(ema), reference(states_of(run, kind, [1, 2, 4]), [w / math.fsum(raw) for w in raw]))
+    folder = run.avg(1).parent if kind == "shardavg" else KINDS[kind](run, 1).parent
+    last = shardavg.merge(folder, tmp_path / "last", last=2, **options)
+    assert_bitwise(read_model(last), reference(states_of(run, kind, [3, 4]), [0.5, 0.5]))
+
+
+def test_mixed_kinds_and_dtypes_merge_in_fp32_or_fp64(run: Run, tmp_path: Path) -> None:
+    bf16 = tmp_path / "bf16"
+    bf16.mkdir()
+    save_file({k: v.to(torch.bfloat16) if v.is_floating_point() else v for k, v in run.live[3].items()},
+              str(bf16 / "model.safetensors"))  # fmt: skip
+    inputs = [run.dcp(2), bf16, run.hf(4, sharded=True)]
+    states = [run.live[2], {k: v.to(torch.bfloat16) if v.is_floating_point() else v for k, v in run.live[3].items()},
+              run.live[4]]  # fmt: skip
+    merged = read_model(shardavg.merge(inputs, tmp_path / "mixed"))
+    assert_bitwise(merged, reference(states, [1 / 3] * 3))  # mixed floating dtypes: fp32 out
+    wide = read_model(shardavg.merge(inputs, tmp_path / "fp64", accumulate=torch.float64, dtype=torch.bfloat16))
+    for name, value in merged.items():
+        if value.is_floating_point():
+            exact = sum(s[name].to(torch.float64) * (1 / 3) for s in states)
+            assert wide[name].dtype == torch.bfloat16 and torch.equal(wide[name], exact.to(torch.bfloat16)), name
+    same = read_model(shardavg.merge([bf16, bf16.parent / "fp64"], tmp_path / "bf16-only"))
+    assert all(v.dtype == torch.bfloat16 for v in same.values() if v.is_floating_point())  # the inputs' dtype kept
+
+
+def test_an_average_of_a_dcp_averager_and_the_shardavg_output_loads_at_world_size_one(run: Run, tmp_path: Path) -> None:
+    entry = tmp_path / "dcp-ema"
+    torch.manual_seed(0)
+    model = TiedNet()
+    avg = WeightAverager(model, {"ema": EMA(decay=0.8), "swa": SWA()})
+    avg.load(run.avg(3))
+    dcp.save({"ema": avg}, checkpoint_id=str(entry), no_dist=True)
+    out = shardavg.merge([entry, run.avg(4)], tmp_path / "ckpt", key="ema", average="ema", output="shardavg")
+    manifest = json.loads((out / "shardavg.json").read_text())
+    assert manifest["num_updates"] == 2 and manifest["averages"] == [{"name": None, "rule": SWA().to_config()}]
+    torch.manual_seed(0)  # frozen parameters are the model's own (live), as in the run
+    loaded = WeightAverager(TiedNet(), SWA())
+    loaded.load(out)  # strict: names (tied ones apart in the merge), shapes and rule all match
+    assert_bitwise(loaded.full_state_dict(), reference([run.ema[3], run.ema[4]], [0.5, 0.5]))
+    assert loaded.num_updates == 2 and loaded.step == 4
+
+
+def test_a_model_saved_by_transformers_merges_and_loads_with_from_pretrained(tmp_path: Path) -> None:
+    transformers = pytest.importorskip("transformers")
+    config = transformers.GPT2Config(
+        n_layer=2, n_embd=32, n_head=2, vocab_size=100, n_positions=16, bos_token_id=0, eos_token_id=0
+    )  # 112 KB of fp32 weights
+    states, folders = [], []
+    for seed in range(3):
+        torch.manual_seed(seed)
+        model = transformers.GPT2LMHeadModel(config)
+        folders.append(tmp_path / f"checkpoint-{seed + 1}")
+        model.save_pretrained(folders[-1], max_shard_size="40KB")  # sharded, with an index
+        states.append({k: v.detach().clone() for k, v in model.state_dict().items()})
+    assert (folders[-1] / "model.safetensors.index.json").is_file()
+    out = shardavg.merge(folders, tmp_path / "soup", max_shard_size="50KB")
+    assert (out / "config.json").is_file() and (out / "model.safetensors.index.json").is_file()
+    merged = transformers.GPT2LMHeadModel.from_pretrained(out)
+    want = reference(states, [1 / 3] * 3)
+    got = merged.state_dict()
+    for name, value in read_model(out).items():
+        assert torch.equal(value, want[name]) and torch.equal(got[name], want[name]), name
+
+
+# ------------------------------------------------------------------------- refusals
+
+
+def cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "shardavg", "merge", *args], capture_output=True, text=True, timeout=120)
+
+
+def listing(folder: Path) -> dict[str, int] | None:
+    """What ``folder`` holds, with each file's modification time; None when it does not exist."""
+    return {str(p): p.stat().st_mtime_ns for p in folder.rglob("*")} if folder.exists() else None
+
+
+def refused(*args: str, match: str) -> None:
+    """The CLI refuses in one line, exit 2, and OUT is as it was (not created, nothing changed)."""
+    out = Path(args[args.index("--out") + 1])
+    before = listing(out)
+    result = cli(*args)
+    assert result.returncode == 2, result
+    assert result.stderr.count("\n") == 1 and result.stderr.startswith("shardavg: error: "), result.stderr
+    assert match in result.stderr, result.stderr
+    assert listing(out) == before, f"{out} was written"
+
+
+def other_model(folder: Path, change) -> Path:
+    """A single-file model like step 4's, with ``change`` applied to its state dict."""
+    folder.mkdir()
+    state = {k: v.clone() for k, v in load_file(str(folder.parent / "base.safetensors")).items()}
+    change(state)
+    save_file(state, str(folder / "model.safetensors"))
+    return folder
+
+
+def test_every_refusal_writes_nothing(run: Run, tmp_path: Path) -> None:
+    save_file(read_model(run.hf(4)), str(tmp_path / "base.safetensors"))
+    base, out = str(run.hf(4)), str(tmp_path / "out")
+    renamed = other_model(tmp_path / "renamed", lambda s: s.update(extra=s.pop("gain")))
+    reshaped = other_model(tmp_path / "reshaped", lambda s: s.update(gain=torch.ones(2)))
+    retyped = other_model(tmp_path / "retyped", lambda s: s.update(gain=torch.ones(1, dtype=torch.int64)))
+    refused(base, str(renamed), "--out", out, match="missing ['gain'], unexpected ['extra']")
+    refused(base, str(reshaped), "--out", out, match="gain: float32 [2] vs float32 [1]")
+    refused(base, str(retyped), "--out", out, match="gain: int64 [1] vs float32 [1]")
+
+    truncated = tmp_path / "truncated"
+    truncated.mkdir()
+    data = (run.hf(3) / "model.safetensors").read_bytes()
+    (truncated / "model.safetensors").write_bytes(data[:-10])
+    refused(base, str(truncated), "--out", out, match="truncated or foreign")
+    broken_index = tmp_path / "broken-index"
+    broken_index.mkdir()
+    for file in run.hf(3, sharded=True).iterdir():
+        (broken_index / file.name).write_bytes(file.read_bytes())
+    shard = sorted(broken_index.glob("model-*.safetensors"))[1]
+    shard.unlink()
+    refused(base, str(broken_index), "--out", out, match=f"names files that are missing: ['{shard.name}']")
+    short_dcp = tmp_path / "short-dcp"
+    short_dcp.mkdir()
+    for file in run.dcp(3).iterdir():
+        (short_dcp / file.name).write_bytes(file.read_bytes()[: -100 if file.suffix == ".distcp" else None])
+    refused(base, str(short_dcp), "--out", out, match="(truncated?)")
+    foreign = tmp_path / "foreign"
+    foreign.mkdir()
+    (foreign / "notes.txt").write_text("not a checkpoint")
+    refused(base, str(foreign), "--out", out, match="is not a checkpoint merge reads")
+    deepspeed = tmp_path / "ds" / "global_step4"
+    deepspeed.mkdir(parents=True)
+    torch.save({"module": {}}, deepspeed / "mp_rank_00_model_states.pt")  # never loaded: refused by its name
+    refused(str(deepspeed.parent), base, "--out", out, match="is a DeepSpeed checkpoint (global_step4/mp_rank_00")
+    refused(base, str(run.dcp(3)), "--key", "ema", "--out", out, match="has no averager under key 'ema'")
+    refused(base, str(run.dcp(3)), "--prefix", "opt.", "--out", out, match="holds no tensor under 'opt.'")
+    refused(base, str(run.avg(3)), "--out", out, match="holds averages ['ema', 'swa']: name one (--average)")
+
+    refused(base, str(run.hf(3)), "--out", str(run.hf(3) / "inside"), match="lie one inside the other")
+    refused(base, str(run.hf(3)), "--out", str(run.hf(3)), match="lie one inside the other")
+    refused(base, str(run.hf(3)), "--out", str(run.avg(3) / "x"), match="is inside the checkpoint")
+    kept = tmp_path / "out-kept"
+    kept.mkdir()
+    save_file({"w": torch.ones(1)}, str(kept / "model.safetensors"))  # someone's model: never replaced
+    refused(base, str(run.hf(3)), "--out", str(kept), match="holds weight files shardavg did not write")
+    assert load_file(str(kept / "model.safetensors"))["w"].item() == 1.0
+
+    refused(base, str(run.hf(3)), "--weights", "1", "--out", out, match="1 weights for 2 inputs")
+    refused(base, str(run.hf(3)), "--weights", "1", "-1", "--out", out, match="finite numbers >= 0")
+    refused(base, str(run.hf(3)), "--weights", "1", "nan", "--out", out, match="finite numbers >= 0")
+    refused(base, str(run.hf(3)), "--weights", "0", "0", "--out", out, match="at least one must be positive")
+    refused(base, str(run.hf(3)), "--ema", "1.5", "--out", out, match="ema must be a decay in (0, 1)")
+    refused(base, str(renamed.parent / "base.safetensors"), "--ema", "0.9", "--out", out, match="record none")
+    refused(base, base, "--out", out, match="given more than once")
+    refused("--last", "9", str(run.root / "dcp"), "--out", out, match="holds 4 finished checkpoints")
+    refused(base, "--last", "2", str(run.root / "dcp"), "--out", out, match="give no IN with it")
+    refused("--out", out, match="merge needs checkpoints IN, or --last K RUN_DIR")
+
+
+def test_last_skips_checkpoints_a_save_has_not_finished(run: Run, tmp_path: Path) -> None:
+    runs = tmp_path / "run" / "checkpoints"
+    for step in (2, 3, 4):
+        target = runs / f"step-{step:09d}"
+        target.mkdir(parents=True)
+        for file in run.dcp(step).iterdir():
+            (target / file.name).write_bytes(file.read_bytes())
+        if step != 4:  # a main-job folder is committed when its train.json is there
+            (target / "train.json").write_text(json.dumps({"step": step}))
+    out = shardavg.merge(tmp_path / "run", tmp_path / "out", last=2)  # the run folder, as the main job's OUT
+    assert_bitwise(read_model(out), reference([run.live[2], run.live[3]], [0.5, 0.5]))
+    assert json.loads(load_file_metadata(out)["shardavg"])["step"] == 3
+
+
+def load_file_metadata(folder: Path) -> dict[str, str]:
+    from safetensors import safe_open
+
+    with safe_open(str(folder / "model.safetensors"), "pt") as file:
+        return file.metadata()
+
+
+MEMORY = """
+import resource, sys, torch
+from pathlib import Path
+from shardavg import merge
+inputs = sorted(Path(sys.argv[1]).iterdir())[: int(sys.argv[2])]
+before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+merge(inputs, sys.argv[3])
+print((resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) * 1024)
+"""
+
+
+def test_memory_does_not_grow_with_the_number_of_inputs(tmp_path: Path) -> None:
+    """8 inputs of a 64 MiB model (16 tensors of 4 MiB): the merge adds a few tensors' worth of
+    memory, the same for 2 inputs as for 8."""
+    tensor_bytes = 4 * 2**20
+    for k in range(8):
+        folder = tmp_path / "inputs" / f"checkpoint-{k}"
+        folder.mkdir(parents=True)
+        generator = torch.Generator().manual_seed(k)
+        state = {f"layer{i}.weight": torch.randn(1024, 1024, generator=generator) for i in range(16)}
+        save_file(state, str(folder / "model.safetensors"))
+    added = {}
+    for count in (2, 8):
+        env = os.environ | {"OMP_NUM_THREADS": "1"}
+        result = subprocess.run(
+            [sys.executable, "-c", MEMORY, str(tmp_path / "inputs"), str(count), str(tmp_path / f"out{count}")],
+            capture_output=True, text=True, timeout=300, env=env,
+        )  # fmt: skip
+        assert result.returncode == 0, result.stderr
+        added[count] = int(result.stdout.split()[-1])
+    assert added[8] <= 4 * tensor_bytes + 16 * 2**20, added  # not 8 inputs' worth (512 MiB)
+    assert added[8] <= added[2] + tensor_bytes, added
