@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -23,6 +22,7 @@ from harness import TiedNet
 from safetensors.torch import load_file, save_file
 
 import shardavg
+import shardavg.cli
 from shardavg import EMA, SWA, CheckpointError, WeightAverager
 
 STEPS = 4
@@ -187,20 +187,28 @@ def cli(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "shardavg", "merge", *args], capture_output=True, text=True, timeout=120)
 
 
+class Refusals:
+    """``shardavg merge`` run in this process (as the console script runs it), its stderr captured."""
+
+    def __init__(self, capsys: pytest.CaptureFixture) -> None:
+        self.capsys = capsys
+
+    def __call__(self, *args: str, match: str) -> None:
+        """The CLI refuses in one line, exit 2, and OUT is as it was (not created, nothing changed)."""
+        out = Path(args[args.index("--out") + 1])
+        before = listing(out)
+        self.capsys.readouterr()
+        code = shardavg.cli.main(["merge", *args])
+        stderr = self.capsys.readouterr().err
+        assert code == 2, stderr
+        assert stderr.count("\n") == 1 and stderr.startswith("shardavg: error: "), stderr
+        assert match in stderr, stderr
+        assert listing(out) == before, f"{out} was written"
+
+
 def listing(folder: Path) -> dict[str, int] | None:
     """What ``folder`` holds, with each file's modification time; None when it does not exist."""
     return {str(p): p.stat().st_mtime_ns for p in folder.rglob("*")} if folder.exists() else None
-
-
-def refused(*args: str, match: str) -> None:
-    """The CLI refuses in one line, exit 2, and OUT is as it was (not created, nothing changed)."""
-    out = Path(args[args.index("--out") + 1])
-    before = listing(out)
-    result = cli(*args)
-    assert result.returncode == 2, result
-    assert result.stderr.count("\n") == 1 and result.stderr.startswith("shardavg: error: "), result.stderr
-    assert match in result.stderr, result.stderr
-    assert listing(out) == before, f"{out} was written"
 
 
 def other_model(folder: Path, change) -> Path:
@@ -212,7 +220,8 @@ def other_model(folder: Path, change) -> Path:
     return folder
 
 
-def test_every_refusal_writes_nothing(run: Run, tmp_path: Path) -> None:
+def test_every_refusal_writes_nothing(run: Run, tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    refused = Refusals(capsys)
     save_file(read_model(run.hf(4)), str(tmp_path / "base.safetensors"))
     base, out = str(run.hf(4)), str(tmp_path / "out")
     renamed = other_model(tmp_path / "renamed", lambda s: s.update(extra=s.pop("gain")))
@@ -272,6 +281,18 @@ def test_every_refusal_writes_nothing(run: Run, tmp_path: Path) -> None:
     refused("--out", out, match="merge needs checkpoints IN, or --last K RUN_DIR")
 
 
+def test_the_command_line_merges_and_refuses_in_one_line(run: Run, tmp_path: Path) -> None:
+    done = cli("--last", "2", str(run.root / "dcp"), "--weights", "1", "3", "--out", str(tmp_path / "out"))
+    assert done.returncode == 0 and "wrote the merge of 2 checkpoints" in done.stdout, done
+    assert_bitwise(read_model(tmp_path / "out"), reference([run.live[3], run.live[4]], [0.25, 0.75]))
+    again = cli(str(run.hf(4)), "--out", str(tmp_path / "out"))  # its own earlier merge: replaced
+    assert again.returncode == 0, again
+    assert_bitwise(read_model(tmp_path / "out"), reference([run.live[4]], [1.0]))
+    bad = cli(str(run.hf(4)), "--ema", "0", "--out", str(tmp_path / "other"))
+    assert bad.returncode == 2 and bad.stderr.count("\n") == 1 and "ema must be a decay" in bad.stderr, bad
+    assert not (tmp_path / "other").exists()
+
+
 def test_last_skips_checkpoints_a_save_has_not_finished(run: Run, tmp_path: Path) -> None:
     runs = tmp_path / "run" / "checkpoints"
     for step in (2, 3, 4):
@@ -293,35 +314,15 @@ def load_file_metadata(folder: Path) -> dict[str, str]:
         return file.metadata()
 
 
-MEMORY = """
-import resource, sys, torch
-from pathlib import Path
-from shardavg import merge
-inputs = sorted(Path(sys.argv[1]).iterdir())[: int(sys.argv[2])]
-before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-merge(inputs, sys.argv[3])
-print((resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) * 1024)
-"""
-
-
 def test_memory_does_not_grow_with_the_number_of_inputs(tmp_path: Path) -> None:
     """8 inputs of a 64 MiB model (16 tensors of 4 MiB): the merge adds a few tensors' worth of
-    memory, the same for 2 inputs as for 8."""
+    memory (the accumulator, one input's tensor, the writer's piece), the same for 2 inputs as for 8."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "launch"))
+    from merge_memory import peak_added, write_inputs
+
     tensor_bytes = 4 * 2**20
-    for k in range(8):
-        folder = tmp_path / "inputs" / f"checkpoint-{k}"
-        folder.mkdir(parents=True)
-        generator = torch.Generator().manual_seed(k)
-        state = {f"layer{i}.weight": torch.randn(1024, 1024, generator=generator) for i in range(16)}
-        save_file(state, str(folder / "model.safetensors"))
-    added = {}
-    for count in (2, 8):
-        env = os.environ | {"OMP_NUM_THREADS": "1"}
-        result = subprocess.run(
-            [sys.executable, "-c", MEMORY, str(tmp_path / "inputs"), str(count), str(tmp_path / f"out{count}")],
-            capture_output=True, text=True, timeout=300, env=env,
-        )  # fmt: skip
-        assert result.returncode == 0, result.stderr
-        added[count] = int(result.stdout.split()[-1])
-    assert added[8] <= 4 * tensor_bytes + 16 * 2**20, added  # not 8 inputs' worth (512 MiB)
+    inputs = write_inputs(tmp_path / "inputs", {f"layer{i}.weight": (1024, 1024) for i in range(16)}, 8)
+    added = {count: peak_added(inputs[:count], tmp_path / f"out{count}") for count in (2, 8)}
+    assert tensor_bytes <= added[2], added  # it measured the merge: at least its accumulator
+    assert added[8] <= 4 * tensor_bytes + 16 * 2**20, added  # not 8 inputs' worth (512 MiB), nor one model (64 MiB)
     assert added[8] <= added[2] + tensor_bytes, added

@@ -131,3 +131,30 @@ def test_export_holds_one_bucket_on_rank_zero(tmp_path: Path, world_size: int) -
     for peak in peaks:
         assert peak["peak_bytes"] <= max(peak["bucket_bytes"], peak["largest_tensor_bytes"]) + 4096, peak
         assert peak["model_bytes"] >= 10 * peak["peak_bytes"], peak
+
+
+def test_a_checkpoint_of_four_ranks_merges_with_one_of_two_offline(saved: Path, tmp_path: Path) -> None:
+    """``shardavg merge`` of an FSDP2 checkpoint written at 4 ranks and a ZeRO-3 averager inside a
+    DCP checkpoint written at 2, weighted 1:3, in one process: the fp32 weighted sum of their
+    references, bitwise, as a model folder and as a checkpoint that loads whole."""
+    import shardavg
+    from shardavg.offline import SavedAverage
+
+    inputs = [saved / "saved" / "fsdp2-ws4" / "avg", saved / "saved" / "zero3-ws2" / "dcp"]
+    references = [load_file(str(p.parent / "reference.safetensors")) for p in inputs]
+    want = {
+        name: references[0][name].float().mul(0.25).add_(references[1][name].float().mul(0.75))
+        if value.is_floating_point()
+        else references[1][name]
+        for name, value in references[0].items()
+    }
+    out = shardavg.merge(inputs, tmp_path / "model", weights=[1, 3], key="ema", average="ema")
+    got = load_file(str(out / "model.safetensors"))
+    assert set(got) == set(want) and all(torch.equal(got[k], want[k]) for k in want), set(got) ^ set(want)
+    checkpoint = shardavg.merge(inputs, tmp_path / "ckpt", weights=[1, 3], key="ema", average="ema", output="shardavg")
+    merged = SavedAverage(checkpoint)
+    try:
+        assert merged.description["num_updates"] == 2
+        assert all(torch.equal(merged.read(k).view(want[k].shape), want[k]) for k in want)
+    finally:
+        merged.close()
