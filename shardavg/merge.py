@@ -29,7 +29,7 @@ from .checkpoint import save_whole
 from .errors import CheckpointError
 from .export import cast_dtype, parse_size, write_model
 from .format import FORMAT, VERSION
-from .ownership import enclosing_checkpoint
+from .ownership import LOCK_FILE, enclosing_checkpoint, export_files
 from .rules import SWA
 from .sources import Source, Spec, finished_checkpoints, open_source
 from .storage import Entry, dtype_name
@@ -72,7 +72,7 @@ def merge(
     validate.choice("output", output, ("safetensors", "shardavg"))
     max_bytes = parse_size(max_shard_size)
     paths = _inputs(inputs, last)
-    _check_out(out, paths)
+    _check_out(out, paths, output)
     sources: list[Source] = []
     try:
         for path in paths:
@@ -120,9 +120,10 @@ def _inputs(inputs: Sequence[str | os.PathLike] | str | os.PathLike, last: int |
     return given
 
 
-def _check_out(out: str | os.PathLike, inputs: list[Path]) -> None:
+def _check_out(out: str | os.PathLike, inputs: list[Path], output: Output) -> None:
     """OUT names a folder of its own: not an input, inside one, or holding one (which its writing
-    could replace), nor inside any checkpoint."""
+    could replace), nor inside any checkpoint; new, empty, or holding nothing but an earlier
+    merge (or export) of shardavg's, which it replaces."""
     if not os.fspath(out):
         raise ValueError("OUT is empty: name the folder to write the merged model into")
     target = Path(out).resolve()
@@ -133,6 +134,14 @@ def _check_out(out: str | os.PathLike, inputs: list[Path]) -> None:
     enclosing = enclosing_checkpoint(Path(out))
     if enclosing is not None:
         raise CheckpointError(f"OUT {out} is inside the checkpoint {enclosing}: write to a folder of its own")
+    if output == "safetensors" and Path(out).is_dir() and not Path(out).is_symlink():
+        own = {name for name, ours in export_files(Path(out)).items() if ours}
+        others = sorted(p.name for p in Path(out).iterdir() if p.name not in own | {*HF_CONFIGS, LOCK_FILE})
+        if others:
+            raise CheckpointError(
+                f"OUT {out} holds files a merge did not write ({', '.join(others[:8])}"
+                f"{f', ... {len(others) - 8} more' if len(others) > 8 else ''}): name a new or empty folder"
+            )
 
 
 def _agreed_specs(sources: list[Source]) -> dict[str, Spec]:

@@ -36,6 +36,7 @@ from .storage import safetensors_metadata
 STAGING_MARKER = ".shardavg-staging"
 EXPORT_FILE = re.compile(r"^(model\.safetensors|model-\d{5}-of-\d{5}\.safetensors|model\.safetensors\.index\.json)$")
 INDEX_FILE = "model.safetensors.index.json"
+LOCK_FILE = ".shardavg.lock"  # a writer's lock inside the folder it writes
 
 
 def _temporary_of(name: str, pattern: re.Pattern) -> bool:
@@ -156,7 +157,7 @@ class TargetLock:
 
     @classmethod
     def inside(cls, directory: Path) -> TargetLock:
-        return cls(directory / ".shardavg.lock", directory)
+        return cls(directory / LOCK_FILE, directory)
 
     @classmethod
     def beside(cls, target: Path) -> TargetLock:

@@ -266,8 +266,13 @@ def test_every_refusal_writes_nothing(run: Run, tmp_path: Path, capsys: pytest.C
     kept = tmp_path / "out-kept"
     kept.mkdir()
     save_file({"w": torch.ones(1)}, str(kept / "model.safetensors"))  # someone's model: never replaced
-    refused(base, str(run.hf(3)), "--out", str(kept), match="holds weight files shardavg did not write")
+    refused(base, str(run.hf(3)), "--out", str(kept), match="holds files a merge did not write (model.safetensors)")
     assert load_file(str(kept / "model.safetensors"))["w"].item() == 1.0
+
+    notes = tmp_path / "out-notes"
+    notes.mkdir()
+    (notes / "notes.txt").write_text("mine")
+    refused(base, str(run.hf(3)), "--out", str(notes), match="holds files a merge did not write (notes.txt)")
 
     refused(base, str(run.hf(3)), "--weights", "1", "--out", out, match="1 weights for 2 inputs")
     refused(base, str(run.hf(3)), "--weights", "1", "-1", "--out", out, match="finite numbers >= 0")
