@@ -61,10 +61,12 @@ def merge(
         last: take the newest ``last`` finished checkpoints of the run folder ``inputs``, by step.
         ema: weight the checkpoint of step ``s`` by ``ema ** (s_newest - s)``, normalised: what an
             EMA of that decay per step gives each saved step, relative to the others.
-        key, average, prefix: which tensors of a checkpoint (an averager in a DCP checkpoint, one
-            of its averages, a DCP checkpoint's tensors under a prefix).
+        key: an averager's key in DCP checkpoints (else their tensors under ``prefix`` are merged).
+        average: which average of a shardavg checkpoint that keeps several.
+        prefix: a DCP checkpoint's tensors to merge, named without it.
         dtype: the floating tensors' output dtype (default: the inputs' when they agree, else fp32).
         accumulate: ``torch.float32`` or ``torch.float64``.
+        max_shard_size: the largest output file before the model is split (``"5GB"``, or bytes).
         output: ``"safetensors"`` (a model folder) or ``"shardavg"`` (an averager's checkpoint).
     """
     validate.floating_dtype("dtype", dtype)
