@@ -394,3 +394,40 @@ def test_cli_help_and_errors(tmp_path) -> None:
     dcp.save({"model": {"w": torch.zeros(2)}}, checkpoint_id=str(tmp_path / "dcp"), no_dist=True)
     wrong_key = cli("inspect", str(tmp_path / "dcp"))
     assert wrong_key.returncode == 2 and "no averager under key 'ema' (top-level keys: ['model'])" in wrong_key.stderr
+
+
+@pytest.mark.parametrize("stager", ["default", "writer"])
+def test_an_async_dcp_save_in_one_process_holds_the_state_at_the_call(tmp_path, stager) -> None:
+    """Without a process group the averager offers plain tensors, which both of DCP's copiers
+    stage: updates while the request is held in flight change nothing it saves."""
+    import threading
+
+    from conftest import Trainer
+    from scenario_async import GatedWriter
+    from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
+    torch.manual_seed(0)
+    model = TiedNet()
+    trainer, avg = Trainer(model), WeightAverager(model, {"ema": EMA(decay=0.8), "swa": SWA()})
+    for _ in range(3):
+        trainer.step()
+        avg.update()
+    want = {name: avg.full_state_dict(name) for name in ("ema", "swa")}
+    gate = threading.Event()
+    staging = DefaultStager(StagingOptions(False, False, False, False)) if stager == "default" else None
+    future = dcp.async_save(
+        {"avg": avg}, storage_writer=GatedWriter(tmp_path / "ckpt", gate), async_stager=staging, no_dist=True
+    )
+    for _ in range(3):
+        trainer.step()
+        avg.update()
+    assert not future.done()
+    gate.set()
+    future.result()
+    torch.manual_seed(0)
+    loaded = WeightAverager(TiedNet(), {"ema": EMA(decay=0.8), "swa": SWA()})
+    dcp.load({"avg": loaded}, checkpoint_id=str(tmp_path / "ckpt"), no_dist=True)
+    assert loaded.num_updates == 3
+    for name, state in want.items():
+        got = loaded.full_state_dict(name)
+        assert set(got) == set(state) and all(torch.equal(got[k], state[k]) for k in state), name
