@@ -17,8 +17,12 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import re
 import shutil
+import signal
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -36,6 +40,7 @@ from shardavg.storage import commit_directory, staging_path
 
 MARKER = "train.json"
 STEP = re.compile(r"step-(\d{8,9})")  # (eight digits: checkpoints of runs before the library's naming)
+KILL_IN_FLIGHT = "SHARDAVG_TEST_KILL_IN_FLIGHT"  # tests only: at this step rank 1 is killed with its request in flight
 
 
 class Unreadable(RuntimeError):
@@ -54,14 +59,7 @@ def _reason(error: BaseException) -> str:
 
 def save(root: Path, step: int, wrapped: Wrapped, averages: dict[str, WeightAverager], keep_last: int) -> Path:
     """Collective: a checkpoint of everything training needs at ``step``; returns its folder."""
-    target = root / step_directory(step)
-    staging = staging_path(target)
-    if target.exists() and not (target / MARKER).is_file():
-        raise RuntimeError(f"{target} exists and is not a checkpoint of this job: refusing to replace it")
-    if dist.get_rank() == 0:
-        shutil.rmtree(staging, ignore_errors=True)  # a crashed earlier attempt at this step
-        staging.mkdir(parents=True)
-    dist.barrier()
+    target, staging = _prepare(root, step)
     if wrapped.kind == "zero3":
         wrapped.deepspeed_engine.save_checkpoint(str(staging), tag="engine", save_latest=False)
         for name, average in averages.items():
@@ -70,13 +68,117 @@ def save(root: Path, step: int, wrapped: Wrapped, averages: dict[str, WeightAver
         dcp.save(_dcp_state(wrapped, averages, step), checkpoint_id=str(staging))
     dist.barrier()
     if dist.get_rank() == 0:
-        record = {"step": step, "engine": wrapped.kind, "files": digests(staging)}
-        (staging / MARKER).write_text(json.dumps(record, indent=1))
-        commit_directory(staging, target)  # (a run resumed from an earlier step replaces its own)
-        for old in finished(root)[:-keep_last]:
-            shutil.rmtree(old)
+        commit(root, staging, target, step, wrapped.kind, keep_last)
     dist.barrier()
     return target
+
+
+def save_async(
+    root: Path, step: int, wrapped: Wrapped, averages: dict[str, WeightAverager], group: dist.ProcessGroup
+) -> tuple[Future, Path, Path]:
+    """Collective: start one DCP request holding everything training needs at ``step`` (staged,
+    i.e. copied, before it returns) whose collectives run over ``group``; returns its future,
+    staging folder and target. Nothing is committed: ``commit`` follows once the future is done."""
+    target, staging = _prepare(root, step)
+    request = dcp.async_save(_dcp_state(wrapped, averages, step), checkpoint_id=str(staging), process_group=group)
+    if os.environ.get(KILL_IN_FLIGHT) == str(step) and dist.get_rank() == 1:
+        os.kill(os.getpid(), signal.SIGKILL)  # (tests: a crash with the request in flight)
+    return request, staging, target
+
+
+def _prepare(root: Path, step: int) -> tuple[Path, Path]:
+    """Collective: the target folder of ``step`` and its fresh staging folder (rank 0 clears a
+    crashed earlier attempt's); refuses a target that is not one of this job's checkpoints."""
+    target = root / step_directory(step)
+    staging = staging_path(target)
+    if target.exists() and not (target / MARKER).is_file():
+        raise RuntimeError(f"{target} exists and is not a checkpoint of this job: refusing to replace it")
+    if dist.get_rank() == 0:
+        shutil.rmtree(staging, ignore_errors=True)  # a crashed earlier attempt at this step
+        staging.mkdir(parents=True)
+    dist.barrier()
+    return target, staging
+
+
+def commit(root: Path, staging: Path, target: Path, step: int, engine: str, keep_last: int) -> None:
+    """Rank 0, once every rank has written its part: ``train.json`` (with every other file's hash)
+    written last, the staging folder committed atomically (a run resumed from an earlier step
+    replaces its own), and all but the newest ``keep_last`` finished checkpoints removed."""
+    record = {"step": step, "engine": engine, "files": digests(staging)}
+    (staging / MARKER).write_text(json.dumps(record, indent=1))
+    commit_directory(staging, target)
+    for old in finished(root)[:-keep_last]:
+        shutil.rmtree(old)
+
+
+class Checkpointer:
+    """The training loop's checkpoints, saved in the loop (``asynchronous=False``) or as one DCP
+    request in flight over a gloo group of their own (created once, so the background thread's
+    collectives never mix with training's); and the seconds each save blocked the loop.
+
+    Before the next save and at ``close`` the request in flight is waited for; rank 0 commits it
+    on a thread of its own as soon as it is written, exactly as a save in the loop commits, so
+    a crash before then leaves the previous checkpoint the newest finished one."""
+
+    def __init__(
+        self, root: Path, wrapped: Wrapped, averages: dict[str, WeightAverager], keep_last: int, asynchronous: bool
+    ) -> None:
+        self.root, self.wrapped, self.averages, self.keep_last = root, wrapped, averages, keep_last
+        self.group = dist.new_group(backend="gloo") if asynchronous else None
+        self.committer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="commit") if asynchronous else None
+        self.in_flight: Future | None = None  # rank 0: the commit that follows the request; others: the request
+        self.blocking: dict[int, float] = {}  # step: seconds the loop waited in save()
+        self.final_wait = 0.0  # seconds close() waited for the last request
+
+    @property
+    def mode(self) -> str:
+        return "sync" if self.group is None else "async"
+
+    def save(self, step: int) -> None:
+        """Collective: the checkpoint of ``step``, after the previous request is done."""
+        began = time.perf_counter()
+        self.wait()
+        if self.group is None:
+            save(self.root, step, self.wrapped, self.averages, self.keep_last)
+        else:
+            request, staging, target = save_async(self.root, step, self.wrapped, self.averages, self.group)
+            self.in_flight = request
+            if dist.get_rank() == 0:
+                self.in_flight = self.committer.submit(self._commit_when_written, request, staging, target, step)
+        self.blocking[step] = time.perf_counter() - began
+
+    def _commit_when_written(self, request: Future, staging: Path, target: Path, step: int) -> None:
+        request.result()  # (DCP finishes on rank 0 only after every rank has written its part)
+        commit(self.root, staging, target, step, self.wrapped.kind, self.keep_last)
+
+    def wait(self) -> None:
+        """The request in flight, if any, written (and on rank 0 committed); its error raised here."""
+        in_flight, self.in_flight = self.in_flight, None
+        if in_flight is not None:
+            in_flight.result()
+
+    def close(self) -> None:
+        """Collective: the last request written and committed on every rank's watch."""
+        began = time.perf_counter()
+        self.wait()
+        if self.committer is not None:
+            self.committer.shutdown()
+        dist.barrier()
+        self.final_wait = time.perf_counter() - began
+
+    def report(self) -> dict:
+        """Collective: the mode, and the seconds saves blocked the loop on the slowest rank: in all,
+        per checkpoint, and the wait for the last request after the loop."""
+        seconds = torch.tensor([*self.blocking.values(), self.final_wait], dtype=torch.float64)
+        dist.all_reduce(seconds, op=dist.ReduceOp.MAX)
+        *per_step, final = seconds.tolist()
+        return {
+            "mode": self.mode,
+            "saves": len(per_step),
+            "blocking_s": round(sum(per_step), 4),
+            "blocking_s_per_checkpoint": {str(k): round(v, 4) for k, v in zip(self.blocking, per_step)},
+            "final_wait_s": round(final, 4),
+        }
 
 
 def finished(root: Path) -> list[Path]:

@@ -45,7 +45,8 @@ def apply(config: dict[str, Any], key: str, value: Any) -> None:
         raise ConfigError(f"unknown config key {key!r}; known here: {sorted(node)}")
     old = node[last]
     if old is not None and not _same_type(old, value):
-        raise ConfigError(f"config key {key!r} takes a {type(old).__name__}, got {value!r}")
+        kind = type(old).__name__
+        raise ConfigError(f"config key {key!r} takes {'an' if kind[0] in 'aeiou' else 'a'} {kind}, got {value!r}")
     node[last] = value
 
 

@@ -144,11 +144,15 @@ def wrap(
 
         return Wrapped(kind, DistributedDataParallel(module), module, optimizer(module.parameters()), None, rank, world)
     if kind == "fsdp1":
+        from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import FullyShardedDataParallel
         from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 
         model = FullyShardedDataParallel(
-            module, auto_wrap_policy=ModuleWrapPolicy({block}), device_id=torch.device("cpu")
+            module,
+            auto_wrap_policy=ModuleWrapPolicy({block}),
+            device_id=torch.device("cpu"),
+            device_mesh=init_device_mesh("cpu", (world,)),  # (sharded state dicts of DTensors: DCP's stagers copy them)
         )
         return Wrapped(kind, model, module, optimizer(model.parameters()), None, rank, world)
     if kind == "fsdp2_tp":

@@ -48,7 +48,8 @@ SCHEMA = {
     "averages": dict,  # name -> a shardavg rule config, e.g. {kind: ema, decay: 0.999}
     "eval": {"every": int, "batches": int},
     "posthoc": {"snapshot_every": int, "sigma_rels": list, "sweep": list},  # snapshot_every 0: off
-    "checkpoint": {"every": int, "keep_last": int},
+    "checkpoint": {"every": int, "keep_last": int, "async": bool},  # async: DCP's async_save, one request in flight
+    "merge": {"last": (int, type(None))},  # average the newest K checkpoints at the end; 0 or null: off
     "hsdp": {"replicas": (int, type(None))},  # null: one replica per node
     "parallel": {"tp": int, "pp": int, "microbatches": int},  # fsdp2_tp's tensor-parallel degree, pp's stages
     "deepspeed": OPTIONAL_STR,  # the DeepSpeed JSON config (zero3 only), relative to the YAML file
@@ -71,6 +72,7 @@ INTS = {
     "posthoc.snapshot_every": (0, BIG, "a 32-bit count (0: off)"),
     "checkpoint.every": (1, BIG, "a 32-bit count"),
     "checkpoint.keep_last": (1, 2**20, "a sane count"),
+    "merge.last": (0, 2**20, "a sane count (0 or null: off)"),
     "parallel.tp": (1, 2**10, "a sane degree"),
     "parallel.pp": (1, 2**10, "a sane number of stages"),
     "parallel.microbatches": (1, 2**20, "a sane count"),
@@ -119,6 +121,7 @@ def load_job(args: argparse.Namespace, world: int) -> Job:
         raise ConfigError(f"config key 'data.path': {cfg['data']['path']} does not exist")
     out = Path(args.out or Path("runs") / Path(args.config).stem)
     resume_from = _resume_from(args, out, cfg["engine"])
+    _check_merge(cfg, out / "checkpoints", resume_from)
     rundir.check_out(out, resuming=resume_from is not None)
     corpus = _corpus(cfg)
     return Job(cfg, rules, out, resume_from, deepspeed_config, corpus)
@@ -132,7 +135,7 @@ def _value(cfg: dict, key: str):
 def _check_numbers(cfg: dict) -> None:
     """Every integer in its range, every float finite in its own, and what ties them together."""
     for key, (low, high, why) in INTS.items():
-        if not low <= _value(cfg, key) <= high:
+        if _value(cfg, key) is not None and not low <= _value(cfg, key) <= high:
             least = "at least 1" if low == 1 else f"from {low}"
             raise ConfigError(
                 f"config key {key!r} must be {least} and at most {high:,} ({why}), got {_value(cfg, key)}"
@@ -218,12 +221,63 @@ def _check_engine_fits(cfg: dict, config_path: Path, world: int) -> dict | None:
     elif cfg["deepspeed"] is not None:
         raise ConfigError(f"config key 'deepspeed' is for the zero3 engine, not {engine}")
     _check_parallel(cfg, world)
+    _check_checkpoints(cfg)
     replicas = cfg["hsdp"]["replicas"]
     if engine == "hsdp" and replicas is not None and (replicas < 1 or world % replicas):
         raise ConfigError(f"config key 'hsdp.replicas': {world} processes cannot form {replicas} replicas")
     if engine in ("fsdp1", "fsdp2", "hsdp", "zero3") and world == 1:
         log.warning("%s on one process shards nothing; launch with --nproc_per_node 2 or more", engine)
     return ds_config
+
+
+def _check_checkpoints(cfg: dict) -> None:
+    """What the engine's checkpoints allow: ZeRO-3's are DeepSpeed's own, saved by DeepSpeed in the
+    loop, and hold pickled states that merge never loads."""
+    if cfg["engine"] != "zero3":
+        return
+    if cfg["checkpoint"]["async"]:
+        raise ConfigError(
+            "config key 'checkpoint.async': the zero3 engine saves DeepSpeed's own checkpoints, which DCP cannot "
+            "save asynchronously: set it to false"
+        )
+    if cfg["merge"]["last"]:
+        raise ConfigError(
+            "config key 'merge.last': the zero3 engine's checkpoints are DeepSpeed's own, pickled states that "
+            "shardavg merge never loads: set it to 0 (or merge the averages' checkpoints beside them offline)"
+        )
+
+
+def _check_merge(cfg: dict, root: Path, resume_from: Path | None) -> None:
+    """``merge.last`` K: the run will end with at least K finished checkpoints to average (a
+    resumed run's kept ones up to its step, then those of the steps it saves at)."""
+    last, keep_last = cfg["merge"]["last"], cfg["checkpoint"]["keep_last"]
+    if not last:
+        return
+    if last > keep_last:
+        raise ConfigError(
+            f"config key 'merge.last' ({last}) exceeds 'checkpoint.keep_last' ({keep_last}): keep at least as many "
+            "checkpoints as it merges"
+        )
+    start = 0 if resume_from is None else json.loads((resume_from / checkpoints.MARKER).read_text())["step"]
+    earlier = [int(checkpoints.STEP.fullmatch(p.name).group(1)) for p in checkpoints.finished(root)]
+    kept = [s for s in earlier if s <= start] + _saved_steps(start, cfg["steps"], cfg["checkpoint"]["every"], last)
+    kept = kept[-keep_last:]
+    if last > len(kept):
+        raise ConfigError(
+            f"config key 'merge.last' ({last}): the run will end with the checkpoints of steps {kept} only; lower it, "
+            "or checkpoint more often ('checkpoint.every')"
+        )
+
+
+def _saved_steps(start: int, steps: int, every: int, limit: int) -> list[int]:
+    """The newest ``limit`` steps a run from ``start`` to ``steps`` checkpoints at (every
+    ``every`` steps and the last), oldest first."""
+    found = [steps] if start < steps else []
+    step = (steps - 1) // every * every
+    while step > start and len(found) < limit:
+        found.append(step)
+        step -= every
+    return found[::-1]
 
 
 def _check_parallel(cfg: dict, world: int) -> None:

@@ -6,7 +6,8 @@ Writes 8 Hugging Face safetensors checkpoints of a model of ``--model-mb`` MB (f
 transformer's shapes, the largest an embedding), then merges the first N of them for each N of
 ``--counts``, each merge in a fresh process, and prints the peak resident memory that merge added
 over what the process held before it (the kernel's peak resident size, ``VmHWM``, reset after the
-imports), beside the model's size and its largest tensor.
+imports; glibc's mmap threshold fixed, so that a freed tensor leaves at once), beside the model's
+size and its largest tensor.
 Streaming tensor by tensor, the peak stays near a few of the largest tensors whatever N is.
 """
 
@@ -67,11 +68,17 @@ def write_inputs(root: Path, shapes: dict[str, tuple[int, ...]], count: int) -> 
     return folders
 
 
+# glibc returns a freed large block to the kernel only while its mmap threshold stays fixed (it
+# raises the threshold after such a free, then keeps later blocks in its heap): fixed, the peak is
+# what the merge holds at once, not where the allocator's caching happened to stand.
+ALLOCATOR = {"MALLOC_MMAP_THRESHOLD_": str(2**20)}
+
+
 def peak_added(inputs: list[Path], out: Path) -> int:
     """Bytes of resident memory one merge of ``inputs`` into ``out`` added, in a fresh process (Linux)."""
     result = subprocess.run(
         [sys.executable, "-c", CHILD, json.dumps([str(p) for p in inputs]), str(out)],
-        capture_output=True, text=True, check=True, env=os.environ | {"OMP_NUM_THREADS": "1"},
+        capture_output=True, text=True, check=True, env=os.environ | {"OMP_NUM_THREADS": "1", **ALLOCATOR},
     )  # fmt: skip
     return json.loads(result.stdout.splitlines()[-1])["added"]
 

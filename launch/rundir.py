@@ -1,7 +1,7 @@
 """The run folder OUT: what the main job may replace in it, and the lock that keeps a second job out.
 
 The job writes ``metrics.jsonl``, ``plot.png``, ``posthoc.png``, ``summary.json``, ``checkpoints/``,
-``posthoc/`` and ``export/`` into OUT, and claims the folder with a ``run.json`` of its own when it
+``posthoc/``, ``export/`` and ``merge/`` into OUT, and claims the folder with a ``run.json`` of its own when it
 first runs there. Before anything starts (the config check), a fresh run refuses an OUT holding
 any of those names without that claim (they are someone else's), a ``run.json`` it did not
 write, and weight files under ``export/`` that shardavg did not write; a resumed run may also
@@ -26,7 +26,7 @@ import shardavg
 
 MARKER = "run.json"
 LOCK = ".train.lock"
-OUTPUTS = ("metrics.jsonl", "plot.png", "posthoc.png", "summary.json", "checkpoints", "posthoc", "export")
+OUTPUTS = ("metrics.jsonl", "plot.png", "posthoc.png", "summary.json", "checkpoints", "posthoc", "export", "merge")
 JOB = "shardavg launch/train.py"  # what the marker says
 
 

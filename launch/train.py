@@ -30,6 +30,7 @@ import checkpoints  # noqa: E402
 import config as configs  # noqa: E402
 import data  # noqa: E402
 import engines  # noqa: E402
+import merging  # noqa: E402
 import rundir  # noqa: E402
 from job import Job, load_job  # noqa: E402
 from model import GPT, Block, GPTConfig  # noqa: E402
@@ -109,8 +110,9 @@ class Metrics:
         return [json.loads(line) for line in self.path.read_text().splitlines()] if self.path.exists() else []
 
 
-def plot(rows: list[dict], path: Path, title: str) -> None:
-    """Held-out loss over steps: the raw weights and each average."""
+def plot(rows: list[dict], path: Path, title: str, merged: dict | None) -> None:
+    """Held-out loss over steps: the raw weights and each average; the merge of the last
+    checkpoints as a bar over the steps it averages."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -120,6 +122,10 @@ def plot(rows: list[dict], path: Path, title: str) -> None:
     for name in rows[-1]["heldout"]:
         points = [(row["step"], row["heldout"][name]) for row in rows if name in row["heldout"]]
         axes.plot(*zip(*points), label=name, linewidth=2 if name == "raw" else 1.6, marker="o", markersize=2.5)
+    if merged is not None:
+        steps = merged["steps"]
+        label = f"{merged['name']} (steps {steps[0]}-{steps[-1]})"
+        axes.plot([steps[0], steps[-1]], [merged["heldout"]] * 2, label=label, linewidth=2.5, marker="*", markersize=8)
     axes.set_xlabel("step")
     axes.set_ylabel("held-out loss (nats per byte)")
     axes.set_title(title)
@@ -136,7 +142,7 @@ def plot(rows: list[dict], path: Path, title: str) -> None:
 @dataclass
 class Run:
     """What a launch trains: the engine-wrapped model, its averages and post-hoc profiles, the
-    evaluation set, and the record of the held-out losses."""
+    evaluation set, the record of the held-out losses, and the checkpoints."""
 
     job: Job
     wrapped: engines.Wrapped
@@ -145,12 +151,8 @@ class Run:
     evaluation: list
     metrics: Metrics
     params: int
+    checkpointer: checkpoints.Checkpointer
     start: int = 0  # the step training goes on from
-
-    @property
-    def checkpointed(self) -> dict[str, WeightAverager | PostHocEMA]:
-        """What a checkpoint holds besides the model and optimizer (PostHocEMA checkpoints like an averager)."""
-        return self.averages | ({"posthoc": self.posthoc} if self.posthoc else {})
 
 
 def run(job: Job) -> dict:
@@ -212,14 +214,18 @@ def build(job: Job) -> Run:
         corpus.heldout, wrapped.data_rank, wrapped.data_world, cfg["eval"]["batches"], train["batch_size"],
         model_config.context,
     )  # fmt: skip
-    return Run(job, wrapped, averages, posthoc, evaluation, Metrics(out / "metrics.jsonl"), params)
+    checkpointed = averages | ({"posthoc": posthoc} if posthoc else {})  # (PostHocEMA checkpoints like an averager)
+    checkpointer = checkpoints.Checkpointer(
+        out / "checkpoints", wrapped, checkpointed, cfg["checkpoint"]["keep_last"], cfg["checkpoint"]["async"]
+    )
+    return Run(job, wrapped, averages, posthoc, evaluation, Metrics(out / "metrics.jsonl"), params, checkpointer)
 
 
 def resume(current: Run) -> None:
     """Restore everything from ``--resume``'s checkpoint; a fresh run starts a fresh record."""
     job = current.job
     if job.resume_from is not None:
-        current.start = checkpoints.load(job.resume_from, current.wrapped, current.checkpointed)
+        current.start = checkpoints.load(job.resume_from, current.wrapped, current.checkpointer.averages)
         current.metrics.keep_until(current.start)
         log.info("resumed from %s (step %d)", job.resume_from, current.start)
     elif current.metrics.path.exists() and dist.get_rank() == 0:
@@ -229,7 +235,7 @@ def resume(current: Run) -> None:
 def train_steps(current: Run) -> tuple[UpdateClock, float, float]:
     """The training loop: a step, every average's update, evaluations and checkpoints as the
     config says. Returns the update clock, the seconds spent in training steps, the wall time."""
-    cfg, wrapped, out = current.job.cfg, current.wrapped, current.job.out
+    cfg, wrapped = current.job.cfg, current.wrapped
     train, context = cfg["train"], cfg["model"]["context"]
     tokens_per_step = train["batch_size"] * context * wrapped.data_world
     from tqdm import tqdm
@@ -260,16 +266,17 @@ def train_steps(current: Run) -> tuple[UpdateClock, float, float]:
                 )  # fmt: skip
                 log.info("step %d: held-out %s", step, ", ".join(f"{k} {v:.4f}" for k, v in losses.items()))
             if step % cfg["checkpoint"]["every"] == 0 or step == cfg["steps"]:
-                checkpoints.save(
-                    out / "checkpoints", step, wrapped, current.checkpointed, cfg["checkpoint"]["keep_last"]
-                )
+                current.checkpointer.save(step)
     bar.close()
+    current.checkpointer.close()  # (the last request committed before anything reads the checkpoints)
     return clock, training_time, time.perf_counter() - began
 
 
 def finish(current: Run, clock: UpdateClock, training_time: float, wall: float) -> dict:
-    """Export the raw weights and every average, sweep the post-hoc EMA, plot, and write the summary."""
+    """Merge the newest checkpoints (``merge.last``), export the raw weights and every average,
+    sweep the post-hoc EMA, plot, and write the summary."""
     cfg, out, wrapped, averages = current.job.cfg, current.job.out, current.wrapped, current.averages
+    merged = merge_last(current) if cfg["merge"]["last"] else None
     first = next(iter(averages.values()))
     exported = {"raw": str(first.export(out / "export" / "raw", live=True))}  # (any averager gathers the live weights)
     for name, average in averages.items():
@@ -278,6 +285,8 @@ def finish(current: Run, clock: UpdateClock, training_time: float, wall: float) 
     sweep = posthoc_sweep(posthoc, wrapped, current.evaluation, cfg["posthoc"]["sweep"], out) if posthoc else None
     if sweep is not None and sweep["best"] is not None:
         exported["posthoc"] = str(out / "export" / "posthoc")
+    if merged is not None:
+        exported[merged["name"]] = str(out / "export" / merged["name"])
     shadow = torch.tensor([a.shadow_bytes() for a in averages.values()])
     dist.all_reduce(shadow, op=dist.ReduceOp.MAX)
     rows = current.metrics.rows() if dist.get_rank() == 0 else []
@@ -287,7 +296,7 @@ def finish(current: Run, clock: UpdateClock, training_time: float, wall: float) 
         "processes": dist.get_world_size(),
         "steps": cfg["steps"],
         "resumed_from": current.start,
-        "heldout": rows[-1]["heldout"] if rows else {},
+        "heldout": (rows[-1]["heldout"] if rows else {}) | ({merged["name"]: merged["heldout"]} if merged else {}),
         "wall_s": round(wall, 1),
         "tokens_per_s": round(tokens_per_step * (cfg["steps"] - current.start) / training_time)
         if training_time
@@ -296,6 +305,8 @@ def finish(current: Run, clock: UpdateClock, training_time: float, wall: float) 
         "update_share_of_step": clock.shares(training_time),
         "export": exported,
         "posthoc": sweep,
+        "merge": merged,
+        "checkpoints": current.checkpointer.report(),
     }
     if dist.get_rank() == 0:
         report(current, summary, sweep, rows)
@@ -306,9 +317,9 @@ def report(current: Run, summary: dict, sweep: dict | None, rows: list[dict]) ->
     """Rank 0: the plots, ``summary.json`` and the log lines a person reads."""
     cfg, out = current.job.cfg, current.job.out
     title = f"{cfg['engine']}, {dist.get_world_size()} processes, {current.params / 1e6:.2f}M parameters"
-    plot(rows, out / "plot.png", title)
+    plot(rows, out / "plot.png", title, summary["merge"])
     if sweep is not None:
-        plot_posthoc(sweep, rows[-1]["heldout"] if rows else {}, out / "posthoc.png", cfg)
+        plot_posthoc(sweep, summary["heldout"], out / "posthoc.png", cfg)
     (out / "summary.json").write_text(json.dumps(summary, indent=1))
     final = summary["heldout"]
     log.info("held-out loss at step %d: %s", cfg["steps"], ", ".join(f"{k} {v:.4f}" for k, v in final.items()))
@@ -324,7 +335,28 @@ def report(current: Run, summary: dict, sweep: dict | None, rows: list[dict]) ->
         100 * shares["all"],
         ", ".join(f"{k} {100 * v:.1f}%" for k, v in shares.items() if k != "all"),
     )
+    saved = summary["checkpoints"]
+    log.info(
+        "checkpoints (%s): the training loop was blocked %.2f s by %d saves (%.3f s each), then %.2f s waiting for "
+        "the last one",
+        saved["mode"],
+        saved["blocking_s"],
+        saved["saves"],
+        saved["blocking_s"] / max(saved["saves"], 1),
+        saved["final_wait_s"],
+    )
     log.info("wrote %s, %s and %s/", current.metrics.path, out / "plot.png", out / "export")
+
+
+def merge_last(current: Run) -> dict:
+    """Collective: the average of the newest ``merge.last`` checkpoints, evaluated on the held-out
+    text and exported; what the summary records of it."""
+    out, wrapped = current.job.out, current.wrapped
+    merged = merging.merge_last(out, current.job.cfg["merge"]["last"], wrapped)
+    with merged.average.swapped():
+        loss = heldout_loss(wrapped, current.evaluation)
+    merged.average.export(out / "export" / merged.name)
+    return {"name": merged.name, "steps": merged.steps, "heldout": loss}
 
 
 @dataclass
@@ -389,7 +421,8 @@ def plot_posthoc(sweep: dict, final: dict, path: Path, cfg: dict) -> None:
     if points:
         axes.plot(*zip(*points), marker="o", linewidth=2, label="post-hoc EMA, synthesized")
     for (name, loss), color in zip(final.items(), ("grey", "tab:orange", "tab:red", "tab:purple", "tab:brown")):
-        axes.axhline(loss, linestyle="--", linewidth=1, color=color, label=f"{name} (kept)")
+        label = name if name == "raw" else f"{name} ({'merged checkpoints' if name.startswith('merge-') else 'kept'})"
+        axes.axhline(loss, linestyle="--", linewidth=1, color=color, label=label)
     if sweep["best"] is not None:
         axes.axvline(sweep["best"], color="green", alpha=0.4, label=f"best sigma_rel {sweep['best']:g}")
     profiles = ", ".join(f"{s:g}" for s in cfg["posthoc"]["sigma_rels"])
@@ -431,7 +464,7 @@ def main(argv: list[str] | None = None) -> int:
         with rundir.locked(job.out):
             run(job)
             dist.barrier()  # every rank done before any leaves
-    except (rundir.RunRefused, checkpoints.Unreadable) as error:  # raised on every rank alike
+    except (rundir.RunRefused, checkpoints.Unreadable, merging.MergeFailed) as error:  # raised on every rank alike
         if rank == 0:
             log.error("error: %s", error)
         dist.barrier()  # rank 0 has said why before any rank leaves (torchrun stops the others then)

@@ -125,7 +125,7 @@ def _inputs(inputs: Sequence[str | os.PathLike] | str | os.PathLike, last: int |
 def _check_out(out: str | os.PathLike, inputs: list[Path], output: Output) -> None:
     """OUT names a folder of its own: not an input, inside one, or holding one (which its writing
     could replace), nor inside any checkpoint; new, empty, or holding nothing but an earlier
-    merge (or export) of shardavg's, which it replaces."""
+    merge (or export) of shardavg's in the same format, which it replaces."""
     if not os.fspath(out):
         raise ValueError("OUT is empty: name the folder to write the merged model into")
     target = Path(out).resolve()
@@ -133,9 +133,11 @@ def _check_out(out: str | os.PathLike, inputs: list[Path], output: Output) -> No
         source = path.resolve()
         if target == source or source in target.parents or target in source.parents:
             raise CheckpointError(f"OUT {out} and the input {path} lie one inside the other: write to a folder apart")
-    enclosing = enclosing_checkpoint(Path(out))
+    enclosing = enclosing_checkpoint(Path(out).parent)
     if enclosing is not None:
         raise CheckpointError(f"OUT {out} is inside the checkpoint {enclosing}: write to a folder of its own")
+    if output == "safetensors" and enclosing_checkpoint(Path(out)) is not None:  # (an averager checkpoint is
+        raise CheckpointError(f"OUT {out} is a checkpoint: name a model folder of its own")  # replaced only by one)
     if output == "safetensors" and Path(out).is_dir() and not Path(out).is_symlink():
         own = {name for name, ours in export_files(Path(out)).items() if ours}
         others = sorted(p.name for p in Path(out).iterdir() if p.name not in own | {*HF_CONFIGS, LOCK_FILE})

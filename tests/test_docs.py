@@ -24,7 +24,6 @@ EXAMPLES = [
 ]
 
 
-
 # DeepSpeed announces itself (its accelerator pick, an op it compiled for this machine) on stdout,
 # differently per machine and only the first time in a process: not the examples' output.
 FRAMEWORK_NOTICE = re.compile(r"DeepSpeed \S+ built successfully|\[\d{4}-\d\d-\d\d [\d:,]+\] \[(INFO|WARNING)\]")

@@ -23,7 +23,7 @@ from safetensors.torch import load_file, save_file
 
 import shardavg
 import shardavg.cli
-from shardavg import EMA, SWA, CheckpointError, WeightAverager
+from shardavg import EMA, SWA, WeightAverager
 
 STEPS = 4
 
@@ -81,7 +81,9 @@ def reference(states: list[dict[str, torch.Tensor]], shares: list[float]) -> dic
 
 def read_model(folder: Path) -> dict[str, torch.Tensor]:
     index = folder / "model.safetensors.index.json"
-    files = sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.exists() else ["model.safetensors"]
+    files = (
+        sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.exists() else ["model.safetensors"]
+    )
     state = {}
     for file in files:
         state |= load_file(str(folder / file))
@@ -156,6 +158,12 @@ def test_an_average_of_a_dcp_averager_and_the_shardavg_output_loads_at_world_siz
     loaded.load(out)  # strict: names (tied ones apart in the merge), shapes and rule all match
     assert_bitwise(loaded.full_state_dict(), reference([run.ema[3], run.ema[4]], [0.5, 0.5]))
     assert loaded.num_updates == 2 and loaded.step == 4
+    again = shardavg.merge(run.avg(4), out, average="ema", output="shardavg")  # its own earlier merge: replaced
+    loaded.load(again)
+    assert_bitwise(loaded.full_state_dict(), reference([run.ema[4]], [1.0]))
+    with pytest.raises(shardavg.CheckpointError, match=f"OUT {out} is a checkpoint: name a model folder of its own"):
+        shardavg.merge(run.avg(4), out, average="ema")  # a model folder is not written over a checkpoint
+    loaded.load(out)  # untouched
 
 
 def test_a_model_saved_by_transformers_merges_and_loads_with_from_pretrained(tmp_path: Path) -> None:
@@ -184,7 +192,9 @@ def test_a_model_saved_by_transformers_merges_and_loads_with_from_pretrained(tmp
 
 
 def cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "shardavg", "merge", *args], capture_output=True, text=True, timeout=120)
+    return subprocess.run(
+        [sys.executable, "-m", "shardavg", "merge", *args], capture_output=True, text=True, timeout=120
+    )
 
 
 class Refusals:
@@ -320,8 +330,9 @@ def load_file_metadata(folder: Path) -> dict[str, str]:
 
 
 def test_memory_does_not_grow_with_the_number_of_inputs(tmp_path: Path) -> None:
-    """8 inputs of a 64 MiB model (16 tensors of 4 MiB): the merge adds a few tensors' worth of
-    memory (the accumulator, one input's tensor, the writer's piece), the same for 2 inputs as for 8."""
+    """8 inputs of a 64 MiB model (16 tensors of 4 MiB): the merge adds three tensors' worth of
+    memory (the accumulator, one input's tensor, the writer's piece), the same for 2 inputs as for 8
+    (glibc's mmap threshold fixed, so that freed tensors leave: ``merge_memory.ALLOCATOR``)."""
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "launch"))
     from merge_memory import peak_added, write_inputs
 
@@ -329,5 +340,6 @@ def test_memory_does_not_grow_with_the_number_of_inputs(tmp_path: Path) -> None:
     inputs = write_inputs(tmp_path / "inputs", {f"layer{i}.weight": (1024, 1024) for i in range(16)}, 8)
     added = {count: peak_added(inputs[:count], tmp_path / f"out{count}") for count in (2, 8)}
     assert tensor_bytes <= added[2], added  # it measured the merge: at least its accumulator
-    assert added[8] <= 4 * tensor_bytes + 16 * 2**20, added  # not 8 inputs' worth (512 MiB), nor one model (64 MiB)
-    assert added[8] <= added[2] + tensor_bytes, added
+    # the accumulator, one input's tensor, the writer's piece: not 8 inputs' worth (512 MiB), nor one model (64 MiB)
+    assert added[8] <= 3 * tensor_bytes + 2 * 2**20, added
+    assert added[8] <= added[2] + 2**20, added  # (holding each input's tensor would add 6 tensors, 24 MiB)

@@ -124,6 +124,56 @@ def test_tensor_and_pipeline_parallel_degrees_must_fit_the_launch_and_the_model(
     assert message in refused(caplog, monkeypatch, *argv, world=4)
 
 
+ZERO3 = str(CONFIGS / "zero3.yaml")
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (
+            ["--config", ZERO3, "--set", "merge.last=2"],
+            "config key 'merge.last': the zero3 engine's checkpoints are DeepSpeed's own, pickled states that "
+            "shardavg merge never loads: set it to 0",
+        ),
+        (
+            ["--config", ZERO3, "--set", "checkpoint.async=true"],
+            "config key 'checkpoint.async': the zero3 engine saves DeepSpeed's own checkpoints, which DCP cannot "
+            "save asynchronously: set it to false",
+        ),
+        (["--config", FSDP2, "--set", "checkpoint.async=1"], "config key 'checkpoint.async' takes a bool, got 1"),
+        (["--config", FSDP2, "--set", "merge.last=-1"], "config key 'merge.last' must be from 0 and at most"),
+        (["--config", FSDP2, "--set", "merge.last=two"], "config key 'merge.last' takes an int, got 'two'"),
+        (
+            ["--config", FSDP2, "--set", "merge.last=5"],
+            "config key 'merge.last' (5) exceeds 'checkpoint.keep_last' (4): keep at least as many checkpoints",
+        ),
+        (
+            ["--config", FSDP2, "--steps", "120"],  # checkpoints at 50, 100 and the last step
+            "config key 'merge.last' (4): the run will end with the checkpoints of steps [50, 100, 120] only; "
+            "lower it, or checkpoint more often ('checkpoint.every')",
+        ),
+        (
+            ["--config", FSDP2, "--set", "checkpoint.every=1000"],
+            "config key 'merge.last' (4): the run will end with the checkpoints of steps [600] only",
+        ),
+    ],
+)
+def test_a_merge_or_async_checkpoints_the_run_cannot_give_are_refused(caplog, monkeypatch, argv, message) -> None:
+    assert message in refused(caplog, monkeypatch, *argv)
+
+
+def test_a_resumed_run_counts_the_checkpoints_it_keeps_from_before(caplog, monkeypatch, tmp_path) -> None:
+    """Resumed from step 8 with checkpoints at 4 and 8, a run to step 10 ends with three: merge.last 3
+    fits, 4 does not."""
+    dcp_checkpoint(tmp_path, 4), dcp_checkpoint(tmp_path, 8)
+    argv = ["--config", FSDP2, "--out", str(tmp_path), "--resume", "--steps", "10"]
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    job = train.load_job(train.parse_args([*argv, "--set", "merge.last=3"]), world=2)
+    assert job.resume_from == tmp_path / "checkpoints" / "step-00000008"
+    message = refused(caplog, monkeypatch, *argv)
+    assert "config key 'merge.last' (4): the run will end with the checkpoints of steps [4, 8, 10] only" in message
+
+
 def test_a_config_file_with_an_unknown_missing_or_mistyped_key_is_refused(caplog, monkeypatch, tmp_path) -> None:
     def extra(config):
         config["model"]["depth"] = 3
@@ -177,6 +227,8 @@ def test_every_shipped_config_is_valid(monkeypatch) -> None:
         job = train.load_job(train.parse_args(["--config", str(path)]), world=2)
         assert job.cfg["engine"] == path.stem and set(job.rules) == {"ema", "power"}
         assert (job.deepspeed_config is not None) == (path.stem == "zero3")
+        assert job.cfg["checkpoint"]["async"] is False
+        assert job.cfg["merge"]["last"] == (None if path.stem == "zero3" else 4)  # (steps 450 to 600)
 
 
 def test_data_that_cannot_serve_is_refused_naming_it(caplog, monkeypatch, tmp_path) -> None:

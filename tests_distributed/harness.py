@@ -200,7 +200,10 @@ def build_hsdp(dtype: torch.dtype) -> Engine:
     return engine
 
 
-def build_fsdp1(dtype: torch.dtype, use_orig_params: bool) -> Engine:
+def build_fsdp1(dtype: torch.dtype, use_orig_params: bool, mesh: bool = False) -> Engine:
+    """FSDP1 over the default group, or (``mesh``) over a 1-D device mesh, whose sharded state
+    dicts hold DTensors rather than ``ShardedTensor``s."""
+    from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
     from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 
@@ -212,6 +215,7 @@ def build_fsdp1(dtype: torch.dtype, use_orig_params: bool) -> Engine:
         auto_wrap_policy=ModuleWrapPolicy({Block, Frozen}),
         use_orig_params=use_orig_params,
         device_id=torch.device("cpu"),
+        device_mesh=init_device_mesh("cpu", (dist.get_world_size(),)) if mesh else None,
     )
     optimizer = _optimizer(model.parameters())
 

@@ -23,11 +23,11 @@ import threading
 from pathlib import Path
 
 import harness
+import scenario_checkpoint
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from safetensors.torch import load_file, save_file
-from scenario_checkpoint import build
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
@@ -52,26 +52,30 @@ class GatedWriter(dcp.FileSystemWriter):
 
 
 def request(engine: harness.Engine, avg: WeightAverager) -> dict:
-    """Model, optimizer and averager, as one DCP state dict. FSDP1's model and optimizer state
-    dicts hold ``ShardedTensor``s, which DCP's ``DefaultStager`` cannot copy in torch 2.13 (it asks
-    them for a ``data_ptr``): there the request holds the averager alone."""
-    if engine.name.startswith("fsdp1"):
-        return {"avg": avg}
+    """Model, optimizer and averager, as one DCP state dict."""
     model, optimizer = get_state_dict(engine.model, engine.optimizer)
     return {"model": model, "optimizer": optimizer, "avg": avg}
 
 
+def build(kind: str) -> harness.Engine:
+    """The checkpoint scenarios' engines; FSDP1 over a device mesh, whose sharded state dicts hold
+    DTensors: DCP's ``DefaultStager`` cannot copy the ``ShardedTensor``s FSDP1 gives without one
+    (in torch 2.13 it asks them for a ``data_ptr``)."""
+    if kind == "fsdp1":
+        return harness.build_fsdp1(torch.float32, use_orig_params=dist.get_world_size() % 4 == 0, mesh=True)
+    return scenario_checkpoint.build(kind)
+
+
 def restore(engine: harness.Engine, state: dict) -> None:
-    """The model and optimizer from a loaded request (where it holds them)."""
-    if "model" in state:
-        set_state_dict(engine.model, engine.optimizer, model_state_dict=state["model"],
-                       optim_state_dict=state["optimizer"])  # fmt: skip
+    """The model and optimizer from a loaded request."""
+    set_state_dict(engine.model, engine.optimizer, model_state_dict=state["model"],
+                   optim_state_dict=state["optimizer"])  # fmt: skip
 
 
 def snapshot(engine: harness.Engine, avg: WeightAverager) -> dict[str, torch.Tensor]:
-    """Collective: the full live parameters (where the request holds them; not the BatchNorm
-    buffers, which each rank keeps its own of and DCP saves one of) and every full average, every rank."""
-    live = engine.gather_live() if not engine.name.startswith("fsdp1") else {}
+    """Collective: the full live parameters (not the BatchNorm buffers, which each rank keeps its
+    own of and DCP saves one of) and every full average, every rank."""
+    live = engine.gather_live()
     own = {canonical_name(n).removeprefix("module.") for n, _ in engine.model.named_buffers()}
     state = {f"live.{k}": v for k, v in live.items() if k not in own}
     for name in RULES:
@@ -157,9 +161,7 @@ def refused_by_the_writers_own_stager(root: Path, group: dist.ProcessGroup) -> N
 
 
 def _optimizer_state(engine: harness.Engine) -> dict[str, torch.Tensor]:
-    """This rank's optimizer tensors (momentum buffers), by parameter and key (where the request holds them)."""
-    if engine.name.startswith("fsdp1"):
-        return {}
+    """This rank's optimizer tensors (momentum buffers), by parameter and key."""
     _, optimizer = get_state_dict(engine.model, engine.optimizer)
     found = {}
     for name, entry in optimizer["state"].items():

@@ -181,7 +181,7 @@ def check_refused_placements() -> None:
     if type(model.weight.placements[0]) is Unknown:  # torch 2.13 keeps the class as given
         with expect_raises(StrategyError, "param 'weight' has the placement", "which shardavg does not know"):
             WeightAverager(model)
-    else:  # torch 2.14 makes any Shard subclass a Shard (a plain Placement subclass crashes it): nothing unknown is left
+    else:  # torch 2.14 makes any Shard subclass a Shard (a plain Placement subclass crashes it): none is unknown
         assert model.weight.placements == (Shard(0),), model.weight.placements
         WeightAverager(model)
     model = nn.Linear(4, 4)

@@ -1,6 +1,8 @@
 """The main job (launch/train.py) end to end at a tiny size, under every engine at 2 processes:
 it trains, its exports load strict into the plain model, and ``--resume`` from a mid-run
-checkpoint ends bitwise where the uninterrupted run ends. Plus a real two-node HSDP launch."""
+checkpoint ends bitwise where the uninterrupted run ends; the merge of the last checkpoints is
+their fp32 average; asynchronous checkpoints change nothing, and a rank killed with one in
+flight leaves the previous one to resume from. Plus a real two-node HSDP launch."""
 
 from __future__ import annotations
 
@@ -32,12 +34,16 @@ ENGINES = ("ddp", "fsdp1", "fsdp2", "hsdp", "zero3", "fsdp2_tp", "pp")
 PROCESSES = {"fsdp2_tp": 4, "pp": 4}  # a 2 x 2 mesh: 2 data-parallel ranks, as the others at 2 processes
 KEPT = ("raw", "ema", "power")  # evaluated during training
 NAMES = (*KEPT, "posthoc")  # exported; posthoc: the best of the post-hoc sweep
+MERGED = "merge-last2"  # the average of the checkpoints of steps 4 and 8 (every engine's but zero3's)
+DCP_ENGINES = tuple(e for e in ENGINES if e != "zero3")  # (zero3 saves DeepSpeed's own checkpoints: no merge, no async)
 
 
 def job_args(engine: str, out: Path, *extra: str) -> list[str]:
     args = ["--config", str(ROOT / "configs" / f"{engine}.yaml"), "--out", str(out), "--steps", str(STEPS)]
     for key, value in TINY.items():
         args += ["--set", f"{key}={value}"]
+    if engine in DCP_ENGINES:
+        args += ["--set", "merge.last=2"]
     return [*args, *extra]
 
 
@@ -50,11 +56,13 @@ def train(engine: str, out: Path, *extra: str, nproc: int | None = None) -> dict
 
 
 def exported(out: Path) -> dict[str, dict[str, torch.Tensor]]:
-    return {name: load_file(out / "export" / name / "model.safetensors") for name in NAMES}
+    names = (*NAMES, MERGED) if (out / "export" / MERGED).is_dir() else NAMES
+    return {name: load_file(out / "export" / name / "model.safetensors") for name in names}
 
 
 def assert_bitwise(got: dict, want: dict, what: str) -> None:
-    for name in NAMES:
+    assert got.keys() == want.keys(), what
+    for name in want:
         assert got[name].keys() == want[name].keys(), (what, name)
         different = [k for k in want[name] if not torch.equal(got[name][k], want[name][k])]
         assert not different, f"{what}: {name} differs in {different}"
@@ -78,6 +86,9 @@ def test_the_job_trains_evaluates_and_exports_what_the_plain_model_loads(runs, e
     assert set(rows[-1]["heldout"]) == set(KEPT) and rows[-1]["heldout"]["raw"] < rows[0]["heldout"]["raw"]
     assert summary["engine"] == engine and summary["processes"] == PROCESSES.get(engine, 2)
     assert summary["tokens_per_s"] > 0
+    saved = summary["checkpoints"]  # what checkpointing cost the training loop
+    assert saved["mode"] == "sync" and saved["saves"] == 2 and set(saved["blocking_s_per_checkpoint"]) == {"4", "8"}
+    assert 0 < saved["blocking_s"] == pytest.approx(sum(saved["blocking_s_per_checkpoint"].values()), abs=1e-3)
     shares = summary["update_share_of_step"]  # what averaging costs the step, per average and in all
     assert set(shares) == {"ema", "power", "posthoc", "all"} and all(0 < v < 1 for v in shares.values()), shares
     assert (
@@ -93,7 +104,8 @@ def test_the_job_trains_evaluates_and_exports_what_the_plain_model_loads(runs, e
     sizes = {k: v for k, v in TINY.items() if k.startswith("model.")}
     plain = GPT(GPTConfig(**{k.split(".")[1]: v for k, v in sizes.items()}))
     weights = exported(out)
-    for name in NAMES:
+    assert set(weights) == ({*NAMES, MERGED} if engine in DCP_ENGINES else set(NAMES)), sorted(weights)
+    for name in weights:
         plain.load_state_dict(weights[name], strict=True)
     assert plain.head.weight is plain.embed.weight  # still tied after the load
     assert not torch.equal(weights["ema"]["embed.weight"], weights["raw"]["embed.weight"])
@@ -116,16 +128,97 @@ def test_every_engine_reaches_the_same_losses(runs) -> None:
 
 @pytest.mark.parametrize("engine", ENGINES)
 def test_resume_from_a_mid_run_checkpoint_ends_bitwise_where_the_uninterrupted_run_ends(runs, engine, tmp_path) -> None:
+    """The resumed run saves asynchronously (every engine but ZeRO-3, whose checkpoints are
+    DeepSpeed's own): its checkpoint of step 8 is a ``dcp.async_save`` request, and the merge of it
+    with step 4's, exported, is part of what must equal the uninterrupted synchronous run's."""
     middle = runs[engine] / "checkpoints" / "step-000000004"
     assert (middle / "train.json").is_file(), sorted(p.name for p in middle.parent.iterdir())
     shutil.copytree(middle, tmp_path / "checkpoints" / middle.name)
     for snapshot in ("snapshot-000000003",):  # what the run had written by step 4 (the next comes at 6)
         shutil.copytree(runs[engine] / "posthoc" / snapshot, tmp_path / "posthoc" / snapshot)
-    summary = train(engine, tmp_path, "--resume")
-    assert summary["resumed_from"] == 4
+    asynchronous = engine in DCP_ENGINES
+    summary = train(engine, tmp_path, "--resume", *(["--set", "checkpoint.async=true"] if asynchronous else []))
+    assert summary["resumed_from"] == 4 and summary["checkpoints"]["mode"] == ("async" if asynchronous else "sync")
     assert_bitwise(exported(tmp_path), exported(runs[engine]), f"{engine} resumed at step 4")
     uninterrupted = json.loads((runs[engine] / "summary.json").read_text())
     assert summary["heldout"] == uninterrupted["heldout"] and summary["posthoc"] == uninterrupted["posthoc"]
+
+
+def checkpointed_model(folder: Path) -> dict[str, torch.Tensor]:
+    """The full tensors under ``model.`` of a main-job DCP checkpoint, read in one process by DCP itself."""
+    import torch.distributed.checkpoint as dcp
+
+    metadata = dcp.FileSystemReader(str(folder)).read_metadata()
+    state = {
+        key: torch.empty(stored.size, dtype=stored.properties.dtype)
+        for key, stored in metadata.state_dict_metadata.items()
+        if key.startswith("model.")
+    }
+    dcp.load(state, checkpoint_id=str(folder), no_dist=True)
+    return {key.removeprefix("model."): tensor for key, tensor in state.items()}
+
+
+def heldout_loss(weights: dict[str, torch.Tensor]) -> float:
+    """The job's held-out loss of ``weights`` in the plain model, in one process: every data rank's batches."""
+    import data
+
+    sizes = {k.split(".")[1]: v for k, v in TINY.items() if k.startswith("model.")}
+    plain = GPT(GPTConfig(**sizes)).eval()
+    plain.load_state_dict(weights, strict=True)
+    corpus = data.load_corpus(None, 0.1, TINY["data.max_bytes"], 0, sizes["context"])
+    batches = [
+        batch for rank in (0, 1)
+        for batch in data.heldout_batches(corpus.heldout, rank, 2, TINY["eval.batches"], TINY["train.batch_size"],
+                                          sizes["context"])
+    ]  # fmt: skip
+    with torch.no_grad():
+        return sum(plain(tokens, targets).double().item() for tokens, targets in batches) / len(batches)
+
+
+@pytest.mark.parametrize("engine", DCP_ENGINES)
+def test_the_merge_of_the_last_checkpoints_is_their_fp32_average(runs, engine) -> None:
+    """``merge.last: 2`` averages the checkpoints of steps 4 and 8: the export is, bitwise, their
+    model entries averaged in fp32 in step order (read by DCP, not by shardavg), and its held-out
+    loss is that of those weights."""
+    out = runs[engine]
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["merge"]["name"] == MERGED and summary["merge"]["steps"] == [4, 8], summary["merge"]
+    inputs = [checkpointed_model(out / "checkpoints" / f"step-{step:09d}") for step in (4, 8)]
+    reference = {}
+    for name in inputs[0]:
+        total = torch.zeros(inputs[0][name].shape, dtype=torch.float32)
+        for tensors in inputs:
+            total.add_(tensors[name].to(torch.float32).mul_(1 / len(inputs)))
+        reference[name] = total
+    merged = load_file(out / "export" / MERGED / "model.safetensors")
+    assert merged.keys() <= reference.keys() and "embed.weight" in merged, (sorted(merged), sorted(reference))
+    different = [name for name in merged if not torch.equal(merged[name], reference[name])]
+    assert not different, f"{engine}: the merge differs from the fp32 average in {different}"
+    loss = summary["heldout"][MERGED]
+    assert loss == summary["merge"]["heldout"] and abs(loss - heldout_loss(merged)) < 1e-5, (loss, engine)
+
+
+def test_async_checkpoints_change_nothing_and_a_kill_in_flight_leaves_the_previous_one(runs, tmp_path) -> None:
+    """``checkpoint.async``: rank 1 is killed right after the request of step 8 is started (step 4's
+    is committed by then). The run trained exactly as the synchronous one (its held-out record is
+    the same); the killed request is never committed (its staging folder has no train.json,
+    whatever data reached it); ``--resume`` takes step 4, saves asynchronously again, and ends
+    bitwise where the uninterrupted synchronous run ends, merge included."""
+    out = tmp_path / "run"
+    args = job_args("fsdp2", out, "--set", "checkpoint.async=true")
+    killed = torchrun(str(ROOT / "launch" / "train.py"), 2, *args, timeout=300,
+                      env={"SHARDAVG_TEST_KILL_IN_FLIGHT": "8"})  # fmt: skip
+    assert killed.returncode != 0 and "Signal 9 (SIGKILL) received" in killed.output, killed.output[-5000:]
+    assert (out / "metrics.jsonl").read_text() == (runs["fsdp2"] / "metrics.jsonl").read_text()
+    checkpoints = out / "checkpoints"
+    assert sorted(p.name for p in checkpoints.iterdir()) == [".step-000000008.incomplete", "step-000000004"]
+    assert not (checkpoints / ".step-000000008.incomplete" / "train.json").exists()
+    resumed = train("fsdp2", out, "--set", "checkpoint.async=true", "--resume")
+    assert resumed["resumed_from"] == 4 and resumed["checkpoints"]["mode"] == "async", resumed["checkpoints"]
+    assert sorted(p.name for p in checkpoints.iterdir()) == ["step-000000004", "step-000000008"]
+    assert_bitwise(exported(out), exported(runs["fsdp2"]), "async, killed at step 8 and resumed from step 4")
+    uninterrupted = json.loads((runs["fsdp2"] / "summary.json").read_text())
+    assert resumed["heldout"] == uninterrupted["heldout"] and resumed["posthoc"] == uninterrupted["posthoc"]
 
 
 def free_port() -> int:
@@ -234,7 +327,7 @@ def test_a_pickle_in_a_checkpoint_entry_is_refused_in_one_line(runs, tmp_path) -
     record = json.loads((folder / "train.json").read_text())
     (folder / "train.json").write_text(json.dumps({"step": record["step"], "engine": record["engine"]}))
     subprocess.run([sys.executable, "-c", PLANT, str(folder)], check=True)
-    args = job_args("fsdp2", tmp_path / "out", "--resume-from", str(folder))
+    args = job_args("fsdp2", tmp_path / "out", "--resume-from", str(folder), "--set", "merge.last=0")  # (1 to merge)
     launch = torchrun(str(ROOT / "launch" / "train.py"), 2, *args, timeout=300)
     assert launch.returncode != 0
     said = [line for line in launch.output.splitlines() if line.startswith("error: ")]
