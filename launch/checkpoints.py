@@ -186,7 +186,12 @@ def finished(root: Path) -> list[Path]:
     if not root.is_dir():
         return []
     found = [p for p in root.iterdir() if STEP.fullmatch(p.name) and (p / MARKER).is_file()]
-    return sorted(found, key=lambda p: int(STEP.fullmatch(p.name).group(1)))
+    return sorted(found, key=step_of)
+
+
+def step_of(folder: Path) -> int:
+    """The step a checkpoint folder's name (``step-NNNNNNNNN``) gives."""
+    return int(STEP.fullmatch(folder.name).group(1))
 
 
 def digests(folder: Path) -> dict[str, str]:

@@ -259,7 +259,7 @@ def _check_merge(cfg: dict, root: Path, resume_from: Path | None) -> None:
             "checkpoints as it merges"
         )
     start = 0 if resume_from is None else json.loads((resume_from / checkpoints.MARKER).read_text())["step"]
-    earlier = [int(checkpoints.STEP.fullmatch(p.name).group(1)) for p in checkpoints.finished(root)]
+    earlier = [checkpoints.step_of(p) for p in checkpoints.finished(root)]
     kept = [s for s in earlier if s <= start] + _saved_steps(start, cfg["steps"], cfg["checkpoint"]["every"], last)
     kept = kept[-keep_last:]
     if last > len(kept):

@@ -45,7 +45,7 @@ def merge_last(out: Path, last: int, wrapped: Wrapped) -> Merged:
     reason, steps = None, []
     if dist.get_rank() == 0:
         found = checkpoints.finished(out / "checkpoints")[-last:]
-        steps = [int(checkpoints.STEP.fullmatch(folder.name).group(1)) for folder in found]
+        steps = [checkpoints.step_of(folder) for folder in found]
         try:
             shardavg.merge(out, out / FOLDER, last=last, prefix="model.", dtype=torch.float32, output="shardavg")
         except (shardavg.CheckpointError, ValueError, OSError) as error:

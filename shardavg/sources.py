@@ -171,12 +171,10 @@ class SafetensorsSource(Source):
         """The step a shardavg export recorded in its metadata, else the folder's name's."""
         recorded = self.files[0].metadata.get("shardavg") if self.files else None
         try:
-            step = json.loads(recorded).get("step") if recorded else None
+            step = _a_step(json.loads(recorded).get("step")) if recorded else None
         except (ValueError, AttributeError):
             step = None
-        if isinstance(step, int) and not isinstance(step, bool) and step >= 0:
-            return step
-        return _step_of(self.path if self.path.is_dir() else self.path.parent)
+        return step if step is not None else _step_of(self.path if self.path.is_dir() else self.path.parent)
 
     def read(self, name: str) -> torch.Tensor:
         file = self.where[name]
@@ -210,10 +208,14 @@ def _step_of(folder: Path) -> int | None:
     if match:
         return int(match.group(1))
     try:
-        step = json.loads((folder / RUN_MARKER).read_text()).get("step")
+        return _a_step(json.loads((folder / RUN_MARKER).read_text()).get("step"))
     except (OSError, UnicodeDecodeError, ValueError, AttributeError):
         return None
-    return step if isinstance(step, int) and not isinstance(step, bool) and step >= 0 else None
+
+
+def _a_step(value: object) -> int | None:
+    """``value`` where it is a training step (an int >= 0), else None."""
+    return value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else None
 
 
 def _deepspeed_files(path: Path) -> list[str]:
