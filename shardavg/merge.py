@@ -17,7 +17,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import shutil
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Literal
@@ -32,7 +31,7 @@ from .format import FORMAT, VERSION
 from .ownership import LOCK_FILE, enclosing_checkpoint, export_files
 from .rules import SWA
 from .sources import Source, Spec, finished_checkpoints, open_source
-from .storage import Entry, dtype_name
+from .storage import Entry, atomic_file, dtype_name
 
 Output = Literal["safetensors", "shardavg"]
 HF_CONFIGS = ("config.json", "generation_config.json")  # copied from a Hugging Face input, for from_pretrained
@@ -275,8 +274,10 @@ def _description(sources: list[Source], shares: list[float], specs: dict[str, Sp
 
 def _copy_configs(sources: list[Source], out: Path) -> None:
     """A Hugging Face model's ``config.json`` (and generation config) from the newest input that has
-    one, where ``out`` lacks it, so that ``from_pretrained`` loads the merge."""
+    one, so that ``from_pretrained`` loads the merge; it replaces the one an earlier merge there
+    copied (a model of another shape would otherwise load with a stale config)."""
     for name in HF_CONFIGS:
         found = [s.path / name for s in sources if s.path.is_dir() and (s.path / name).is_file()]
-        if found and not (out / name).exists():
-            shutil.copyfile(found[-1], out / name)
+        if found:
+            with atomic_file(out / name) as handle:
+                handle.write(found[-1].read_bytes())

@@ -180,12 +180,18 @@ def test_a_model_saved_by_transformers_merges_and_loads_with_from_pretrained(tmp
         states.append({k: v.detach().clone() for k, v in model.state_dict().items()})
     assert (folders[-1] / "model.safetensors.index.json").is_file()
     out = shardavg.merge(folders, tmp_path / "soup", max_shard_size="50KB")
-    assert (out / "config.json").is_file() and (out / "model.safetensors.index.json").is_file()
+    assert (out / "config.json").read_bytes() == (folders[-1] / "config.json").read_bytes()
+    assert (out / "model.safetensors.index.json").is_file()
     merged = transformers.GPT2LMHeadModel.from_pretrained(out)
     want = reference(states, [1 / 3] * 3)
     got = merged.state_dict()
     for name, value in read_model(out).items():
         assert torch.equal(value, want[name]) and torch.equal(got[name], want[name]), name
+    wider = tmp_path / "wider"  # another model merged into the same folder: its config replaces the first's
+    transformers.GPT2LMHeadModel(transformers.GPT2Config(**(config.to_dict() | {"n_embd": 64}))).save_pretrained(wider)
+    shardavg.merge([wider], out)
+    assert transformers.GPT2LMHeadModel.from_pretrained(out).config.n_embd == 64
+    assert sorted(p.name for p in out.iterdir()) == ["config.json", "generation_config.json", "model.safetensors"]
 
 
 # ------------------------------------------------------------------------- refusals
