@@ -194,6 +194,20 @@ def test_a_model_saved_by_transformers_merges_and_loads_with_from_pretrained(tmp
     assert sorted(p.name for p in out.iterdir()) == ["config.json", "generation_config.json", "model.safetensors"]
 
 
+def test_a_link_planted_at_the_config_is_replaced_not_written_through(tmp_path: Path) -> None:
+    model = tmp_path / "model"
+    model.mkdir()
+    save_file({"w": torch.ones(3)}, str(model / "model.safetensors"))
+    (model / "config.json").write_text('{"hidden_size": 3}')
+    yours, out = tmp_path / "yours.json", tmp_path / "out"
+    yours.write_text("yours")
+    out.mkdir()
+    (out / "config.json").symlink_to(yours)
+    shardavg.merge([model], out)
+    assert yours.read_text() == "yours"
+    assert not (out / "config.json").is_symlink() and (out / "config.json").read_text() == '{"hidden_size": 3}'
+
+
 # ------------------------------------------------------------------------- refusals
 
 
