@@ -85,6 +85,7 @@ FLOATS = {
     "train.grad_clip": (0.0, False),
 }
 MEMORY_SHARE = 0.8  # of this machine's memory the training step may need, split across its processes
+SHIPPED = Path(__file__).resolve().parents[1] / "configs"  # the configs this repository ships
 
 
 @dataclass
@@ -97,6 +98,7 @@ class Job:
     resume_from: Path | None  # the newest finished checkpoint that validates, with --resume
     deepspeed_config: dict | None  # zero3 only
     corpus: data.Corpus
+    merge_last: int  # how many checkpoints the run merges at its end (0: none), at most 'merge.last'
 
 
 def load_job(args: argparse.Namespace, world: int) -> Job:
@@ -121,10 +123,10 @@ def load_job(args: argparse.Namespace, world: int) -> Job:
         raise ConfigError(f"config key 'data.path': {cfg['data']['path']} does not exist")
     out = Path(args.out or Path("runs") / Path(args.config).stem)
     resume_from = _resume_from(args, out, cfg["engine"])
-    _check_merge(cfg, out / "checkpoints", resume_from)
+    merge_last = plan_merge(cfg, out / "checkpoints", resume_from, required=merge_is_required(args))
     rundir.check_out(out, resuming=resume_from is not None)
     corpus = _corpus(cfg)
-    return Job(cfg, rules, out, resume_from, deepspeed_config, corpus)
+    return Job(cfg, rules, out, resume_from, deepspeed_config, corpus, merge_last)
 
 
 def _value(cfg: dict, key: str):
@@ -232,7 +234,7 @@ def _check_engine_fits(cfg: dict, config_path: Path, world: int) -> dict | None:
 
 def _check_checkpoints(cfg: dict) -> None:
     """What the engine's checkpoints allow: ZeRO-3's are DeepSpeed's own, saved by DeepSpeed in the
-    loop, and hold pickled states that merge never loads."""
+    loop, not by DCP (their merge: ``plan_merge``)."""
     if cfg["engine"] != "zero3":
         return
     if cfg["checkpoint"]["async"]:
@@ -240,33 +242,67 @@ def _check_checkpoints(cfg: dict) -> None:
             "config key 'checkpoint.async': the zero3 engine saves DeepSpeed's own checkpoints, which DCP cannot "
             "save asynchronously: set it to false"
         )
-    if cfg["merge"]["last"]:
-        raise ConfigError(
-            "config key 'merge.last': the zero3 engine's checkpoints are DeepSpeed's own, pickled states that "
-            "shardavg merge never loads: set it to 0 (or merge the averages' checkpoints beside them offline)"
-        )
 
 
-def _check_merge(cfg: dict, root: Path, resume_from: Path | None) -> None:
-    """``merge.last`` K: the run will end with at least K finished checkpoints to average (a
-    resumed run's kept ones up to its step, then those of the steps it saves at)."""
+def merge_is_required(args: argparse.Namespace) -> bool:
+    """Whether the user chose ``merge.last`` (with ``--set``, or in a YAML of their own): then a run
+    that cannot give that many checkpoints is refused. A shipped config's value is a default sized
+    for its full run, an upper bound, so that a smoke run of it works at any ``--steps``."""
+    if any(override.partition("=")[0].strip() in ("merge", "merge.last") for override in args.set):
+        return True
+    return Path(args.config).resolve().parent != SHIPPED
+
+
+def plan_merge(cfg: dict, root: Path, resume_from: Path | None, required: bool) -> int:
+    """How many checkpoints the run merges at its end (``merge.last`` K; 0: none): K when it will
+    end with at least K finished ones (a resumed run's kept ones up to its step, then those of the
+    steps it saves at). With fewer, a K the user chose (``required``) is refused before anything
+    runs; a shipped default merges what the run will have, saying so in one line."""
     last, keep_last = cfg["merge"]["last"], cfg["checkpoint"]["keep_last"]
     if not last:
-        return
-    if last > keep_last:
+        return 0
+    if cfg["engine"] == "zero3":  # its checkpoints are DeepSpeed's own: nothing to merge
+        why = "the zero3 engine's checkpoints are DeepSpeed's own, pickled states that shardavg merge never loads"
+        if required:
+            raise ConfigError(
+                f"config key 'merge.last': {why}: set it to 0 (or merge the averages' checkpoints beside them offline)"
+            )
+        log.info("merge.last %d (the config's default): %s; no merge", last, why)
+        return 0
+    if required and last > keep_last:
         raise ConfigError(
             f"config key 'merge.last' ({last}) exceeds 'checkpoint.keep_last' ({keep_last}): keep at least as many "
             "checkpoints as it merges"
         )
-    start = 0 if resume_from is None else json.loads((resume_from / checkpoints.MARKER).read_text())["step"]
-    earlier = [checkpoints.step_of(p) for p in checkpoints.finished(root)]
-    kept = [s for s in earlier if s <= start] + _saved_steps(start, cfg["steps"], cfg["checkpoint"]["every"], last)
-    kept = kept[-keep_last:]
-    if last > len(kept):
+    kept = _kept_steps(cfg, root, resume_from)
+    if last <= len(kept):
+        return last
+    if required:
         raise ConfigError(
             f"config key 'merge.last' ({last}): the run will end with the checkpoints of steps {kept} only; lower it, "
             "or checkpoint more often ('checkpoint.every')"
         )
+    if not kept:
+        log.info("merge.last %d (the config's default): the run will end with no checkpoint; no merge", last)
+        return 0
+    steps = ", ".join(map(str, kept))
+    if len(kept) == 1:
+        found = f"1 checkpoint (step {steps}); merging that one"
+    else:
+        found = f"{len(kept)} checkpoints (steps {steps}); merging those"
+    log.info("merge.last %d (the config's default): the run will end with %s", last, found)
+    return len(kept)
+
+
+def _kept_steps(cfg: dict, root: Path, resume_from: Path | None) -> list[int]:
+    """The steps of the finished checkpoints the run will end with, oldest first (of those it saves,
+    the newest ``merge.last`` at most: enough to count): a resumed run's kept ones up to its step,
+    then those of the steps it saves at, the newest ``checkpoint.keep_last`` of them all."""
+    last, keep_last = cfg["merge"]["last"], cfg["checkpoint"]["keep_last"]
+    start = 0 if resume_from is None else json.loads((resume_from / checkpoints.MARKER).read_text())["step"]
+    earlier = [checkpoints.step_of(p) for p in checkpoints.finished(root)]
+    kept = [s for s in earlier if s <= start] + _saved_steps(start, cfg["steps"], cfg["checkpoint"]["every"], last)
+    return kept[-keep_last:]
 
 
 def _saved_steps(start: int, steps: int, every: int, limit: int) -> list[int]:

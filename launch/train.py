@@ -276,7 +276,7 @@ def finish(current: Run, clock: UpdateClock, training_time: float, wall: float) 
     """Merge the newest checkpoints (``merge.last``), export the raw weights and every average,
     sweep the post-hoc EMA, plot, and write the summary."""
     cfg, out, wrapped, averages = current.job.cfg, current.job.out, current.wrapped, current.averages
-    merged = merge_last(current) if cfg["merge"]["last"] else None
+    merged = merge_last(current) if current.job.merge_last else None
     first = next(iter(averages.values()))
     exported = {"raw": str(first.export(out / "export" / "raw", live=True))}  # (any averager gathers the live weights)
     for name, average in averages.items():
@@ -349,10 +349,11 @@ def report(current: Run, summary: dict, sweep: dict | None, rows: list[dict]) ->
 
 
 def merge_last(current: Run) -> dict:
-    """Collective: the average of the newest ``merge.last`` checkpoints, evaluated on the held-out
-    text and exported; what the summary records of it."""
+    """Collective: the average of the newest ``merge.last`` checkpoints (or as many as the run has,
+    for a shipped config's default: ``Job.merge_last``), evaluated on the held-out text and
+    exported; what the summary records of it."""
     out, wrapped = current.job.out, current.wrapped
-    merged = merging.merge_last(out, current.job.cfg["merge"]["last"], wrapped)
+    merged = merging.merge_last(out, current.job.merge_last, wrapped)
     with merged.average.swapped():
         loss = heldout_loss(wrapped, current.evaluation)
     merged.average.export(out / "export" / merged.name)

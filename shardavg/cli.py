@@ -9,14 +9,16 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import sys
 from collections import Counter
 from pathlib import Path
 from typing import Any, NoReturn
 
 from .errors import CheckpointError
-from .export import export_entries, export_metadata, parse_size, write_model
+from .export import cast, export_entries, export_metadata, parse_size, write_model
 from .format import numel
+from .logs import log
 from .offline import SavedAverage
 from .ownership import enclosing_checkpoint
 from .storage import DTYPES
@@ -114,8 +116,18 @@ def _merge_parser(commands: Any) -> None:  # (argparse's subparsers action)
         "--last", nargs=2, metavar=("K", "RUN_DIR"), help="merge the newest K finished checkpoints of RUN_DIR"
     )
     merge.add_argument("--average", metavar="NAME", help="which average of a shardavg checkpoint that keeps several")
-    merge.add_argument("--key", help="an averager's key in DCP checkpoints (default: their --prefix tensors)")
-    merge.add_argument("--prefix", default="model.", help="a DCP checkpoint's tensors to merge (default model.)")
+    merge.add_argument("--key", help="an averager's key in DCP checkpoints (default: the model's tensors)")
+    merge.add_argument(
+        "--prefix", help="the entry of DCP checkpoints holding the model, like model. or '' for the top level "
+        "(default: found; optimizer, scheduler, data loader and train state entries are never merged)",
+    )  # fmt: skip
+    merge.add_argument(
+        "--include",
+        action="append",
+        metavar="PATTERN",
+        help="merge only tensors whose name matches (fnmatch; repeatable)",
+    )
+    merge.add_argument("--exclude", action="append", metavar="PATTERN", help="leave out tensors whose name matches")
     merge.add_argument("--dtype", choices=EXPORT_DTYPES, help="floating output dtype (default: the inputs', or fp32)")
     merge.add_argument("--accumulate", choices=("float32", "float64"), default="float32", help="(default float32)")
     merge.add_argument("--max-shard-size", default="5GB", help="largest file before splitting (default 5GB)")
@@ -140,7 +152,8 @@ def _merge(args: argparse.Namespace) -> str:
         raise ValueError("merge needs checkpoints IN, or --last K RUN_DIR")
     out = merge(
         inputs, args.out, weights=args.weights, last=last, ema=args.ema, key=args.key, average=args.average,
-        prefix=args.prefix, dtype=None if args.dtype is None else DTYPES[args.dtype],
+        prefix=args.prefix, include=args.include, exclude=args.exclude,
+        dtype=None if args.dtype is None else DTYPES[args.dtype],
         accumulate=DTYPES[args.accumulate], max_shard_size=args.max_shard_size, output=args.format,
     )  # fmt: skip
     return f"wrote the merge of {len(inputs) if last is None else last} checkpoints to {out}"
@@ -169,7 +182,7 @@ def _posthoc(args: argparse.Namespace) -> str:
 
     def stream():
         for entry, full in tensors:
-            full = full.to(dtype) if dtype is not None and full.is_floating_point() else full
+            full = cast(full, dtype, entry["name"])
             for _ in (entry["name"], *entry["aliases"]):
                 yield full
             del full
@@ -239,8 +252,7 @@ def _export(saved: SavedAverage, args: argparse.Namespace) -> str:
 
     def stream():
         for t in tensors:
-            full = saved.read(t["name"], average)
-            full = full.to(dtype) if dtype is not None and full.is_floating_point() else full
+            full = cast(saved.read(t["name"], average), dtype, t["name"])
             for _ in (t["name"], *t["aliases"]):
                 yield full
             del full  # before the next tensor is read
@@ -268,7 +280,11 @@ def main(argv: list[str] | None = None) -> int:
         args = _parser().parse_args(argv)
     except SystemExit as stop:  # --help, or a usage mistake already reported in one line
         return stop.code if isinstance(stop.code, int) else 2
-    saved = None
+    saved, shown = None, logging.StreamHandler(sys.stderr)  # the library's notes (what a merge left out)
+    shown.setFormatter(logging.Formatter("shardavg: %(message)s"))
+    log.addHandler(shown)
+    level = log.level
+    log.setLevel(logging.INFO if level == logging.NOTSET else level)
     try:
         if args.command in ("posthoc", "merge"):
             print(_posthoc(args) if args.command == "posthoc" else _merge(args))
@@ -287,6 +303,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"shardavg: error: out of memory: {_allocation(error)}; free memory or raise the limit", file=sys.stderr)
         return 2
     finally:
+        log.removeHandler(shown)
+        log.setLevel(level)
         if saved is not None:
             saved.close()
     return 0

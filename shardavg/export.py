@@ -26,7 +26,7 @@ from .dist import agree_or_raise, rank
 from .errors import ExportError
 from .ownership import INDEX_FILE, MANIFEST, TargetLock, enclosing_checkpoint, export_files, target_path
 from .state import AverageState
-from .storage import Entry, atomic_file, write_safetensors
+from .storage import Entry, atomic_file, dtype_name, write_safetensors
 
 SINGLE_FILE = "model.safetensors"
 _UNITS = {
@@ -162,6 +162,25 @@ def cast_dtype(saved: torch.dtype, dtype: torch.dtype | None) -> torch.dtype:
     return dtype if dtype is not None and saved.is_floating_point else saved
 
 
+def cast(tensor: torch.Tensor, dtype: torch.dtype | None, name: str) -> torch.Tensor:
+    """``tensor`` in ``dtype`` (floating tensors; integer ones as they are), refused where a finite
+    value overflows it (an fp16 output beyond 65,504 would be written as inf)."""
+    target = cast_dtype(tensor.dtype, dtype)
+    if target == tensor.dtype:
+        return tensor
+    out = tensor.to(target)
+    if torch.finfo(target).max < torch.finfo(tensor.dtype).max:
+        overflowed = torch.isinf(out) & torch.isfinite(tensor)
+        if overflowed.any():
+            largest = tensor[overflowed].abs().max().item()
+            raise ExportError(
+                f"{name}: {int(overflowed.sum())} values overflow {dtype_name(target)} (largest magnitude "
+                f"{largest:.6g}; {dtype_name(target)} holds up to {torch.finfo(target).max:.6g}): write it in "
+                "bfloat16 or float32"
+            )
+    return out
+
+
 def export(
     state: AverageState,
     path: str | os.PathLike,
@@ -186,7 +205,7 @@ def export(
 
         def tensors() -> Iterator[torch.Tensor]:
             for info, full in gathered:
-                full = full.to("cpu", dtype=cast_dtype(full.dtype, dtype))  # type: ignore[union-attr]
+                full = cast(full, dtype, info.names[0]).to("cpu")  # type: ignore[arg-type]
                 for _ in info.names:
                     yield full
                 del full  # before the next tensor is gathered

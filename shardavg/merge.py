@@ -17,7 +17,10 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, replace
+from fnmatch import fnmatchcase
 from pathlib import Path
 from typing import Literal
 
@@ -26,15 +29,17 @@ import torch
 from . import validate
 from .checkpoint import save_whole
 from .errors import CheckpointError
-from .export import cast_dtype, parse_size, write_model
+from .export import cast, cast_dtype, parse_size, write_model
 from .format import FORMAT, VERSION
-from .ownership import LOCK_FILE, enclosing_checkpoint, export_files
+from .logs import log
+from .model_folder import CONFIG, carried_files, check_tokenizers, files_dtype, write_config
+from .ownership import INDEX_FILE, LOCK_FILE, enclosing_checkpoint, export_files
 from .rules import SWA
-from .sources import Source, Spec, finished_checkpoints, open_source
-from .storage import Entry, atomic_file, dtype_name
+from .sources import SafetensorsSource, Source, Spec, finished_checkpoints, open_source
+from .storage import Entry, atomic_file, dtype_name, safetensors_metadata
 
 Output = Literal["safetensors", "shardavg"]
-HF_CONFIGS = ("config.json", "generation_config.json")  # copied from a Hugging Face input, for from_pretrained
+HF_CONFIGS = ("config.json", "generation_config.json")  # what merges before 0.4 carried, unrecorded
 
 
 def merge(
@@ -46,7 +51,9 @@ def merge(
     ema: float | None = None,
     key: str | None = None,
     average: str | None = None,
-    prefix: str = "model.",
+    prefix: str | None = None,
+    include: Sequence[str] | None = None,
+    exclude: Sequence[str] | None = None,
     dtype: torch.dtype | None = None,
     accumulate: torch.dtype = torch.float32,
     max_shard_size: int | str = "5GB",
@@ -60,17 +67,29 @@ def merge(
         last: take the newest ``last`` finished checkpoints of the run folder ``inputs``, by step.
         ema: weight the checkpoint of step ``s`` by ``ema ** (s_newest - s)``, normalised: what an
             EMA of that decay per step gives each saved step, relative to the others.
-        key: an averager's key in DCP checkpoints (else their tensors under ``prefix`` are merged).
+        key: an averager's key in DCP checkpoints (else the model's tensors are merged).
         average: which average of a shardavg checkpoint that keeps several.
-        prefix: a DCP checkpoint's tensors to merge, named without it.
+        prefix: the entry of DCP checkpoints that holds the model (``"model."``; ``""`` for the top
+            level); default: found from how the checkpoint nests its entries (``sources.model_tensors``).
+            Optimizer, scheduler, data loader and train state entries are never merged.
+        include: merge only the tensors whose name matches one of these ``fnmatch`` patterns.
+        exclude: leave out the tensors whose name matches one of these patterns.
         dtype: the floating tensors' output dtype (default: the inputs' when they agree, else fp32).
         accumulate: ``torch.float32`` or ``torch.float64``.
         max_shard_size: the largest output file before the model is split (``"5GB"``, or bytes).
         output: ``"safetensors"`` (a model folder) or ``"shardavg"`` (an averager's checkpoint).
+
+    Names tied in any input (an averager's aliases; a Hugging Face folder that stores
+    ``lm_head.weight`` once, with the embedding) are one tensor; a model folder then holds it as
+    the newest Hugging Face input does. A model folder also receives the newest Hugging Face
+    input's other files (config, generation config, tokenizer; the inputs' tokenizers must agree),
+    its ``config.json`` declaring the dtype written. A floating tensor that overflows ``dtype``
+    (an fp16 output beyond 65,504) is refused by name.
     """
     validate.floating_dtype("dtype", dtype)
     validate.choice("accumulate", accumulate, (torch.float32, torch.float64))
     validate.choice("output", output, ("safetensors", "shardavg"))
+    patterns = _patterns("include", include), _patterns("exclude", exclude)
     max_bytes = parse_size(max_shard_size)
     paths = _inputs(inputs, last)
     _check_out(out, paths, output)
@@ -80,16 +99,26 @@ def merge(
             sources.append(open_source(path, key=key, average=average, prefix=prefix))
         for source in sources:
             source.check()
-        specs = _agreed_specs(sources)
+        _tie_saved_once(sources)
+        models = [s.path for s in sources if isinstance(s, SafetensorsSource) and s.path.is_dir()]
+        check_tokenizers(models)
+        plan = _selected(plan_names(sources, model_folder=bool(models)), *patterns)
         shares = _weights(sources, weights, ema)
-        out_specs = {name: _output_spec(name, sources, dtype) for name in specs}
-        stream = _merged(sources, shares, out_specs, accumulate)
+        specs = [_output_spec(planned, sources, dtype) for planned in plan]
         if output == "shardavg":
-            return save_whole(out, _description(sources, shares, out_specs), stream)
-        metadata = {"format": "pt", "shardavg": json.dumps(_record(sources, shares))}
-        entries = [Entry(name, spec.dtype, spec.shape) for name, spec in out_specs.items()]
-        written = write_model(out, entries, stream, metadata, max_bytes)
-        _copy_configs(sources, written)
+            stream = _merged(sources, shares, plan, specs, accumulate, per_name=False)
+            written = save_whole(out, _description(sources, shares, plan, specs), stream)
+        else:
+            before = carried_before(Path(out)) if Path(out).is_dir() else set()
+            carried = carried_files(models[-1]) if models else []
+            metadata = {"format": "pt", "shardavg": json.dumps(_record(sources, shares) | {"carried": carried})}
+            entries = [Entry(n, spec.dtype, spec.shape) for planned, spec in zip(plan, specs) for n in planned.names]
+            stream = _merged(sources, shares, plan, specs, accumulate, per_name=True)
+            written = write_model(out, entries, stream, metadata, max_bytes)
+            untied = any(planned.untied for planned in plan)
+            dtype_written = files_dtype((e.dtype, math.prod(e.shape)) for e in entries)
+            _carry(models[-1] if models else None, carried, before, written, dtype_written, untied)
+        _log_done(sources, plan, written)
         return written
     finally:
         for source in sources:
@@ -138,7 +167,7 @@ def _check_out(out: str | os.PathLike, inputs: list[Path], output: Output) -> No
     if output == "safetensors" and enclosing_checkpoint(Path(out)) is not None:  # (an averager checkpoint is
         raise CheckpointError(f"OUT {out} is a checkpoint: name a model folder of its own")  # replaced only by one)
     if output == "safetensors" and Path(out).is_dir() and not Path(out).is_symlink():
-        own = {name for name, ours in export_files(Path(out)).items() if ours}
+        own = {name for name, ours in export_files(Path(out)).items() if ours} | carried_before(Path(out))
         others = sorted(p.name for p in Path(out).iterdir() if p.name not in own | {*HF_CONFIGS, LOCK_FILE})
         if others:
             raise CheckpointError(
@@ -147,24 +176,128 @@ def _check_out(out: str | os.PathLike, inputs: list[Path], output: Output) -> No
             )
 
 
-def _agreed_specs(sources: list[Source]) -> dict[str, Spec]:
-    """The first input's tensors, which every other input must hold too, in the same shapes (and
-    for integer tensors the same dtype; floating ones may differ, like a bf16 model and fp32 averages)."""
+def carried_before(out: Path) -> set[str]:
+    """The files an earlier merge into ``out`` carried there, as its weights' metadata records them."""
+    try:
+        if (out / INDEX_FILE).is_file():
+            recorded = json.loads((out / INDEX_FILE).read_text())["metadata"]["shardavg"]
+        else:
+            recorded = safetensors_metadata(out / "model.safetensors")["shardavg"]
+        carried = json.loads(recorded).get("carried", [])
+    except (OSError, ValueError, KeyError, TypeError, AttributeError, CheckpointError):
+        return set()
+    return {name for name in carried if isinstance(name, str) and name and "/" not in name and name != ".."}
+
+
+@dataclass(frozen=True)
+class Planned:
+    """One merged tensor: the names it is written under, and the name read from each input."""
+
+    names: tuple[str, ...]
+    held: tuple[str, ...]  # one per input
+    untied: bool = False  # a name of a group some input ties and another does not
+
+
+def plan_names(sources: list[Source], model_folder: bool) -> list[Planned]:
+    """What to merge and under which names, in the first input's order.
+
+    Names are grouped where any input ties them (stores them once). Every input must hold
+    every group, in the same shapes. A group every input ties is merged once and written under
+    every name, or in a model folder with a Hugging Face input (``model_folder``) under the names
+    the newest such input holds (Transformers saves a tied ``lm_head.weight`` not at all); a
+    group some input holds as distinct tensors is merged name by name, a tied input giving its
+    one tensor to each name."""
+    groups = _tie_groups(sources)
+    held = [_held(source, groups) for source in sources]
+    _check_agree(sources, held)
+    newest_folder = next((i for i in reversed(range(len(sources))) if isinstance(sources[i], SafetensorsSource)), None)
+    plan = []
+    for group, first in held[0].items():
+        names = sorted(group, key=lambda n: (n not in first, first.index(n) if n in first else 0, n))
+        if all(_tied(source, h[group]) for source, h in zip(sources, held)):
+            written = tuple(names) if not model_folder or newest_folder is None else held[newest_folder][group]
+            plan.append(Planned(written, tuple(h[group][0] for h in held)))
+        else:
+            untied = len(names) > 1
+            plan += [Planned((n,), tuple(n if n in h[group] else h[group][0] for h in held), untied) for n in names]
+    return plan
+
+
+EMBEDDING = re.compile(r"(^|\.)(embed_tokens|wte|word_embeddings|tok_embeddings|embed_in|embeddings?)(\.|$)")
+
+
+def _tie_saved_once(sources: list[Source]) -> None:
+    """Tie, in each Hugging Face input whose config ties word embeddings, a tensor it lacks but
+    another input holds (the output embedding, which Transformers saves once) to the one it holds
+    in its place: the tensor of that shape and dtype which is the input embedding, or which every
+    input holding both stores equal to it. Nothing is tied where that is not one tensor."""
+    for source in sources:
+        if not isinstance(source, SafetensorsSource) or not source.ties_embeddings:
+            continue
+        elsewhere = {n: s.specs[n] for s in sources if s is not source for n in s.specs}
+        for name in sorted(elsewhere.keys() - source.specs.keys()):
+            shape = elsewhere[name].shape
+            same = [n for n, spec in source.specs.items() if spec.shape == shape and spec.dtype.is_floating_point]
+            found = [n for n in same if EMBEDDING.search(n)]
+            if len(found) != 1:
+                found = [n for n in same if any(_stored_equal(s, name, n) for s in sources if s is not source)]
+            if len(found) == 1:
+                source.ties = [*source.ties, (found[0], name)]
+
+
+def _stored_equal(source: Source, first: str, second: str) -> bool:
+    """Whether ``source`` holds both names, equal (one tensor stored twice, like a DCP checkpoint
+    of a tied model)."""
+    return first in source.specs and second in source.specs and _tied(source, (first, second))
+
+
+def _tie_groups(sources: list[Source]) -> dict[str, frozenset[str]]:
+    """``{name: its group}``: names tied in any input joined (a name alone is its own group)."""
+    group = {name: frozenset([name]) for source in sources for name in source.specs}
+    for source in sources:
+        for tie in source.ties:
+            joined = frozenset().union(*(group.get(name, frozenset([name])) for name in tie))
+            for name in joined:
+                group[name] = joined
+    return group
+
+
+def _held(source: Source, groups: dict[str, frozenset[str]]) -> dict[frozenset[str], tuple[str, ...]]:
+    """``{group: the names of it this input stores}``, in the input's order."""
+    found: dict[frozenset[str], tuple[str, ...]] = {}
+    for name in source.specs:
+        found[groups[name]] = (*found.get(groups[name], ()), name)
+    return found
+
+
+def _tied(source: Source, names: tuple[str, ...]) -> bool:
+    """Whether the input holds one tensor for ``names``: stored once, or equal under each name
+    (a DCP checkpoint of a tied model stores it under both)."""
+    if len(names) == 1:
+        return True
+    first = source.read(names[0])
+    return all(torch.equal(first, source.read(name)) for name in names[1:])
+
+
+def _check_agree(sources: list[Source], held: list[dict[frozenset[str], tuple[str, ...]]]) -> None:
+    """Every input holds every tensor of the first (a tied group by any of its names), in the
+    same shape (floating tensors may differ in dtype, like a bf16 model and fp32 averages)."""
     first = sources[0]
-    for source in sources[1:]:
-        missing = sorted(set(first.specs) - set(source.specs))
-        unexpected = sorted(set(source.specs) - set(first.specs))
+    for source, holds in zip(sources[1:], held[1:]):
+        missing = sorted(min(group) for group in held[0].keys() - holds.keys())
+        unexpected = sorted(min(group) for group in holds.keys() - held[0].keys())
         wrong = sorted(
-            f"{name}: {source.specs[name]} vs {spec}"
-            for name, spec in first.specs.items()
-            if name in source.specs and not _compatible(spec, source.specs[name])
+            f"{name}: {source.specs[name]} vs {first.specs[held[0][group][0]]}"
+            for group, names in holds.items()
+            if group in held[0]
+            for name in names
+            if not _compatible(first.specs[held[0][group][0]], source.specs[name])
         )
         if missing or unexpected or wrong:
             raise CheckpointError(
                 f"{source} does not match {first}: missing {_some(missing)}, unexpected {_some(unexpected)}, "
                 f"mis-shaped or of another dtype {_some(wrong)}"
             )
-    return first.specs
 
 
 def _compatible(a: Spec, b: Spec) -> bool:
@@ -175,6 +308,29 @@ def _compatible(a: Spec, b: Spec) -> bool:
 
 def _some(names: list[str]) -> str:
     return str(names[:8])[:-1] + (f", ... {len(names) - 8} more]" if len(names) > 8 else "]")
+
+
+def _patterns(what: str, patterns: Sequence[str] | str | None) -> tuple[str, ...]:
+    if patterns is None:
+        return ()
+    if isinstance(patterns, str) or not all(isinstance(p, str) and p for p in patterns):
+        raise ValueError(f"{what} takes a list of non-empty name patterns (fnmatch), got {patterns!r}")
+    return tuple(patterns)
+
+
+def _selected(plan: list[Planned], include: tuple[str, ...], exclude: tuple[str, ...]) -> list[Planned]:
+    """The plan's names that match an ``include`` pattern (when any is given) and no ``exclude`` one."""
+
+    def wanted(name: str) -> bool:
+        return (not include or any(fnmatchcase(name, p) for p in include)) and not any(
+            fnmatchcase(name, p) for p in exclude
+        )
+
+    kept = [replace(p, names=tuple(n for n in p.names if wanted(n))) for p in plan]
+    kept = [p for p in kept if p.names]
+    if not kept:
+        raise ValueError(f"no tensor is left to merge: include {list(include)}, exclude {list(exclude)}")
+    return kept
 
 
 def _weights(sources: list[Source], weights: Sequence[float] | None, ema: float | None) -> list[float]:
@@ -204,29 +360,38 @@ def _weights(sources: list[Source], weights: Sequence[float] | None, ema: float 
     return [w / total for w in weights]
 
 
-def _output_spec(name: str, sources: list[Source], dtype: torch.dtype | None) -> Spec:
+def _output_spec(planned: Planned, sources: list[Source], dtype: torch.dtype | None) -> Spec:
     """The merged tensor's dtype: ``dtype`` for floating tensors, else the inputs' when they agree,
     else fp32; integer tensors keep theirs."""
-    found = {source.specs[name].dtype for source in sources}
-    first = sources[0].specs[name]
+    found = {source.specs[name].dtype for source, name in zip(sources, planned.held)}
+    first = sources[0].specs[planned.held[0]]
     if not first.dtype.is_floating_point or dtype is not None:
         return Spec(cast_dtype(first.dtype, dtype), first.shape)
     return Spec(found.pop() if len(found) == 1 else torch.float32, first.shape)
 
 
 def _merged(
-    sources: list[Source], shares: list[float], specs: dict[str, Spec], accumulate: torch.dtype
+    sources: list[Source],
+    shares: list[float],
+    plan: list[Planned],
+    specs: list[Spec],
+    accumulate: torch.dtype,
+    per_name: bool,
 ) -> Iterator[torch.Tensor]:
-    """Each merged tensor in turn: ``sum(w_i * x_i)`` accumulated in input order, then cast."""
-    for name, spec in specs.items():
-        if not spec.dtype.is_floating_point:
-            yield sources[-1].read(name)
-            continue
-        total = torch.zeros(spec.shape, dtype=accumulate)
-        for source, share in zip(sources, shares):
-            total.add_(source.read(name).to(accumulate).mul_(share))
-        yield total.to(spec.dtype)
-        del total
+    """Each merged tensor in turn (once per name it is written under, with ``per_name``):
+    ``sum(w_i * x_i)`` accumulated in input order, then cast (an overflow of the output dtype
+    refused by name). Nothing is kept from one tensor to the next."""
+    for planned, spec in zip(plan, specs):
+        if spec.dtype.is_floating_point:
+            merged = torch.zeros(spec.shape, dtype=accumulate)
+            for source, name, share in zip(sources, planned.held, shares):
+                merged.add_(source.read(name).to(accumulate).mul_(share))
+            merged = cast(merged, spec.dtype, planned.names[0])
+        else:
+            merged = sources[-1].read(planned.held[-1])
+        for _ in planned.names if per_name else planned.names[:1]:
+            yield merged
+        del merged
 
 
 def _record(sources: list[Source], shares: list[float]) -> dict:
@@ -236,11 +401,11 @@ def _record(sources: list[Source], shares: list[float]) -> dict:
     return {"merge": [{"input": str(s), "step": s.step, "weight": w} for s, w in zip(sources, shares)], "step": newest}
 
 
-def _description(sources: list[Source], shares: list[float], specs: dict[str, Spec]) -> dict:
+def _description(sources: list[Source], shares: list[float], plan: list[Planned], specs: list[Spec]) -> dict:
     """The merge as an averager's description: one average of ``len(sources)`` updates, by SWA's
     rule when the weights are equal (it is then their SWA), else a custom rule named ``merge``;
     each tensor's kind and role as an averager's input records them (else a floating tensor is
-    an averaged parameter, an integer one a copy)."""
+    an averaged parameter, an integer one a copy), tied names as its aliases."""
     uniform = max(shares) - min(shares) <= 1e-12 * max(shares)
     record = _record(sources, shares)
     described = next((s.described for s in sources if s.described), {})  # an averager's checkpoint's roles
@@ -260,24 +425,41 @@ def _description(sources: list[Source], shares: list[float], specs: dict[str, Sp
         "options": {"every_n_steps": 1, "start_step": 0, "dtype": None, "buffers": "copy", "include_frozen": False},
         "tensors": [
             {
-                "name": name,
-                "aliases": [],
-                "kind": kind_and_role(name, spec)[0],
-                "role": kind_and_role(name, spec)[1],
+                "name": planned.names[0],
+                "aliases": list(planned.names[1:]),
+                "kind": kind_and_role(planned.names[0], spec)[0],
+                "role": kind_and_role(planned.names[0], spec)[1],
                 "shape": list(spec.shape),
                 "dtype": dtype_name(spec.dtype),
             }
-            for name, spec in specs.items()
+            for planned, spec in zip(plan, specs)
         ],
     }
 
 
-def _copy_configs(sources: list[Source], out: Path) -> None:
-    """A Hugging Face model's ``config.json`` (and generation config) from the newest input that has
-    one, so that ``from_pretrained`` loads the merge; it replaces the one an earlier merge there
-    copied (a model of another shape would otherwise load with a stale config)."""
-    for name in HF_CONFIGS:
-        found = [s.path / name for s in sources if s.path.is_dir() and (s.path / name).is_file()]
-        if found:
-            with atomic_file(out / name) as handle:
-                handle.write(found[-1].read_bytes())
+def _carry(
+    model: Path | None, carried: list[str], before: set[str], out: Path, dtype: torch.dtype | None, untied: bool
+) -> None:
+    """The newest Hugging Face input's other files (config, generation config, tokenizer, ...) into
+    ``out``, so that ``from_pretrained`` loads the merge as the model it is; ``config.json``
+    declaring the dtype written (and untied embeddings where the merge unties them). Each file
+    replaces the one an earlier merge there carried, atomically (never written through a link);
+    what an earlier merge carried and this one does not is removed (it belonged to another model)."""
+    for name in carried:
+        if name == CONFIG:
+            write_config(model / name, out / name, dtype, untied)  # type: ignore[operator]
+            continue
+        with atomic_file(out / name) as handle:
+            handle.write((model / name).read_bytes())  # type: ignore[operator]
+    for stale in before - set(carried):
+        (out / stale).unlink(missing_ok=True)
+
+
+def _log_done(sources: list[Source], plan: list[Planned], out: Path) -> None:
+    untied = sorted(n for p in plan if p.untied for n in p.names)
+    if untied:
+        log.warning("%s: the inputs disagree on tying %s; each name merged on its own, written untied", out, untied)
+    for source in sources:
+        if source.left_out:
+            skipped = ", ".join(f"{count} under {key!r}" for key, count in source.left_out.items())
+            log.info("%s: merged its %d model tensors; left out %s", source, len(source.specs), skipped)

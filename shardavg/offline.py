@@ -16,6 +16,7 @@ import os
 import pickle
 import re
 import stat
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -229,9 +230,11 @@ class DcpFolder:
             with open(file, "rb") as handle:
                 handle.seek(start)
                 data = handle.read(length)
-            return torch.load(io.BytesIO(data), weights_only=True)
+            with warnings.catch_warnings():  # (torch warns of a pickle protocol above 2, then refuses the pickle)
+                warnings.filterwarnings("ignore", message="Detected pickle protocol", category=UserWarning)
+                return torch.load(io.BytesIO(data), weights_only=True)
         except Exception as error:  # torch.load refuses anything but tensors and plain containers
-            raise CheckpointError(f"cannot read {fqn} from {file}: {error}") from error
+            raise CheckpointError(f"cannot read {fqn} from {file}: {_load_failure(error)}") from error
 
     def boxes(
         self, fqn: str, shape: tuple[int, ...], dtype: torch.dtype
@@ -273,6 +276,17 @@ class DcpFolder:
             got = f"{piece.dtype} {tuple(piece.shape)}" if isinstance(piece, torch.Tensor) else type(piece).__name__
             raise CheckpointError(f"{self.path}: a chunk of {fqn!r} is {got}, expected {dtype} {list(sizes)}")
         return piece
+
+
+def _load_failure(error: Exception) -> str:
+    """What ``torch.load(weights_only=True)`` refused, in one line. Its refusal of a pickled Python
+    object runs to several lines that advise loading it again with ``weights_only=False``, which
+    would run whatever the file holds: never the advice here. Any other failure: its first line."""
+    text = str(error)
+    if isinstance(error, pickle.UnpicklingError) or "Weights only load failed" in text:
+        return "it holds pickled Python objects, not tensor data; shardavg never unpickles Python objects"
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    return lines[0] if lines else type(error).__name__
 
 
 def _fill_range(load: Callable[[], torch.Tensor], start: int, end: int, full: torch.Tensor) -> None:

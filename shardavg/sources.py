@@ -2,9 +2,11 @@
 
 Four kinds are read in one process without a process group, whatever wrote them and at whatever
 world size: an averager's checkpoint (``avg.save``, or an averager inside a DCP checkpoint:
-``key=``), any average of it (``average=``); the plain tensors of a ``torch.distributed.checkpoint``
-under a prefix (the main job's or torchtitan's ``model.`` entries); and a Hugging Face safetensors
-model (one file, a folder with ``model.safetensors``, or sharded with an index). Nothing is
+``key=``), any average of it (``average=``); the model's tensors of a ``torch.distributed.checkpoint``
+(under ``model.`` as the main job and torchtitan before 2025 write them, or at the top level as
+current torchtitan and ``dcp.save(get_model_state_dict(model))`` do; optimizer, scheduler, data
+loader and train state entries are never the model's); and a Hugging Face safetensors model (one
+file, or a folder by Transformers' conventions: ``model.safetensors`` or its index). Nothing is
 unpickled: DCP's metadata goes through the restricted unpickler, its items through
 ``torch.load(weights_only=True)``, safetensors through shardavg's checked reader. A DeepSpeed ZeRO
 checkpoint is refused: its states are pickled Python objects.
@@ -15,19 +17,31 @@ from __future__ import annotations
 import json
 import re
 from abc import ABC, abstractmethod
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from .errors import CheckpointError
 from .format import MANIFEST, STEP_DIR
+from .model_folder import weights_of
 from .offline import PLAIN_NAME, DcpFolder, SavedAverage, check_dcp
 from .storage import DTYPES, SafetensorsFile
 
 STEP_NAME = re.compile(r"^(?:step-|checkpoint-|global_step)(\d+)$")  # shardavg's, HF Trainer's, DeepSpeed's
 RUN_MARKER = "train.json"  # a main-job checkpoint: its step, and every file's hash
 DEEPSPEED_FILE = re.compile(r"^(?:zero_pp_rank_\d+_)?(?:mp_rank_\d+_)?(?:model|optim)_states\.pt$")
+MODEL_KEY = "model"  # the main job's, torchtitan's before 2025 and many trainers' key for the model state dict
+# Top-level keys of training state beside the model in a DCP checkpoint, never the model's tensors
+# (torchtitan's ``optimizer``, ``lr_scheduler``, ``dataloader``, ``train_state``, and their kin).
+NOT_MODEL_KEYS = frozenset({
+    "optimizer", "optimizers", "optim", "optim_state", "optimizer_state", "lr_scheduler", "lr_schedulers",
+    "scheduler", "schedulers", "dataloader", "data_loader", "dataloaders", "train_state", "trainer_state",
+    "training_state", "rng", "rng_state", "rng_states", "step", "epoch", "extra_state",
+})  # fmt: skip
+RUN_FOLDERS = ("checkpoints", "checkpoint")  # the main job's; torchtitan's
 
 
 @dataclass(frozen=True)
@@ -44,11 +58,14 @@ class Spec:
 class Source(ABC):
     """A checkpoint opened for merging: ``specs`` (every tensor's name, dtype and shape, known
     before anything is read), ``step`` (its training step, when it records one) and ``read``;
-    an averager's checkpoint also knows each tensor's ``kinds`` (param or buffer) and ``roles``."""
+    ``ties`` (groups of names it knows to be one tensor, stored once); an averager's checkpoint
+    also knows each tensor's kind (param or buffer) and role, ``described``."""
 
     path: Path
     specs: dict[str, Spec]
     step: int | None
+    ties: list[tuple[str, ...]] = []  # names of one tensor, stored once under the first
+    left_out: dict[str, int] = {}  # entries of training state not merged: {where: how many tensors}
     described: dict[str, tuple[str, str]] = {}  # name: (kind, role), where the checkpoint says
 
     @abstractmethod
@@ -67,7 +84,7 @@ class Source(ABC):
 
 class AverageSource(Source):
     """An average of an averager's checkpoint (``avg.save``'s, or an averager in a DCP checkpoint);
-    a tied tensor is offered under each of its names."""
+    a tied tensor is offered under its first name, its other names in ``ties``."""
 
     def __init__(self, path: Path, key: str, average: str | None) -> None:
         self.saved = SavedAverage(path, key=key)
@@ -80,14 +97,12 @@ class AverageSource(Source):
             raise
         self.path, self.step = self.saved.path, self.saved.description["step"]
         tensors = self.saved.description["tensors"]
-        self.names = {alias: t["name"] for t in tensors for alias in (t["name"], *t["aliases"])}
-        self.specs = {
-            alias: Spec(DTYPES[t["dtype"]], tuple(t["shape"])) for t in tensors for alias in (t["name"], *t["aliases"])
-        }
+        self.specs = {t["name"]: Spec(DTYPES[t["dtype"]], tuple(t["shape"])) for t in tensors}
+        self.ties = [(t["name"], *t["aliases"]) for t in tensors if t["aliases"]]
         self.described = {alias: (t["kind"], t["role"]) for t in tensors for alias in (t["name"], *t["aliases"])}
 
     def read(self, name: str) -> torch.Tensor:
-        return self.saved.read(self.names[name], self.average)
+        return self.saved.read(name, self.average)
 
     def check(self) -> None:
         self.saved.verify()
@@ -97,40 +112,93 @@ class AverageSource(Source):
 
 
 class DcpSource(Source):
-    """The tensors of a DCP checkpoint under ``prefix`` (its model's, when the model and optimizer
-    state dicts sit under ``model`` and ``optimizer``), named without the prefix."""
+    """The model's tensors of a DCP checkpoint, named as the model names them (see ``model_tensors``)."""
 
-    def __init__(self, path: Path, prefix: str) -> None:
-        self.path, self.folder, self.prefix = path, DcpFolder(path), prefix
-        found = self.folder.tensors(prefix)
-        if not found:
-            entries = list(map(str, self.folder.metadata.state_dict_metadata))
-            keys = sorted({name.split(".")[0] for name in entries})
-            averagers = sorted(name.removesuffix(".meta") for name in entries if name.endswith(".meta"))
-            hint = f"; averagers (merge one with --key): {averagers}" if averagers else ""
-            raise CheckpointError(
-                f"{path} holds no tensor under {prefix!r} (top-level keys: {keys}){hint}; pick one with --prefix"
-            )
+    def __init__(self, path: Path, prefix: str | None) -> None:
+        self.path, self.folder = path, DcpFolder(path)
+        self.keys, self.left_out = model_tensors(self.folder, prefix)
         self.specs = {
-            key[len(prefix) :]: Spec(stored.properties.dtype, tuple(stored.size)) for key, stored in found.items()
+            name: Spec(stored.properties.dtype, tuple(stored.size)) for name, (_, stored) in self.keys.items()
         }
         self.step = _step_of(path)
 
     def read(self, name: str) -> torch.Tensor:
-        return self.folder.read(self.prefix + name)
+        return self.folder.read(self.keys[name][0])
 
     def check(self) -> None:
         """Every item of the checkpoint in place (a truncated file is refused even where it holds no
         tensor merged), and the merged tensors' chunks boxes of them."""
         check_dcp(self.path)
         for name, spec in self.specs.items():
-            self.folder.boxes(self.prefix + name, spec.shape, spec.dtype)
+            self.folder.boxes(self.keys[name][0], spec.shape, spec.dtype)
+
+
+def model_tensors(folder: DcpFolder, prefix: str | None = None) -> tuple[dict[str, tuple[str, Any]], dict[str, int]]:
+    """``{name: (key, stored)}`` of the model's tensors in a DCP checkpoint, ``name`` as the model
+    names it and ``key`` as DCP stores it; and how many tensors under each other entry were left out.
+
+    Where the model is depends on the trainer that saved it, and DCP's metadata says how each
+    entry was nested in the state dict saved (its ``planner_data``). With ``prefix=None`` the
+    model is the ``model`` entry's tensors when there is one (the main job, torchtitan before
+    2025, ``{"model": model_sd, "optimizer": ...}``), else the tensors saved at the top level
+    (current torchtitan, ``dcp.save(get_model_state_dict(model))``), never an entry nested under
+    another key (``optimizer``, ``lr_scheduler``, ``dataloader``, ``train_state``, an averager).
+    ``prefix`` names the entry holding the model (``"model."``); ``""`` is the top level.
+    """
+    entries = folder.metadata.state_dict_metadata
+    tensors = {str(key): stored for key, stored in entries.items() if isinstance(getattr(stored, "chunks", None), list)}
+    paths = _nesting(folder.metadata, tensors)
+    averagers = {str(key).removesuffix(".meta") for key in entries if str(key).endswith(".meta")}
+    if prefix is None:
+        nested = any(len(path) > 1 and path[0] == MODEL_KEY for path in paths.values())
+        prefix = f"{MODEL_KEY}." if nested else ""
+    if prefix:
+        key = prefix.removesuffix(".")
+        if key in NOT_MODEL_KEYS or key in averagers:
+            what = "an averager (merge it with --key)" if key in averagers else "training state, not a model"
+            raise CheckpointError(f"{folder.path}: {key!r} holds {what}: name the model's entry with --prefix")
+        found = {k[len(prefix) :]: (k, stored) for k, stored in tensors.items() if k.startswith(prefix)}
+    else:
+        found = {
+            k: (k, stored)
+            for k, stored in tensors.items()
+            if len(paths[k]) == 1 and k not in NOT_MODEL_KEYS and k.split(".")[0] not in averagers
+        }
+    merged = {key for key, _ in found.values()}
+    left_out = Counter(str(paths[k][0]) for k in tensors if k not in merged)
+    if not found:
+        groups = sorted({str(path[0]) for path in paths.values()})
+        hint = f"; averagers (merge one with --key): {sorted(averagers)}" if averagers else ""
+        where = f"under {prefix!r}" if prefix else "at the top level"
+        raise CheckpointError(
+            f"{folder.path} holds no model tensor {where} (its tensors are under {groups}){hint}; name the model's "
+            "entry with --prefix"
+        )
+    return found, dict(sorted(left_out.items()))
+
+
+def _nesting(metadata: Any, tensors: dict[str, Any]) -> dict[str, tuple]:
+    """Each tensor key's path in the state dict saved, from DCP's ``planner_data`` (its default
+    planner records it when it flattens nested dicts); where a key is missing from it, the key
+    split at its first dot (a top-level name has no dot to tell from a nested one there)."""
+    recorded = getattr(metadata, "planner_data", None)
+    recorded = recorded if isinstance(recorded, dict) else {}
+    paths = {}
+    for key in tensors:
+        path = recorded.get(key)
+        if isinstance(path, tuple) and path and all(isinstance(part, (str, int)) for part in path):
+            paths[key] = tuple(path)
+        else:
+            head, _, rest = key.partition(".")
+            paths[key] = (head, rest) if rest and head in NOT_MODEL_KEYS | {MODEL_KEY} else (key,)
+    return paths
 
 
 class SafetensorsSource(Source):
     """A Hugging Face model: one ``.safetensors`` file, or a folder holding one (or a sharded model
     and its ``*.safetensors.index.json``). Every file's header is checked when it is opened:
-    a truncated or foreign file is refused before anything is merged."""
+    a truncated or foreign file is refused before anything is merged. ``ties_embeddings``: its
+    config ties the output embedding to the input one (which Transformers then saves once)."""
 
     def __init__(self, path: Path) -> None:
         self.path, self.files = path, []
@@ -146,26 +214,20 @@ class SafetensorsSource(Source):
                     raise CheckpointError(f"{file.where} lacks {name!r}, which the index places there")
                 self.specs[name] = Spec(stored.dtype, stored.shape)
             self.step = self._step()
+            self.ties_embeddings = _ties_embeddings(path if path.is_dir() else path.parent)
         except BaseException:
             self.close()
             raise
 
     @staticmethod
     def _weight_map(path: Path) -> dict[str, Path]:
-        """Which file holds each tensor: the index's map, or every tensor of the one file."""
-        if path.is_file():
-            with SafetensorsFile.open(path) as file:
-                return dict.fromkeys(file.tensors, path)
-        indexes = sorted(path.glob("*.safetensors.index.json"))
-        if len(indexes) > 1:
-            raise CheckpointError(f"{path} holds several indexes {[p.name for p in indexes]}: name the model's file")
-        if indexes:
-            return _index(indexes[0])
-        files = sorted(p for p in path.glob("*.safetensors") if not p.name.startswith("."))
-        if len(files) != 1:
-            raise CheckpointError(f"{path} holds {len(files)} safetensors files and no index: name one of them")
-        with SafetensorsFile.open(files[0]) as file:
-            return dict.fromkeys(file.tensors, files[0])
+        """Which file holds each tensor: the index's map, or every tensor of the one file (a
+        folder's by Transformers' conventions, see ``model_folder.weights_of``)."""
+        weights = path if path.is_file() else weights_of(path)
+        if weights.name.endswith(".index.json"):
+            return _index(weights)
+        with SafetensorsFile.open(weights) as file:
+            return dict.fromkeys(file.tensors, weights)
 
     def _step(self) -> int | None:
         """The step a shardavg export recorded in its metadata, else the folder's name's."""
@@ -183,6 +245,16 @@ class SafetensorsSource(Source):
     def close(self) -> None:
         for file in self.files:
             file.close()
+
+
+def _ties_embeddings(folder: Path) -> bool:
+    """Whether the model's ``config.json`` ties its output embedding to its input embedding
+    (Transformers' default when the config leaves it out); False where the folder has no config."""
+    try:
+        config = json.loads((folder / "config.json").read_text())
+    except (OSError, UnicodeDecodeError, ValueError):
+        return False
+    return isinstance(config, dict) and config.get("tie_word_embeddings", True) is not False
 
 
 def _index(index: Path) -> dict[str, Path]:
@@ -226,9 +298,12 @@ def _deepspeed_files(path: Path) -> list[str]:
     return sorted(found)
 
 
-def open_source(path: str | Path, key: str | None = None, average: str | None = None, prefix: str = "model.") -> Source:
+def open_source(
+    path: str | Path, key: str | None = None, average: str | None = None, prefix: str | None = None
+) -> Source:
     """The checkpoint at ``path``, by what it holds: ``key`` picks an averager inside a DCP
-    checkpoint, ``average`` one of an averager's averages, ``prefix`` a DCP checkpoint's tensors."""
+    checkpoint, ``average`` one of an averager's averages, ``prefix`` the entry of a DCP
+    checkpoint that holds the model (default: found, see ``model_tensors``)."""
     path = Path(path)
     if not path.exists():
         raise CheckpointError(f"{path} does not exist")
@@ -240,7 +315,11 @@ def open_source(path: str | Path, key: str | None = None, average: str | None = 
         return AverageSource(path, key, average) if key is not None else DcpSource(path, prefix)
     if (path / MANIFEST).exists() or any(STEP_DIR.match(p.name) and (p / MANIFEST).is_file() for p in path.iterdir()):
         return AverageSource(path, key or "ema", average)
-    if any(path.glob("*.safetensors")) or any(path.glob("*.safetensors.index.json")):
+    if (
+        any(path.glob("*.safetensors"))
+        or any(path.glob("*.safetensors.index.json"))
+        or (path / "config.json").is_file()
+    ):
         return SafetensorsSource(path)
     deepspeed = _deepspeed_files(path)
     if deepspeed:
@@ -260,14 +339,15 @@ def open_source(path: str | Path, key: str | None = None, average: str | None = 
 
 def finished_checkpoints(run: str | Path) -> list[tuple[int, Path]]:
     """``(step, folder)`` of a run folder's finished checkpoints, oldest first: its ``step-*``
-    (or ``checkpoint-*``) folders, or those of its ``checkpoints/`` folder (the main job's). A
-    folder a save is still writing (a hidden staging folder, a main-job folder without its
-    ``train.json``, a DCP folder without ``.metadata``) is left out."""
+    (or ``checkpoint-*``) folders, or those of its ``checkpoints/`` folder (the main job's) or
+    ``checkpoint/`` folder (torchtitan's). A folder a save is still writing (a hidden staging
+    folder, a main-job folder without its ``train.json``, a DCP folder without ``.metadata``)
+    is left out."""
     run = Path(run)
     if not run.is_dir():
         raise CheckpointError(f"{run} is not a folder of checkpoints")
-    if (run / "checkpoints").is_dir() and not any(STEP_NAME.match(p.name) for p in run.iterdir()):
-        run = run / "checkpoints"
+    if not any(STEP_NAME.match(p.name) for p in run.iterdir()):
+        run = next((run / name for name in RUN_FOLDERS if (run / name).is_dir()), run)
     steps = {folder: STEP_NAME.match(folder.name) for folder in run.iterdir() if folder.is_dir()}
     steps = {folder: int(match.group(1)) for folder, match in steps.items() if match}
     main_job = any((folder / RUN_MARKER).is_file() for folder in steps)  # only committed folders carry it

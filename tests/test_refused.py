@@ -11,6 +11,7 @@ import json
 import os
 import pickle
 import re
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 
@@ -40,13 +41,14 @@ def tensor(meta: dict, name: str) -> dict:
     return next(entry for entry in meta["tensors"] if entry["name"] == name)
 
 
-def cli_refuses(args: list[str], match: str, capsys) -> None:
-    """The CLI ends with exit code 2 and one line on stderr that says what is wrong."""
+def cli_refuses(args: list[str], match: str, capsys) -> str:
+    """The CLI ends with exit code 2 and one line on stderr that says what is wrong: that line."""
     with deadline(20):
         code = cli_main(args)
     err = capsys.readouterr().err
     assert code == 2 and err.startswith("shardavg: error:") and len(err.strip().splitlines()) == 1, err
     assert re.search(match, err), err
+    return err.strip()
 
 
 def refused_everywhere(path: Path, match: str, capsys) -> None:
@@ -184,6 +186,62 @@ def test_dcp_entries_are_checked_before_they_are_read(trainer, tmp_path, capsys)
         os.mkfifo(file)
     cli_refuses(["inspect", str(path)], "is missing or not a regular file: refused", capsys)
     assert not (tmp_path / "out").exists()
+
+
+class Planted:
+    """A Python object of the test's own where shardavg expects tensors: unpickling it would leave
+    a marker file."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return (Path.touch, (self.marker,))
+
+
+def stored(path: Path, fqn: str):
+    """Where DCP stored ``fqn`` in the checkpoint at ``path``: its storage info."""
+    metadata = dcp.FileSystemReader(str(path)).read_metadata()
+    return metadata.storage_data[storage_of(metadata, fqn)]
+
+
+def plant_in_data(path: Path, fqn: str, planted: Planted) -> Path:
+    """Overwrite the bytes DCP stored for ``fqn`` with a pickle of ``planted``; returns the data file."""
+    info = stored(path, fqn)
+    data = bytearray((path / info.relative_path).read_bytes())
+    evil = pickle.dumps(planted)  # (protocol 4: torch warns of it before refusing, which must not show)
+    assert len(evil) <= info.length
+    data[info.offset : info.offset + info.length] = evil.ljust(info.length, b".")
+    (path / info.relative_path).write_bytes(bytes(data))
+    return path / info.relative_path
+
+
+def test_a_dcp_entry_holding_a_pickled_object_is_refused_in_one_line(trainer, tmp_path, capsys) -> None:
+    """Where shardavg expects tensors, a DCP entry holds a pickled Python object (the averager's
+    meta replaced by one when saved, or a tensor's bytes overwritten by one): inspect and export
+    refuse it in one line naming the entry and its file, without running it and without torch's
+    advice to load it again with ``weights_only=False``."""
+    averager = trained(trainer, steps=3)
+    marker = tmp_path / "unpickled"
+    meta = tmp_path / "meta"
+    dcp.save({"ema": averager.state_dict() | {"meta": Planted(marker)}}, checkpoint_id=str(meta), no_dist=True)
+    meta_file = meta / stored(meta, "ema.meta").relative_path
+    weight = tmp_path / "weight"
+    dcp.save({"ema": averager}, checkpoint_id=str(weight), no_dist=True)
+    weight_file = plant_in_data(weight, "ema.tensors.block.up.weight", Planted(marker))
+    refusal = "it holds pickled Python objects, not tensor data; shardavg never unpickles Python objects"
+    cases = [
+        (["inspect", str(meta)], "ema.meta", meta_file),
+        (["export", str(meta), str(tmp_path / "out")], "ema.meta", meta_file),
+        (["export", str(weight), str(tmp_path / "out")], "ema.tensors.block.up.weight", weight_file),
+    ]  # (inspect reads no tensor data)
+    for args, fqn, file in cases:
+        with warnings.catch_warnings(record=True) as warned:  # (a warning would be more lines on stderr)
+            warnings.simplefilter("always")
+            said = cli_refuses(args, re.escape(fqn), capsys)
+        assert said == f"shardavg: error: cannot read {fqn} from {file}: {refusal}", said
+        assert "weights_only" not in said and not warned, [str(w.message) for w in warned]
+    assert not marker.exists() and not (tmp_path / "out").exists()
 
 
 def test_load_state_dict_checks_everything_before_changing_anything(trainer, tmp_path) -> None:

@@ -20,6 +20,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "launch"))
 
 import checkpoints  # noqa: E402
+import job as jobs  # noqa: E402
 import train  # noqa: E402
 
 CONFIGS = ROOT / "configs"
@@ -148,12 +149,12 @@ ZERO3 = str(CONFIGS / "zero3.yaml")
             "config key 'merge.last' (5) exceeds 'checkpoint.keep_last' (4): keep at least as many checkpoints",
         ),
         (
-            ["--config", FSDP2, "--steps", "120"],  # checkpoints at 50, 100 and the last step
+            ["--config", FSDP2, "--steps", "120", "--set", "merge.last=4"],  # checkpoints at 50, 100 and the last step
             "config key 'merge.last' (4): the run will end with the checkpoints of steps [50, 100, 120] only; "
             "lower it, or checkpoint more often ('checkpoint.every')",
         ),
         (
-            ["--config", FSDP2, "--set", "checkpoint.every=1000"],
+            ["--config", FSDP2, "--set", "checkpoint.every=1000", "--set", "merge={last: 4}"],
             "config key 'merge.last' (4): the run will end with the checkpoints of steps [600] only",
         ),
     ],
@@ -164,14 +165,83 @@ def test_a_merge_or_async_checkpoints_the_run_cannot_give_are_refused(caplog, mo
 
 def test_a_resumed_run_counts_the_checkpoints_it_keeps_from_before(caplog, monkeypatch, tmp_path) -> None:
     """Resumed from step 8 with checkpoints at 4 and 8, a run to step 10 ends with three: merge.last 3
-    fits, 4 does not."""
+    fits, 4 set by the user does not, and the shipped default 4 merges those three."""
     dcp_checkpoint(tmp_path, 4), dcp_checkpoint(tmp_path, 8)
     argv = ["--config", FSDP2, "--out", str(tmp_path), "--resume", "--steps", "10"]
     monkeypatch.setenv("WORLD_SIZE", "2")
     job = train.load_job(train.parse_args([*argv, "--set", "merge.last=3"]), world=2)
-    assert job.resume_from == tmp_path / "checkpoints" / "step-00000008"
-    message = refused(caplog, monkeypatch, *argv)
+    assert job.resume_from == tmp_path / "checkpoints" / "step-00000008" and job.merge_last == 3
+    assert train.load_job(train.parse_args(argv), world=2).merge_last == 3
+    message = refused(caplog, monkeypatch, *argv, "--set", "merge.last=4")
     assert "config key 'merge.last' (4): the run will end with the checkpoints of steps [4, 8, 10] only" in message
+
+
+@pytest.mark.parametrize(
+    ("argv", "merges", "said"),
+    [
+        (
+            ["--steps", "8"],
+            1,
+            "merge.last 4 (the config's default): the run will end with 1 checkpoint (step 8); merging that one",
+        ),
+        (
+            ["--steps", "120"],
+            3,
+            "merge.last 4 (the config's default): the run will end with 3 checkpoints (steps 50, 100, 120); merging "
+            "those",
+        ),
+        (["--steps", "8", "--set", "checkpoint.keep_last=2"], 1, "the run will end with 1 checkpoint (step 8)"),
+        (["--steps", "200", "--set", "checkpoint.keep_last=2"], 2, "the run will end with 2 checkpoints (steps 150,"),
+        ([], 4, None),  # the full run: steps 450 to 600
+        (["--steps", "8", "--set", "merge.last=1"], 1, None),
+        (["--steps", "8", "--set", "merge.last=0"], 0, None),
+    ],
+    ids=["steps-8", "steps-120", "keep-2-steps-8", "keep-2-steps-200", "full-run", "set-1", "set-0"],
+)
+def test_a_shipped_configs_merge_last_merges_what_a_short_run_has(caplog, monkeypatch, tmp_path, argv, merges, said):
+    """The shipped configs' ``merge.last: 4`` is a default sized for their full run, an upper bound:
+    a smoke run at any ``--steps`` merges the checkpoints it will have, saying so in one line."""
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with caplog.at_level(logging.INFO, logger="train"):
+        job = train.load_job(train.parse_args(["--config", FSDP2, "--out", str(tmp_path / "out"), *argv]), world=2)
+    assert job.merge_last == merges
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("merge.last")]
+    assert len(lines) == (said is not None) and all(said in line for line in lines), lines
+
+
+def test_a_merge_last_of_ones_own_yaml_is_required(caplog, monkeypatch, tmp_path) -> None:
+    """The same ``merge.last: 4`` in a YAML of the user's own is theirs: a run that cannot give four
+    checkpoints is refused, as with ``--set merge.last=4``."""
+    mine = edited(tmp_path, lambda config: None)
+    message = refused(caplog, monkeypatch, "--config", mine, "--steps", "8")
+    assert message == (
+        "config error: config key 'merge.last' (4): the run will end with the checkpoints of steps [8] only; lower "
+        "it, or checkpoint more often ('checkpoint.every')"
+    )
+    assert "exceeds 'checkpoint.keep_last' (2)" in refused(
+        caplog, monkeypatch, "--config", FSDP2, "--set", "merge.last=4", "--set", "checkpoint.keep_last=2"
+    )
+
+
+def test_nothing_to_merge_or_a_zero3_run_skips_a_default_merge_in_one_line(caplog, tmp_path) -> None:
+    """A run that will end with no checkpoint of its own (resumed at its last step from elsewhere),
+    or a zero3 run (DeepSpeed's checkpoints), skips the shipped default's merge, saying so; a
+    ``merge.last`` the user chose for zero3 stays refused."""
+    cfg = yaml.safe_load((CONFIGS / "fsdp2.yaml").read_text()) | {"steps": 8}
+    elsewhere = dcp_checkpoint(tmp_path / "elsewhere", 8)
+    zero3 = cfg | {"engine": "zero3"}
+    with caplog.at_level(logging.INFO, logger="train"):
+        assert jobs.plan_merge(cfg, tmp_path / "out" / "checkpoints", elsewhere, required=False) == 0
+        assert jobs.plan_merge(zero3, tmp_path / "out" / "checkpoints", None, required=False) == 0
+    assert [r.getMessage() for r in caplog.records if r.name == "train"] == [
+        "merge.last 4 (the config's default): the run will end with no checkpoint; no merge",
+        "merge.last 4 (the config's default): the zero3 engine's checkpoints are DeepSpeed's own, pickled states "
+        "that shardavg merge never loads; no merge",
+    ]
+    with pytest.raises(jobs.ConfigError, match="config key 'merge.last': the zero3 engine's checkpoints are"):
+        jobs.plan_merge(zero3, tmp_path / "out" / "checkpoints", None, required=True)
+    with pytest.raises(jobs.ConfigError, match=r"the run will end with the checkpoints of steps \[\] only"):
+        jobs.plan_merge(cfg, tmp_path / "out" / "checkpoints", elsewhere, required=True)
 
 
 def test_a_config_file_with_an_unknown_missing_or_mistyped_key_is_refused(caplog, monkeypatch, tmp_path) -> None:

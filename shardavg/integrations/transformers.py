@@ -36,6 +36,7 @@ from transformers import TrainerCallback
 
 from ..averager import WeightAverager
 from ..errors import CheckpointError
+from ..model_folder import declare_dtype
 from ..reading import read_manifest, resolve
 from ..rules import MultiAvgFn, Rule
 
@@ -151,6 +152,7 @@ class WeightAveragingCallback(TrainerCallback):
             for part in ("config", "generation_config"):  # what from_pretrained needs beside the weights
                 if hasattr(getattr(model, part, None), "save_pretrained"):
                     getattr(model, part).save_pretrained(self.export_dir)
+            declare_dtype(Path(self.export_dir))  # the average's dtype (fp32 of a bf16 model), not the model's
 
     # ------------------------------------------------------------------ evaluation
 

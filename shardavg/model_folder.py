@@ -1,0 +1,175 @@
+"""A Hugging Face model folder: which files are its weights, which files travel beside them, and
+the dtype its ``config.json`` declares.
+
+Transformers' conventions decide. The weights are ``model.safetensors`` or the files that
+``model.safetensors.index.json`` names; a PEFT adapter (``adapter_model.safetensors``) is not
+the model, and pickled weights (``pytorch_model.bin``) are never read. Everything else a folder
+holds for ``from_pretrained`` and the tokenizer (``config.json``, ``generation_config.json``,
+tokenizer files, a chat template) is carried to a merge of it, and ``config.json`` is made to
+declare the dtype of the files written beside it: ``from_pretrained`` loads in that dtype.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections import Counter
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .errors import CheckpointError
+from .storage import SafetensorsFile, atomic_file, dtype_name
+
+WEIGHTS_FILE = "model.safetensors"
+WEIGHTS_INDEX = "model.safetensors.index.json"
+CONFIG = "config.json"
+# Files a merge does not carry: weights of any kind, adapters, hidden files, training state (a
+# Trainer's, DeepSpeed's, the main job's) and the model card (it describes the model merged from).
+NOT_CARRIED = re.compile(
+    r"(\.(safetensors|bin|pt|pth|ckpt|h5|msgpack|gguf|onnx|distcp)|\.index\.json)$|^adapter_|^\.|^shardavg"
+    r"|^(README\.md|trainer_state\.json|train\.json|latest|zero_to_fp32\.py)$"
+)
+PICKLED_WEIGHTS = re.compile(
+    r"^(pytorch_model|model|tf_model|flax_model)(-\d{5}-of-\d{5})?\.(bin|pt|pth|ckpt|h5|msgpack)$"
+)
+TOKENIZER_FILES = (
+    "tokenizer.json", "tokenizer_config.json", "tokenizer.model", "spiece.model", "vocab.json", "vocab.txt",
+    "merges.txt", "special_tokens_map.json", "added_tokens.json", "chat_template.jinja", "chat_template.json",
+)  # fmt: skip
+DTYPE_KEYS = ("dtype", "torch_dtype")  # Transformers >= 4.56 writes the first, earlier releases the second
+
+
+def weights_of(folder: Path) -> Path:
+    """The model's weights in ``folder``: its index, or its one safetensors file."""
+    for name in (WEIGHTS_INDEX, WEIGHTS_FILE):
+        if (folder / name).is_file():
+            return folder / name
+    indexes = sorted(p for p in folder.glob("*.safetensors.index.json") if not _adapter_or_hidden(p))
+    files = sorted(p for p in folder.glob("*.safetensors") if not _adapter_or_hidden(p))
+    if len(indexes) == 1:
+        return indexes[0]
+    if len(indexes) > 1:
+        raise CheckpointError(f"{folder} holds several indexes {[p.name for p in indexes]}: name the model's index")
+    if len(files) == 1:
+        return files[0]
+    if len(files) > 1:
+        raise CheckpointError(
+            f"{folder} holds {len(files)} safetensors files ({', '.join(p.name for p in files[:4])}) and no "
+            f"{WEIGHTS_INDEX}: name the model's file"
+        )
+    pickled = sorted(p.name for p in folder.iterdir() if PICKLED_WEIGHTS.match(p.name))
+    if pickled:
+        raise CheckpointError(
+            f"{folder} holds its weights as {pickled[0]}, a pickle, which shardavg never loads (loading it runs code "
+            "from the file): convert it once where you trust it, e.g. Transformers' "
+            "from_pretrained(folder).save_pretrained(new_folder, safe_serialization=True), and merge that"
+        )
+    adapters = sorted(p.name for p in folder.glob("adapter_model*"))
+    if adapters:
+        raise CheckpointError(
+            f"{folder} holds a PEFT adapter ({adapters[0]}), not a model: merge it into its base model first "
+            "(peft's merge_and_unload, then save_pretrained) and merge that"
+        )
+    raise CheckpointError(f"{folder} holds no {WEIGHTS_FILE} or {WEIGHTS_INDEX}")
+
+
+def _adapter_or_hidden(path: Path) -> bool:
+    return path.name.startswith(("adapter_", "."))
+
+
+def carried_files(folder: Path) -> list[str]:
+    """The names of the regular files a merge of ``folder`` carries (every file but weights,
+    adapters, hidden files and the model card), sorted."""
+    return sorted(
+        p.name for p in folder.iterdir() if p.is_file() and not p.is_symlink() and not NOT_CARRIED.search(p.name)
+    )
+
+
+def check_tokenizers(folders: Sequence[Path]) -> None:
+    """Refuse inputs whose tokenizer files differ: a merged model has one tokenizer."""
+    for name in TOKENIZER_FILES:
+        holding = [folder for folder in folders if (folder / name).is_file()]
+        contents = {folder: (folder / name).read_bytes() for folder in holding}
+        if len(set(contents.values())) > 1:
+            differ = [str(f) for f in holding if contents[f] != contents[holding[-1]]]
+            raise CheckpointError(
+                f"the inputs disagree on the tokenizer: {name} of {differ[0]} differs from {holding[-1]}'s; a merge "
+                "of models with different tokenizers is not one model"
+            )
+
+
+def files_dtype(dtypes: Iterable[tuple[torch.dtype, int]]) -> torch.dtype | None:
+    """The dtype of the most floating elements among ``(dtype, numel)`` pairs: what a model folder
+    of these tensors declares (Transformers takes one dtype for the whole model)."""
+    counts: Counter[torch.dtype] = Counter()
+    for dtype, numel in dtypes:
+        if dtype.is_floating_point:
+            counts[dtype] += numel
+    return counts.most_common(1)[0][0] if counts else None
+
+
+def folder_dtype(folder: Path) -> torch.dtype | None:
+    """The dtype of most floating elements in the weight files of the model folder ``folder``."""
+    index = folder / WEIGHTS_INDEX
+    names = sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.is_file() else [WEIGHTS_FILE]
+    found: list[tuple[torch.dtype, int]] = []
+    for name in names:
+        with SafetensorsFile.open(folder / name) as file:
+            found += [(stored.dtype, _numel(stored.shape)) for stored in file.tensors.values()]
+    return files_dtype(found)
+
+
+def _numel(shape: Sequence[int]) -> int:
+    count = 1
+    for size in shape:
+        count *= size
+    return count
+
+
+def declared(config: dict[str, Any], dtype: torch.dtype | None, untied: bool) -> dict[str, Any]:
+    """``config`` declaring ``dtype`` (under the key its Transformers version reads, and in every
+    nested sub-model config that declares one), and untied word embeddings when ``untied``."""
+    config = dict(config)
+    if dtype is not None:
+        keys = [key for key in DTYPE_KEYS if key in config] or [_dtype_key(config.get("transformers_version"))]
+        for key in keys:
+            config[key] = dtype_name(dtype)
+        for key, value in config.items():
+            if isinstance(value, dict) and any(k in value for k in DTYPE_KEYS):
+                config[key] = declared(value, dtype, untied=False)
+    if untied:
+        config["tie_word_embeddings"] = False
+    return config
+
+
+def _dtype_key(version: Any) -> str:
+    """``dtype`` from Transformers 4.56 on (and when the version is unknown), ``torch_dtype`` before."""
+    match = re.match(r"^(\d+)\.(\d+)", version) if isinstance(version, str) else None
+    return "torch_dtype" if match and (int(match[1]), int(match[2])) < (4, 56) else "dtype"
+
+
+def write_config(source: Path, target: Path, dtype: torch.dtype | None, untied: bool = False) -> None:
+    """Copy the ``config.json`` at ``source`` to ``target`` atomically, declaring ``dtype``: the
+    bytes unchanged when it already does, else rewritten as Transformers writes it (2-space indent)."""
+    raw = source.read_bytes()
+    try:
+        config = json.loads(raw)
+    except ValueError as error:
+        raise CheckpointError(f"{source} is not JSON: {error}") from None
+    if not isinstance(config, dict):
+        raise CheckpointError(f"{source} is not a model config (a JSON object)")
+    wanted = declared(config, dtype, untied)
+    text = raw if wanted == config else (json.dumps(wanted, indent=2) + "\n").encode()
+    with atomic_file(target) as handle:
+        handle.write(text)
+
+
+def declare_dtype(folder: Path, untied: bool = False) -> None:
+    """Make ``folder/config.json`` declare the dtype of the weight files beside it (an export
+    in fp32 of a bf16 model would otherwise load as bf16)."""
+    config = folder / CONFIG
+    if config.is_file() and not config.is_symlink():
+        write_config(config, config, folder_dtype(folder), untied)
