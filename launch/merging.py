@@ -56,5 +56,6 @@ def merge_last(out: Path, last: int, wrapped: Wrapped) -> Merged:
         raise MergeFailed(shared[0])
     average = WeightAverager(wrapped.model, SWA(), **wrapped.averager_options)
     average.load(out / FOLDER)
-    log.info("merged the last %d checkpoints (steps %s) into %s", last, shared[1], out / FOLDER)
+    plural = "" if last == 1 else "s"
+    log.info("merged the last %d checkpoint%s (steps %s) into %s", last, plural, shared[1], out / FOLDER)
     return Merged(f"merge-last{last}", shared[1], average)

@@ -100,29 +100,44 @@ def merge(
         for source in sources:
             source.check()
         _tie_saved_once(sources)
-        models = [s.path for s in sources if isinstance(s, SafetensorsSource) and s.path.is_dir()]
+        models = [s.model_dir for s in sources if isinstance(s, SafetensorsSource) and s.model_dir is not None]
         check_tokenizers(models)
-        plan = _selected(plan_names(sources, model_folder=bool(models)), *patterns)
+        plan = _selected(plan_names(sources, model_folder=output == "safetensors"), *patterns)
         shares = _weights(sources, weights, ema)
         specs = [_output_spec(planned, sources, dtype) for planned in plan]
         if output == "shardavg":
             stream = _merged(sources, shares, plan, specs, accumulate, per_name=False)
             written = save_whole(out, _description(sources, shares, plan, specs), stream)
         else:
-            before = carried_before(Path(out)) if Path(out).is_dir() else set()
-            carried = carried_files(models[-1]) if models else []
-            metadata = {"format": "pt", "shardavg": json.dumps(_record(sources, shares) | {"carried": carried})}
-            entries = [Entry(n, spec.dtype, spec.shape) for planned, spec in zip(plan, specs) for n in planned.names]
             stream = _merged(sources, shares, plan, specs, accumulate, per_name=True)
-            written = write_model(out, entries, stream, metadata, max_bytes)
-            untied = any(planned.untied for planned in plan)
-            dtype_written = files_dtype((e.dtype, math.prod(e.shape)) for e in entries)
-            _carry(models[-1] if models else None, carried, before, written, dtype_written, untied)
+            written = _write_folder(Path(out), models[-1] if models else None, _record(sources, shares), plan, specs,
+                                    stream, max_bytes)  # fmt: skip
         _log_done(sources, plan, written)
         return written
     finally:
         for source in sources:
             source.close()
+
+
+def _write_folder(
+    out: Path,
+    model: Path | None,
+    record: dict,
+    plan: list[Planned],
+    specs: list[Spec],
+    stream: Iterator[torch.Tensor],
+    max_bytes: int,
+) -> Path:
+    """The merge as a model folder: the weights (``record`` in their metadata, with the files
+    carried), then the Hugging Face input ``model``'s other files (see ``_carry``)."""
+    before = carried_before(out) if out.is_dir() else set()
+    carried = carried_files(model) if model is not None else []
+    metadata = {"format": "pt", "shardavg": json.dumps(record | {"carried": carried})}
+    entries = [Entry(n, spec.dtype, spec.shape) for planned, spec in zip(plan, specs) for n in planned.names]
+    written = write_model(out, entries, stream, metadata, max_bytes)
+    untied = any(planned.untied for planned in plan)
+    _carry(model, carried, before, written, files_dtype((e.dtype, math.prod(e.shape)) for e in entries), untied)
+    return written
 
 
 def _inputs(inputs: Sequence[str | os.PathLike] | str | os.PathLike, last: int | None) -> list[Path]:
@@ -203,19 +218,19 @@ def plan_names(sources: list[Source], model_folder: bool) -> list[Planned]:
 
     Names are grouped where any input ties them (stores them once). Every input must hold
     every group, in the same shapes. A group every input ties is merged once and written under
-    every name, or in a model folder with a Hugging Face input (``model_folder``) under the names
-    the newest such input holds (Transformers saves a tied ``lm_head.weight`` not at all); a
+    every name, or, written as a model folder (``model_folder``) with a Hugging Face input, under
+    the names the newest such input holds (Transformers saves a tied ``lm_head.weight`` not at all); a
     group some input holds as distinct tensors is merged name by name, a tied input giving its
     one tensor to each name."""
     groups = _tie_groups(sources)
     held = [_held(source, groups) for source in sources]
     _check_agree(sources, held)
-    newest_folder = next((i for i in reversed(range(len(sources))) if isinstance(sources[i], SafetensorsSource)), None)
+    newest_hf = next((i for i in reversed(range(len(sources))) if isinstance(sources[i], SafetensorsSource)), None)
     plan = []
     for group, first in held[0].items():
         names = sorted(group, key=lambda n: (n not in first, first.index(n) if n in first else 0, n))
         if all(_tied(source, h[group]) for source, h in zip(sources, held)):
-            written = tuple(names) if not model_folder or newest_folder is None else held[newest_folder][group]
+            written = tuple(names) if not model_folder or newest_hf is None else held[newest_hf][group]
             plan.append(Planned(written, tuple(h[group][0] for h in held)))
         else:
             untied = len(names) > 1
@@ -229,8 +244,8 @@ EMBEDDING = re.compile(r"(^|\.)(embed_tokens|wte|word_embeddings|tok_embeddings|
 def _tie_saved_once(sources: list[Source]) -> None:
     """Tie, in each Hugging Face input whose config ties word embeddings, a tensor it lacks but
     another input holds (the output embedding, which Transformers saves once) to the one it holds
-    in its place: the tensor of that shape and dtype which is the input embedding, or which every
-    input holding both stores equal to it. Nothing is tied where that is not one tensor."""
+    in its place: the floating tensor of that shape named as an input embedding, else the one
+    another input holds, equal, under both names. Nothing is tied where that is not one tensor."""
     for source in sources:
         if not isinstance(source, SafetensorsSource) or not source.ties_embeddings:
             continue

@@ -81,11 +81,9 @@ def _adapter_or_hidden(path: Path) -> bool:
 
 
 def carried_files(folder: Path) -> list[str]:
-    """The names of the regular files a merge of ``folder`` carries (every file but weights,
-    adapters, hidden files and the model card), sorted."""
-    return sorted(
-        p.name for p in folder.iterdir() if p.is_file() and not p.is_symlink() and not NOT_CARRIED.search(p.name)
-    )
+    """The names of the files a merge of ``folder`` carries (every regular file, or link to one as
+    in the Hugging Face cache, but weights, adapters, hidden files and the model card), sorted."""
+    return sorted(p.name for p in folder.iterdir() if p.is_file() and not NOT_CARRIED.search(p.name))
 
 
 def check_tokenizers(folders: Sequence[Path]) -> None:

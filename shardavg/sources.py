@@ -197,14 +197,16 @@ def _nesting(metadata: Any, tensors: dict[str, Any]) -> dict[str, tuple]:
 class SafetensorsSource(Source):
     """A Hugging Face model: one ``.safetensors`` file, or a folder holding one (or a sharded model
     and its ``*.safetensors.index.json``). Every file's header is checked when it is opened:
-    a truncated or foreign file is refused before anything is merged. ``ties_embeddings``: its
-    config ties the output embedding to the input one (which Transformers then saves once)."""
+    a truncated or foreign file is refused before anything is merged. Links to regular files are
+    followed (the Hugging Face cache's snapshots link to its blobs). ``model_dir``: the model
+    folder (also of a file named that is its folder's weights); ``ties_embeddings``: its config
+    ties the output embedding to the input one (which Transformers then saves once)."""
 
     def __init__(self, path: Path) -> None:
         self.path, self.files = path, []
         try:
             names = self._weight_map(path)
-            self.files = [SafetensorsFile.open(file) for file in sorted(set(names.values()))]
+            self.files = [SafetensorsFile.open(file, follow_links=True) for file in sorted(set(names.values()))]
             by_path = {Path(file.where): file for file in self.files}
             self.where = {name: by_path[file] for name, file in names.items()}
             self.specs = {}
@@ -214,7 +216,8 @@ class SafetensorsSource(Source):
                     raise CheckpointError(f"{file.where} lacks {name!r}, which the index places there")
                 self.specs[name] = Spec(stored.dtype, stored.shape)
             self.step = self._step()
-            self.ties_embeddings = _ties_embeddings(path if path.is_dir() else path.parent)
+            self.model_dir = path if path.is_dir() else _model_dir_of(path)
+            self.ties_embeddings = self.model_dir is not None and _ties_embeddings(self.model_dir)
         except BaseException:
             self.close()
             raise
@@ -226,7 +229,7 @@ class SafetensorsSource(Source):
         weights = path if path.is_file() else weights_of(path)
         if weights.name.endswith(".index.json"):
             return _index(weights)
-        with SafetensorsFile.open(weights) as file:
+        with SafetensorsFile.open(weights, follow_links=True) as file:
             return dict.fromkeys(file.tensors, weights)
 
     def _step(self) -> int | None:
@@ -245,6 +248,16 @@ class SafetensorsSource(Source):
     def close(self) -> None:
         for file in self.files:
             file.close()
+
+
+def _model_dir_of(file: Path) -> Path | None:
+    """The model folder a safetensors file named alone belongs to: its folder, where that folder
+    holds a ``config.json`` and this file is its weights (a file among others is alone)."""
+    folder = file.parent
+    try:
+        return folder if (folder / "config.json").is_file() and weights_of(folder).resolve() == file.resolve() else None
+    except CheckpointError:
+        return None
 
 
 def _ties_embeddings(folder: Path) -> bool:

@@ -232,11 +232,14 @@ def write_safetensors(
     return writer.digest()
 
 
-def open_regular(name: str | Path, dir_fd: int | None = None, where: str | Path | None = None) -> int:
+def open_regular(
+    name: str | Path, dir_fd: int | None = None, where: str | Path | None = None, follow_links: bool = False
+) -> int:
     """A read-only descriptor of the regular file ``name`` (relative to ``dir_fd`` when given;
-    ``where`` names it in errors): never through a link, never a pipe or a device (opening
-    does not block on a FIFO). A missing file raises FileNotFoundError."""
-    flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0)
+    ``where`` names it in errors): never through a link (unless ``follow_links``: a model read
+    from the Hugging Face cache, whose files are links to its blobs), never a pipe or a device
+    (opening does not block on a FIFO). A missing file raises FileNotFoundError."""
+    flags = os.O_RDONLY | (0 if follow_links else os.O_NOFOLLOW) | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0)
     where = name if where is None else where
     try:
         fd = os.open(name, flags, dir_fd=dir_fd)
@@ -289,11 +292,13 @@ class SafetensorsFile:
             raise
 
     @classmethod
-    def open(cls, path: str | Path, dir_fd: int | None = None, where: str | Path | None = None) -> SafetensorsFile:
-        """Open ``path`` (a name inside ``dir_fd`` when given; ``where`` names it in errors); a
-        missing file raises FileNotFoundError."""
+    def open(
+        cls, path: str | Path, dir_fd: int | None = None, where: str | Path | None = None, follow_links: bool = False
+    ) -> SafetensorsFile:
+        """Open ``path`` (a name inside ``dir_fd`` when given; ``where`` names it in errors; see
+        ``open_regular`` for ``follow_links``); a missing file raises FileNotFoundError."""
         where = path if where is None else where
-        return cls(open_regular(path, dir_fd, where), str(where))
+        return cls(open_regular(path, dir_fd, where, follow_links), str(where))
 
     def close(self) -> None:
         self._file.close()

@@ -250,6 +250,8 @@ def test_a_folders_other_files_are_carried_and_its_adapter_is_not_the_model(tmp_
     want = {k: v for k, v in mean([state(m) for m in models]).items() if k != "lm_head.weight"}  # (saved once, tied)
     assert_equal(read_model(out), want)  # the model, not the adapter
     assert json.loads((out / "config.json").read_text()) == json.loads((folders[-1] / "config.json").read_text())
+    named = shardavg.merge([f / "model.safetensors" for f in folders], tmp_path / "named")  # the files named
+    assert sorted(p.name for p in named.iterdir()) == sorted(p.name for p in out.iterdir())  # (their folders')
     bare = tmp_path / "bare"  # a merge into the same folder of a model without a tokenizer: the old one goes
     gpt2(2).save_pretrained(bare)
     shardavg.merge([bare], out)
@@ -258,6 +260,29 @@ def test_a_folders_other_files_are_carried_and_its_adapter_is_not_the_model(tmp_
     with pytest.raises(shardavg.CheckpointError, match="the inputs disagree on the tokenizer: tokenizer.json"):
         shardavg.merge(folders, tmp_path / "refused")
     assert not (tmp_path / "refused").exists()
+
+
+def test_models_in_the_hugging_face_cache_merge_through_their_links(tmp_path: Path) -> None:
+    """The hub cache keeps each file once in ``blobs/`` and links to it from ``snapshots/REV/``."""
+    snapshots, models = [], [gpt2(0), gpt2(1)]
+    for number, model in enumerate(models):
+        saved, cache = tmp_path / f"saved-{number}", tmp_path / f"models--tiny-{number}"
+        model.save_pretrained(saved, max_shard_size="20KB")
+        (saved / "tokenizer.json").write_text("{}")
+        (cache / "blobs").mkdir(parents=True)
+        snapshot = cache / "snapshots" / "0123abcd"
+        snapshot.mkdir(parents=True)
+        for file in saved.iterdir():
+            blob = cache / "blobs" / f"{number}-{file.name}"
+            file.rename(blob)
+            (snapshot / file.name).symlink_to(Path("../../blobs") / blob.name)
+        snapshots.append(snapshot)
+    out = shardavg.merge(snapshots, tmp_path / "out")
+    want = {k: v for k, v in mean([state(m) for m in models]).items() if k != "lm_head.weight"}
+    assert_equal(read_model(out), want)
+    assert (out / "tokenizer.json").is_file() and not (out / "tokenizer.json").is_symlink()
+    assert not (out / "config.json").is_symlink()
+    assert torch.equal(transformers.GPT2LMHeadModel.from_pretrained(out).lm_head.weight, want["transformer.wte.weight"])
 
 
 def test_pickled_weights_are_refused_with_the_conversion_named(tmp_path: Path) -> None:

@@ -1,8 +1,9 @@
-"""torchrun scenario: every rule and policy of WeightAverager on one engine, against references.
+"""torchrun scenario: every rule and policy of WeightAverager on each engine, against references.
 
-    torchrun --standalone --nproc_per_node N tests_distributed/scenario_averager.py ENGINE
+    torchrun --standalone --nproc_per_node N tests_distributed/scenario_averager.py ENGINE[,ENGINE...]
 
-ENGINE is replicated (DDP), fsdp2, fsdp1 or zero3. For each configuration of that engine
+ENGINE is replicated (DDP), fsdp2, fsdp1 or zero3; several run one after the other in one launch
+(the launch costs more than an engine's checks). For each configuration of an engine
 (dtypes, FSDP1's use_orig_params, ZeRO-3's persistence threshold and zero.Init) it trains
 the model for real, keeps several averagers at once and, after the run, checks each against
 a reference average computed in the same run from the live weights gathered by the engine's
@@ -281,12 +282,19 @@ def check_logging_is_rank_zero_only(engine: Engine) -> None:
 
 @record
 def main() -> None:
-    engine_kind = sys.argv[1]
-    harness.init_distributed(deepspeed=engine_kind == "zero3")
-    rank, world = dist.get_rank(), dist.get_world_size()
+    engine_kinds = sys.argv[1].split(",")
+    harness.init_distributed(deepspeed="zero3" in engine_kinds)
     with harness.CollectiveCount() as sanity:
         dist.all_reduce(torch.ones(1))
     assert sanity.count >= 1, "the collective counter does not see collectives"
+    for engine_kind in engine_kinds:
+        check_engine(engine_kind)
+    harness.finish()
+
+
+def check_engine(engine_kind: str) -> None:
+    """Every configuration of ``engine_kind``: each averager against its reference, then DONE."""
+    rank, world = dist.get_rank(), dist.get_world_size()
     if engine_kind == "zero3":
         check_zero_init_dtype_does_not_depend_on_the_cpu()
 
@@ -374,6 +382,7 @@ def main() -> None:
         harness.report(
             "BYTES",
             {
+                "engine": engine_kind,
                 "config": engine.name,
                 "world_size": world,
                 "shadow_bytes_per_rank": per_rank,
@@ -388,7 +397,6 @@ def main() -> None:
             check_a_cast_is_followed(engine, ema)
         dist.barrier()
     harness.report("DONE", {"engine": engine_kind, "world_size": world, "configurations": number + 1})
-    harness.finish()
 
 
 if __name__ == "__main__":

@@ -10,6 +10,8 @@ import pytest
 import torch
 from launcher import torchrun
 
+pytestmark = pytest.mark.slow  # a torchrun launch: python -m pytest -m "not slow" leaves it out
+
 SCRIPT = "scenario_accelerate.py"
 ON_CPU = {"ACCELERATE_USE_CPU": "true"}  # under torchrun accelerate sees one process without it
 

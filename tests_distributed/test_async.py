@@ -9,6 +9,8 @@ from pathlib import Path
 import pytest
 from launcher import torchrun
 
+pytestmark = pytest.mark.slow  # a torchrun launch: python -m pytest -m "not slow" leaves it out
+
 SCRIPT = "scenario_async.py"
 
 

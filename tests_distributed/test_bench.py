@@ -6,7 +6,10 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
 from launcher import torchrun
+
+pytestmark = pytest.mark.slow  # a torchrun launch: python -m pytest -m "not slow" leaves it out
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = [

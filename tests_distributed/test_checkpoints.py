@@ -16,6 +16,8 @@ import torch
 from launcher import HERE, torchrun
 from safetensors.torch import load_file
 
+pytestmark = pytest.mark.slow  # a torchrun launch: python -m pytest -m "not slow" leaves it out
+
 ENGINES = ["replicated", "fsdp2", "fsdp1", "zero3"]
 SCRIPT = "scenario_checkpoint.py"
 
@@ -54,6 +56,7 @@ import torch
 from safetensors.torch import load_file
 sys.path.insert(0, {harness!r})
 from harness import TiedNet
+
 
 source = Path({source!r})
 for export in ("export", "export-sharded"):

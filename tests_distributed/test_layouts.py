@@ -3,13 +3,18 @@ one checkpoint through every layout, world size and engine; the offline CLI on w
 
 from __future__ import annotations
 
+import contextlib
+import io
 import subprocess
-import sys
 
 import pytest
 import torch
 from launcher import torchrun
 from safetensors.torch import load_file
+
+import shardavg.cli
+
+pytestmark = pytest.mark.slow  # a torchrun launch: python -m pytest -m "not slow" leaves it out
 
 LAYOUTS = {2: ["tp-2-float32", "tp-2-bfloat16", "ep-1x2-float32", "pp-2x1-float32"],
            4: ["fsdp2_tp-2x2-float32", "fsdp2_tp-2x2-bfloat16", "hsdp_tp-2x1x2-float32", "hsdp_tp-1x2x2-float32",
@@ -30,7 +35,12 @@ def test_every_layout_averages_exactly_without_communication(world_size: int, tm
 
 
 def cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "shardavg", *args], capture_output=True, text=True, timeout=120)
+    """The command line in this process (a process each would cost more than the work): its exit
+    status and what it printed."""
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = shardavg.cli.main(list(args))
+    return subprocess.CompletedProcess(["shardavg", *args], code, out.getvalue(), err.getvalue())
 
 
 def test_one_checkpoint_loads_bitwise_under_every_layout_and_offline(tmp_path) -> None:

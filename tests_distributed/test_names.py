@@ -4,7 +4,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 from launcher import torchrun
+
+pytestmark = pytest.mark.slow  # a torchrun launch: python -m pytest -m "not slow" leaves it out
 
 
 def test_a_hugging_face_model_keeps_its_names_under_every_engine_and_wrapper(tmp_path: Path) -> None:

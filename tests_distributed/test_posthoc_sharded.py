@@ -8,6 +8,8 @@ from pathlib import Path
 import pytest
 from launcher import torchrun
 
+pytestmark = pytest.mark.slow  # a torchrun launch: python -m pytest -m "not slow" leaves it out
+
 SCRIPT = "scenario_posthoc.py"
 ENGINES = {"replicated", "fsdp2", "fsdp1", "zero3"}
 

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import functools
 import re
 import time
 from pathlib import Path
 
 import pytest
-from launcher import torchrun
+from launcher import Launch, torchrun
+
+pytestmark = pytest.mark.slow  # a torchrun launch: python -m pytest -m "not slow" leaves it out
 
 ENGINES = ["replicated", "fsdp2", "fsdp1", "zero3"]
 SHADOW_TABLE = Path(__file__).resolve().parents[1] / "docs" / "tables" / "shadow-memory.md"
@@ -49,14 +52,23 @@ def test_the_shadow_table_has_every_row() -> None:
     assert set(shadow_table()) == set(TABLE_ROWS)
 
 
+@functools.cache
+def every_engine(world_size: int) -> Launch:
+    """One launch per world size runs every engine's checks in turn (a launch costs more than an
+    engine's checks); each engine's test reads its part."""
+    return torchrun("scenario_averager.py", world_size, ",".join(ENGINES), timeout=900)
+
+
 @pytest.mark.parametrize("world_size", [1, 2, 4])
 @pytest.mark.parametrize("engine", ENGINES)
 def test_averager_matches_reference(engine: str, world_size: int) -> None:
-    launch = torchrun("scenario_averager.py", world_size, engine, timeout=420)
+    launch = every_engine(world_size)
     assert launch.returncode == 0, launch.output[-20000:]
-    (done,) = launch.reports("DONE")
-    assert done["engine"] == engine and done["world_size"] == world_size, done
-    measured = launch.reports("BYTES")
+    found = [report for report in launch.reports("DONE") if report["engine"] == engine]
+    assert len(found) == 1, launch.output[-20000:]
+    assert found[0]["world_size"] == world_size, found
+    done = found[0]
+    measured = [report for report in launch.reports("BYTES") if report["engine"] == engine]
     assert len(measured) == done["configurations"] >= 2, launch.output[-5000:]
     for bytes_ in measured:
         assert len(bytes_["shadow_bytes_per_rank"]) == world_size

@@ -19,6 +19,8 @@ import torch
 from launcher import torchrun
 from safetensors.torch import load_file
 
+pytestmark = pytest.mark.slow  # a torchrun launch: python -m pytest -m "not slow" leaves it out
+
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "launch"))
 
@@ -346,7 +348,7 @@ def test_a_config_error_is_shown_by_every_launch(tmp_path) -> None:
     env = os.environ | {"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
     launches = [
         subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
-        for _ in range(10)
+        for _ in range(6)
     ]
     outputs = [launch.communicate(timeout=300)[0] for launch in launches]
     shown = [output.count("config error: config key 'train.lr' must be a finite number > 0.0") for output in outputs]
