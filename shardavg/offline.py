@@ -86,6 +86,7 @@ class SavedAverage:
                 f"{path} is neither a shardavg checkpoint ({MANIFEST}) nor a DCP checkpoint (.metadata)"
             )
         self.tensors = {entry["name"]: entry for entry in self.description["tensors"]}
+        self.canonical = {alias: e["name"] for e in self.description["tensors"] for alias in (e["name"], *e["aliases"])}
         self.averages: list[str | None] = [entry["name"] for entry in self.description["averages"]]
 
     def average(self, name: str | None) -> str | None:
@@ -139,11 +140,13 @@ class SavedAverage:
             self._opened.close()
 
     def read(self, name: str, average: str | None = None) -> torch.Tensor:
-        """The full tensor ``name`` of ``average`` in its original shape (one tensor in memory at a time).
+        """The full tensor ``name`` (any of a tied tensor's names) of ``average`` in its original shape
+        (one tensor in memory at a time).
 
         Every stored chunk is checked (where it lies, that the chunks tile the tensor, dtype and
         size) before the tensor is allocated, so a damaged table never yields unwritten memory.
         """
+        name = self.canonical.get(name, name)  # a tied tensor is stored under its first name
         key = self.key(name, self.average(average))
         dtype, shape = DTYPES[self.tensors[name]["dtype"]], torch.Size(self.tensors[name]["shape"])
         out = torch.empty(shape, dtype=dtype)

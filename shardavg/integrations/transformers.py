@@ -35,6 +35,7 @@ from typing import Any
 from transformers import TrainerCallback
 
 from ..averager import WeightAverager
+from ..dist import rank
 from ..errors import CheckpointError
 from ..model_folder import declare_dtype
 from ..reading import read_manifest, resolve
@@ -148,7 +149,7 @@ class WeightAveragingCallback(TrainerCallback):
         if args.load_best_model_at_end and best is not None and (Path(best) / DIRECTORY).is_dir():
             self.averager.load(Path(best) / DIRECTORY)  # the average saved with the model the Trainer kept
         self.averager.export(self.export_dir, average=self.average)
-        if state.is_world_process_zero:
+        if rank() == 0:  # the rank that wrote the weights (the Trainer may call more than one process zero)
             for part in ("config", "generation_config"):  # what from_pretrained needs beside the weights
                 if hasattr(getattr(model, part, None), "save_pretrained"):
                     getattr(model, part).save_pretrained(self.export_dir)
