@@ -121,6 +121,28 @@ def test_a_torchtitan_run_merges_its_model_and_never_its_optimizer(titan: TitanR
         shardavg.merge([titan.new(4)], tmp_path / "refused", prefix="optimizer.")
 
 
+def test_a_model_whose_own_names_begin_with_model_is_read_whole(tmp_path: Path) -> None:
+    """``dcp.save(get_model_state_dict(llama))``: top-level keys ``model.layers.0...`` and ``lm_head.weight``,
+    which DCP's metadata records as top-level names, not entries under ``model``."""
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+    class Causal(torch.nn.Module):  # named as Transformers' Llama names its modules
+        def __init__(self) -> None:
+            super().__init__()
+            self.model = torch.nn.ModuleDict({"embed_tokens": torch.nn.Embedding(5, 3)})
+            self.lm_head = torch.nn.Linear(3, 5, bias=False)
+
+    states = []
+    for seed in (0, 1):
+        torch.manual_seed(seed)
+        model = Causal()
+        states.append(state(model))
+        sd = get_model_state_dict(model) | {"optimizer": {"state.lm_head.weight.exp_avg": torch.ones(5, 3)}}
+        dcp.save(sd, checkpoint_id=str(tmp_path / f"step-{seed}"), no_dist=True)
+    merged = shardavg.merge([tmp_path / "step-0", tmp_path / "step-1"], tmp_path / "out")
+    assert_equal(read_model(merged), mean(states))  # lm_head.weight too, and no optimizer state
+
+
 def test_include_and_exclude_pick_tensors_by_name(titan: TitanRun, tmp_path: Path) -> None:
     want = mean([titan.states[2], titan.states[4]])
     picked = shardavg.merge(
