@@ -43,8 +43,9 @@ DTYPE_KEYS = ("dtype", "torch_dtype")  # Transformers >= 4.56 writes the first, 
 
 
 def weights_of(folder: Path) -> Path:
-    """The model's weights in ``folder``: its index, or its one safetensors file."""
-    for name in (WEIGHTS_INDEX, WEIGHTS_FILE):
+    """The model's weights in ``folder``: ``model.safetensors``, else its index (the order
+    Transformers looks in), else the one safetensors index or file there."""
+    for name in (WEIGHTS_FILE, WEIGHTS_INDEX):
         if (folder / name).is_file():
             return folder / name
     indexes = sorted(p for p in folder.glob("*.safetensors.index.json") if not _adapter_or_hidden(p))
