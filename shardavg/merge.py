@@ -105,6 +105,7 @@ def merge(
         plan = _selected(plan_names(sources, model_folder=output == "safetensors"), *patterns)
         shares = _weights(sources, weights, ema)
         specs = [_output_spec(planned, sources, dtype) for planned in plan]
+        _check_range(sources, shares, plan, specs, accumulate)
         if output == "shardavg":
             stream = _merged(sources, shares, plan, specs, accumulate, per_name=False)
             written = save_whole(out, _description(sources, shares, plan, specs), stream)
@@ -407,6 +408,25 @@ def _merged(
         for _ in planned.names if per_name else planned.names[:1]:
             yield merged
         del merged
+
+
+def _check_range(
+    sources: list[Source], shares: list[float], plan: list[Planned], specs: list[Spec], accumulate: torch.dtype
+) -> None:
+    """Refuse, before anything is written, a merged tensor that overflows its output dtype: one
+    pass over the tensors narrowed to a dtype of a smaller range (fp16) from inputs of a wider one.
+    (An average of inputs already in the output dtype stays within their range.)"""
+    narrowed = [
+        i
+        for i, (planned, spec) in enumerate(zip(plan, specs))
+        if spec.dtype.is_floating_point
+        and any(
+            torch.finfo(spec.dtype).max < torch.finfo(source.specs[name].dtype).max
+            for source, name in zip(sources, planned.held)
+        )
+    ]
+    for _ in _merged(sources, shares, [plan[i] for i in narrowed], [specs[i] for i in narrowed], accumulate, False):
+        pass  # (each tensor is cast and checked in turn, then let go)
 
 
 def _record(sources: list[Source], shares: list[float]) -> dict:

@@ -330,6 +330,11 @@ def test_an_fp16_output_that_overflows_is_refused_by_name(tmp_path: Path, capsys
     with pytest.raises(shardavg.ExportError, match=r"w: 2 values overflow float16 \(largest magnitude 90000"):
         shardavg.merge([big], tmp_path / "out", dtype=torch.float16)
     assert not (tmp_path / "out").exists()
+    earlier = shardavg.merge([big], tmp_path / "earlier", max_shard_size=4)  # one file per tensor, an index
+    before = {p.name: p.read_bytes() for p in earlier.iterdir()}
+    with pytest.raises(shardavg.ExportError, match="overflow float16"):  # found before anything is written
+        shardavg.merge([big], earlier, dtype=torch.float16, max_shard_size=4)
+    assert {p.name: p.read_bytes() for p in earlier.iterdir()} == before
     assert read_model(shardavg.merge([big], tmp_path / "bf16", dtype=torch.bfloat16))["w"].isfinite().all()
     model = torch.nn.Linear(2, 2)
     with torch.no_grad():
