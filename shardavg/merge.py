@@ -32,7 +32,8 @@ from .errors import CheckpointError
 from .export import cast, cast_dtype, parse_size, write_model
 from .format import FORMAT, VERSION
 from .logs import log
-from .model_folder import CONFIG, carried_files, check_tokenizers, files_dtype, write_config
+from .model_folder import CONFIG, NOT_CARRIED, carried_files, check_tokenizers, files_dtype, write_config
+from .offline import PLAIN_NAME
 from .ownership import INDEX_FILE, LOCK_FILE, enclosing_checkpoint, export_files
 from .rules import SWA
 from .sources import SafetensorsSource, Source, Spec, finished_checkpoints, open_source
@@ -202,7 +203,8 @@ def carried_before(out: Path) -> set[str]:
         carried = json.loads(recorded).get("carried", [])
     except (OSError, ValueError, KeyError, TypeError, AttributeError, CheckpointError):
         return set()
-    return {name for name in carried if isinstance(name, str) and name and "/" not in name and name != ".."}
+    plain = (name for name in carried if isinstance(name, str) and PLAIN_NAME.match(name))
+    return {name for name in plain if not NOT_CARRIED.search(name)}  # (a plain name in OUT, never a weight file)
 
 
 @dataclass(frozen=True)
