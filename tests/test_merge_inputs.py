@@ -14,7 +14,8 @@ import torch
 import torch.distributed.checkpoint as dcp
 from conftest import Trainer
 from harness import TiedNet
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
+from test_merge import read_model, reference
 
 import shardavg
 import shardavg.cli
@@ -23,24 +24,9 @@ from shardavg import EMA, WeightAverager
 transformers = pytest.importorskip("transformers")
 
 
-def read_model(folder: Path) -> dict[str, torch.Tensor]:
-    index = folder / "model.safetensors.index.json"
-    files = set(json.loads(index.read_text())["weight_map"].values()) if index.exists() else {"model.safetensors"}
-    return {name: value for file in sorted(files) for name, value in load_file(str(folder / file)).items()}
-
-
 def mean(states: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
     """The uniform average in fp32, input order; integer tensors from the last state."""
-    merged = {}
-    for name, last in states[-1].items():
-        if not last.is_floating_point():
-            merged[name] = last
-            continue
-        total = torch.zeros(last.shape, dtype=torch.float32)
-        for state in states:
-            total = total + state[name].to(torch.float32) * (1 / len(states))
-        merged[name] = total
-    return merged
+    return reference(states, [1 / len(states)] * len(states))
 
 
 def assert_equal(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> None:
