@@ -26,7 +26,7 @@ from .dist import agree_or_raise, rank
 from .errors import ExportError
 from .ownership import INDEX_FILE, MANIFEST, TargetLock, enclosing_checkpoint, export_files, target_path
 from .state import AverageState
-from .storage import Entry, atomic_file, dtype_name, write_safetensors
+from .storage import Entry, atomic_file, commit_file, discard_staged, dtype_name, write_safetensors
 
 SINGLE_FILE = "model.safetensors"
 _UNITS = {
@@ -99,9 +99,11 @@ def write_model(
 ) -> Path:
     """Write ``tensors`` (one per entry, in order) as safetensors weight files into ``directory``.
 
-    Other files there (a Hugging Face ``config.json``, a tokenizer) stay untouched. Each file
-    appears atomically; the last one written (the single file, or the index of a split model)
-    is the switch from the previous export, whose other weight files are then removed.
+    Other files there (a Hugging Face ``config.json``, a tokenizer) stay untouched. Every weight
+    file is written complete under its temporary name before any of them replaces the previous
+    export's (a failure while writing, an fp16 overflow found on the way, leaves the previous
+    export whole); then they are moved into place, the index last (the switch of a split model),
+    and the previous export's other weight files are removed.
     """
     directory = target_path(directory, "export", replaced_whole=False)
     files = plan_files(entries, parse_size(max_shard_size))
@@ -119,8 +121,16 @@ def write_model(
             held = True
             previous = _check_target(directory)
             stream: Iterator[torch.Tensor] = iter(tensors)
-            for name, planned in zip(names, files):
-                write_safetensors(directory / name, planned, itertools.islice(stream, len(planned)), metadata)
+            try:
+                for name, planned in zip(names, files):
+                    pieces = itertools.islice(stream, len(planned))
+                    write_safetensors(directory / name, planned, pieces, metadata, staged=True)
+            except BaseException:
+                for name in names:
+                    discard_staged(directory / name)
+                raise
+            for name in names:
+                commit_file(directory / name)
             if len(files) > 1:
                 index = {
                     "metadata": {"total_size": sum(e.nbytes for e in entries), "shardavg": metadata["shardavg"]},

@@ -122,21 +122,45 @@ def open_exclusive(path: Path) -> BinaryIO:
         return os.fdopen(os.open(path, flags, 0o644), "wb")
 
 
+def temporary_of(path: Path) -> Path:
+    """Where ``path`` is written before it appears: ``.<name>.incomplete`` beside it."""
+    return path.with_name(f".{path.name}.incomplete")
+
+
 @contextmanager
-def atomic_file(path: Path) -> Iterator[BinaryIO]:
-    """Write ``path`` under a temporary name; it appears, complete and synced, only on success."""
-    temporary = path.with_name(f".{path.name}.incomplete")
+def staged_file(path: Path) -> Iterator[BinaryIO]:
+    """Write ``path``'s temporary name (``temporary_of``), complete and synced, and leave it there
+    for the caller to move into place (``commit_file``); removed when the write fails."""
+    temporary = temporary_of(path)
     try:
         with open_exclusive(temporary) as handle:
             yield handle
             handle.flush()
             os.fsync(handle.fileno())
     except BaseException:
-        if temporary.is_file() and not temporary.is_symlink():
-            temporary.unlink()
+        discard_staged(path)
         raise
-    os.replace(temporary, path)
+
+
+def commit_file(path: Path) -> None:
+    """Move the complete temporary file of ``path`` into place, replacing what was there."""
+    os.replace(temporary_of(path), path)
     fsync_dir(path.parent)
+
+
+def discard_staged(path: Path) -> None:
+    """Remove the temporary file of ``path``, if a write left one (never through a link)."""
+    temporary = temporary_of(path)
+    if temporary.is_file() and not temporary.is_symlink():
+        temporary.unlink()
+
+
+@contextmanager
+def atomic_file(path: Path) -> Iterator[BinaryIO]:
+    """Write ``path`` under a temporary name; it appears, complete and synced, only on success."""
+    with staged_file(path) as handle:
+        yield handle
+    commit_file(path)
 
 
 def _exchange(first: Path, second: Path) -> bool:
@@ -214,10 +238,12 @@ def write_safetensors(
     entries: Sequence[Entry],
     tensors: Iterable[torch.Tensor],
     metadata: dict[str, str] | None = None,
+    staged: bool = False,
 ) -> FileDigest:
-    """Write ``tensors`` (one per entry, in order, produced lazily) to ``path`` atomically; returns
-    the file's size and SHA-256, computed as it was written."""
-    with atomic_file(path) as handle:
+    """Write ``tensors`` (one per entry, in order, produced lazily) to ``path`` atomically (with
+    ``staged``, complete under its temporary name, for ``commit_file`` to move into place with the
+    other files of one write); returns the file's size and SHA-256, computed as it was written."""
+    with staged_file(path) if staged else atomic_file(path) as handle:
         writer = _HashingWriter(handle)
         writer.write(_header(entries, metadata))
         stream = iter(tensors)

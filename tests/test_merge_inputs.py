@@ -322,13 +322,19 @@ def test_an_fp16_output_that_overflows_is_refused_by_name(tmp_path: Path, capsys
         shardavg.merge([big], earlier, dtype=torch.float16, max_shard_size=4)
     assert {p.name: p.read_bytes() for p in earlier.iterdir()} == before
     assert read_model(shardavg.merge([big], tmp_path / "bf16", dtype=torch.bfloat16))["w"].isfinite().all()
-    model = torch.nn.Linear(2, 2)
+    model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 2))
     with torch.no_grad():
-        model.weight.fill_(1e5)
+        model[1].weight.fill_(1e5)
     avg = WeightAverager(model, EMA(decay=0.5))
     avg.update()
     with pytest.raises(shardavg.ExportError, match="weight: 4 values overflow float16"):
         avg.export(tmp_path / "export", dtype=torch.float16)
+    assert not (tmp_path / "export").exists()
+    earlier = avg.export(tmp_path / "earlier", max_shard_size=4)  # a file per tensor, the large one last
+    before = {p.name: p.read_bytes() for p in earlier.iterdir()}
+    with pytest.raises(shardavg.ExportError, match="weight: 4 values overflow float16"):
+        avg.export(earlier, dtype=torch.float16, max_shard_size=4)  # two files written, then the refusal
+    assert {p.name: p.read_bytes() for p in earlier.iterdir()} == before
     avg.save(tmp_path / "ckpt")
     assert shardavg.cli.main(["export", str(tmp_path / "ckpt"), str(tmp_path / "cli"), "--dtype", "float16"]) == 2
     err = capsys.readouterr().err
