@@ -12,6 +12,7 @@ declare the dtype of the files written beside it: ``from_pretrained`` loads in t
 from __future__ import annotations
 
 import json
+import math
 import re
 from collections import Counter
 from collections.abc import Iterable, Sequence
@@ -117,15 +118,8 @@ def folder_dtype(folder: Path) -> torch.dtype | None:
     found: list[tuple[torch.dtype, int]] = []
     for name in names:
         with SafetensorsFile.open(folder / name) as file:
-            found += [(stored.dtype, _numel(stored.shape)) for stored in file.tensors.values()]
+            found += [(stored.dtype, math.prod(stored.shape)) for stored in file.tensors.values()]
     return files_dtype(found)
-
-
-def _numel(shape: Sequence[int]) -> int:
-    count = 1
-    for size in shape:
-        count *= size
-    return count
 
 
 def declared(config: dict[str, Any], dtype: torch.dtype | None, untied: bool) -> dict[str, Any]:

@@ -338,9 +338,14 @@ def check_dcp(path: str | os.PathLike) -> Any:
     The items' bytes are not read (DCP records no checksum of them)."""
     path = Path(path)
     metadata = read_dcp_metadata(path)
+    check_dcp_items(path, metadata)
+    return metadata
+
+
+def check_dcp_items(path: Path, metadata: Any) -> None:
+    """Every item the DCP ``metadata`` of ``path`` lists in place (see ``check_dcp``)."""
     for index, info in metadata.storage_data.items():
         _dcp_item_location(path, getattr(index, "fqn", index), info)
-    return metadata
 
 
 def _dcp_item_location(path: Path, fqn: Any, info: Any) -> tuple[Path, int, int]:

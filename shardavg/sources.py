@@ -27,7 +27,7 @@ import torch
 from .errors import CheckpointError
 from .format import MANIFEST, STEP_DIR
 from .model_folder import weights_of
-from .offline import PLAIN_NAME, DcpFolder, SavedAverage, check_dcp
+from .offline import PLAIN_NAME, DcpFolder, SavedAverage, check_dcp_items
 from .storage import DTYPES, SafetensorsFile
 
 STEP_NAME = re.compile(r"^(?:step-|checkpoint-|global_step)(\d+)$")  # shardavg's, HF Trainer's, DeepSpeed's
@@ -128,7 +128,7 @@ class DcpSource(Source):
     def check(self) -> None:
         """Every item of the checkpoint in place (a truncated file is refused even where it holds no
         tensor merged), and the merged tensors' chunks boxes of them."""
-        check_dcp(self.path)
+        check_dcp_items(self.path, self.folder.metadata)  # (the metadata read once, when opened)
         for name, spec in self.specs.items():
             self.folder.boxes(self.keys[name][0], spec.shape, spec.dtype)
 

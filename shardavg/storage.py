@@ -122,16 +122,11 @@ def open_exclusive(path: Path) -> BinaryIO:
         return os.fdopen(os.open(path, flags, 0o644), "wb")
 
 
-def temporary_of(path: Path) -> Path:
-    """Where ``path`` is written before it appears: ``.<name>.incomplete`` beside it."""
-    return path.with_name(f".{path.name}.incomplete")
-
-
 @contextmanager
 def staged_file(path: Path) -> Iterator[BinaryIO]:
-    """Write ``path``'s temporary name (``temporary_of``), complete and synced, and leave it there
+    """Write ``path``'s temporary name (``staging_path``), complete and synced, and leave it there
     for the caller to move into place (``commit_file``); removed when the write fails."""
-    temporary = temporary_of(path)
+    temporary = staging_path(path)
     try:
         with open_exclusive(temporary) as handle:
             yield handle
@@ -144,13 +139,13 @@ def staged_file(path: Path) -> Iterator[BinaryIO]:
 
 def commit_file(path: Path) -> None:
     """Move the complete temporary file of ``path`` into place, replacing what was there."""
-    os.replace(temporary_of(path), path)
+    os.replace(staging_path(path), path)
     fsync_dir(path.parent)
 
 
 def discard_staged(path: Path) -> None:
     """Remove the temporary file of ``path``, if a write left one (never through a link)."""
-    temporary = temporary_of(path)
+    temporary = staging_path(path)
     if temporary.is_file() and not temporary.is_symlink():
         temporary.unlink()
 
@@ -204,7 +199,8 @@ def commit_directory(staging: Path, target: Path) -> None:
 
 
 def staging_path(target: Path) -> Path:
-    """Where ``target`` is written before it is committed: ``.<name>.incomplete`` beside it."""
+    """Where ``target`` (a file or a directory) is written before it is committed:
+    ``.<name>.incomplete`` beside it."""
     return target.with_name(f".{target.name}.incomplete")
 
 
