@@ -25,7 +25,7 @@ import os
 import secrets
 import shutil
 import warnings
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -35,11 +35,12 @@ from . import validate
 from .dist import agree_or_raise, all_gathered, gather_or_raise, rank, world_size
 from .errors import CheckpointError
 from .format import (
+    DESCRIBED,
     MANIFEST,
     SAVE_ID_KEY,
     STEP_DIR,
     chunk_table,
-    entry_lengths,
+    saved_length,
     shard_file,
     step_directory,
     tensor_key,
@@ -77,6 +78,7 @@ from .storage import (
     staging_path,
     write_safetensors,
 )
+from .tensor_layout import ListedLayout, MeshLayout, TensorLayout, world_grid
 
 
 def check_compatible(state: AverageState, meta: dict[str, Any], where: str, strict: bool) -> dict[str, dict]:
@@ -244,19 +246,31 @@ def _prepare(directory: Path, target: Path, keep_last: int | None) -> int:
 
 
 def _manifest(
-    description: dict[str, Any], chunks: list[list[dict[str, Any]]], files: list[str], digests: list[FileDigest],
+    description: dict[str, Any], layouts: Sequence[TensorLayout], digests: list[FileDigest],
     identity: tuple[int, str],
 ) -> dict[str, Any]:  # fmt: skip
-    """The manifest of a save: the description, each tensor's chunk table, every file's size and
-    hash, and the save's sequence number and id."""
+    """The manifest of a save: the description, each tensor's layout (its grid of ranks listed once)
+    or, where it was gathered, its chunk table, every file's size and hash, and the save's sequence
+    number and id. File ``r`` (``shard_file(r, len(digests))``) holds what rank ``r`` owns."""
     sequence, save_id = identity
+    grids = {layout.grid.digest: layout.grid for layout in layouts if not isinstance(layout, ListedLayout)}
+    index = {digest: position for position, digest in enumerate(grids)}
     manifest = description | {
-        "files": files,
-        "digests": [{"bytes": d.bytes, "sha256": d.sha256} for d in digests],
+        "files": len(digests),
+        "digests": [[d.bytes, d.sha256] for d in digests],
         "save_id": save_id,
         "sequence": sequence,
+        "grids": [grid.to_json() for grid in grids.values()],
     }
-    manifest["tensors"] = [entry | {"chunks": table} for entry, table in zip(description["tensors"], chunks)]
+    manifest["tensors"] = [
+        {key: entry[key] for key in DESCRIBED}
+        | (
+            {"chunks": chunk_table(layout.chunks)}
+            if isinstance(layout, ListedLayout)
+            else {"layout": layout.to_json(index)}
+        )
+        for entry, layout in zip(description["tensors"], layouts)
+    ]
     return with_checksum(manifest)
 
 
@@ -264,7 +278,7 @@ def _commit(manifest: dict[str, Any], target: Path) -> None:
     """Rank 0: write the manifest last, then swap the checkpoint into place."""
     staging = staging_path(target)
     with atomic_file(staging / MANIFEST) as handle:
-        handle.write(json.dumps(manifest, indent=1).encode())
+        handle.write(json.dumps(manifest, separators=(",", ":")).encode())
     (staging / STAGING_MARKER).unlink()
     if foreign_in_checkpoint(target):  # written by someone else since _prepare looked
         raise CheckpointError(f"{target} changed during the save and is no longer shardavg's own: left alone")
@@ -340,8 +354,7 @@ def save(
                 if dtype is not None:
                     for entry, role in zip(description["tensors"], state.roles):
                         entry["dtype"] = dtype_name(dtype) if role == "average" else entry["dtype"]
-                chunks = [chunk_table(owned) for owned in state.layout.chunks]
-                _commit(_manifest(description, chunks, files, digests, (sequence, save_id)), target)
+                _commit(_manifest(description, state.layout.layouts, digests, (sequence, save_id)), target)
             except Exception as caught:
                 error = caught
         agree_or_raise(error, f"committing {target}")
@@ -367,8 +380,8 @@ def save_whole(directory: str | os.PathLike, description: dict[str, Any], tensor
         planned = [Entry(e["name"], DTYPES[e["dtype"]], (math.prod(e["shape"]),)) for e in entries]
         flat = (tensor.reshape(-1) for tensor in tensors)
         digest = write_safetensors(staging_path(directory) / files[0], planned, flat, {SAVE_ID_KEY: save_id})
-        chunks = [[{"file": 0, "offsets": [0] * len(e["shape"]), "sizes": e["shape"], "at": 0}] for e in entries]
-        _commit(_manifest(description, chunks, files, [digest], (sequence, save_id)), directory)
+        whole = [MeshLayout(tuple(e["shape"]), world_grid(1), (("replicate",),)) for e in entries]
+        _commit(_manifest(description, whole, [digest], (sequence, save_id)), directory)
     return directory
 
 
@@ -401,17 +414,18 @@ def _plan_reads(state: AverageState, opened: OpenCheckpoint, slots: list[Slot]) 
     for slot in slots:
         info = state.infos[slot.index]
         entry, piece = saved[info.name], state.piece(slot.index, slot.average)
-        lengths = entry_lengths(entry)
+        layout = entry["layout"]
         for block in info.part.blocks:
-            for chunk in entry["chunks"]:
-                box = (tuple(chunk["offsets"]), tuple(chunk["sizes"]))
-                common = intersect((block.offsets, block.sizes), box)
+            for owner, stored in layout.candidates((block.offsets, block.sizes)):
+                common = intersect((block.offsets, block.sizes), (stored.offsets, stored.sizes))
                 if common is None:
                     continue
-                file = opened.shard(chunk["file"])
-                file.checked(slot.saved_key, entry["dtype"], lengths[chunk["file"]])
+                file = opened.shard(owner)
+                file.checked(slot.saved_key, entry["dtype"], saved_length(layout, owner))
                 target = block.view(piece)[box_slices(_minus(common[0], block.offsets), common[1])]
-                reads.append(_Read(target, file, slot.saved_key, chunk["at"], box[1], _minus(common[0], box[0])))
+                reads.append(
+                    _Read(target, file, slot.saved_key, stored.at, stored.sizes, _minus(common[0], stored.offsets))
+                )
     return reads
 
 

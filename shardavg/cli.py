@@ -219,11 +219,19 @@ def _inspect(saved: SavedAverage, verify: bool) -> str:
         ("strategy", f"{meta.get('strategy')} on {meta.get('world_size')} rank(s)"),
         ("tensors", f"{len(tensors)}: " + ", ".join(f"{n} {role}" for role, n in sorted(roles.items()))),
         ("bytes", f"{size} ({size / 2**20:.1f} MiB)"),
+        *(("layout", line) for line in _layouts(tensors)),
     ]
     if verify:
         files, checked = saved.verify_contents()
         rows.append(("verified", f"{files} file(s), {checked} bytes: every SHA-256 matches the manifest"))
     return "\n".join(f"{label:<12} {value}" for label, value in rows)
+
+
+def _layouts(tensors: list[dict]) -> list[str]:
+    """How the saving ranks held the tensors, in words, the commonest first (a checkpoint of
+    ``avg.save``; DCP's chunks are its own)."""
+    shown = Counter(entry["layout"].shown() for entry in tensors if "layout" in entry)
+    return [f"{count} tensor{'s' if count > 1 else ''}: {words}" for words, count in shown.most_common()]
 
 
 def _updates(meta: dict) -> str:

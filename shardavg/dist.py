@@ -9,6 +9,9 @@ function answers for a world of one.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
+import torch
 import torch.distributed as dist
 
 from .errors import CheckpointError
@@ -24,6 +27,26 @@ def rank() -> int:
 
 def world_size() -> int:
     return dist.get_world_size() if distributed() else 1
+
+
+def comm_device(device: torch.device) -> torch.device:
+    """Where a tensor must be for the default process group to send it (NCCL: CUDA only)."""
+    backend = dist.get_backend()
+    if device.type == "cpu" and "nccl" in backend and "cpu:" not in backend and backend != "gloo":
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
+def same_everywhere(values: Sequence[int]) -> bool:
+    """Collective: whether every rank passed the same integers (each below 2**62), in one
+    all-reduce of the values and their negations (the maximum of both: the range): a check
+    whose cost does not grow with the number of ranks, where gathering them would."""
+    if not distributed():
+        return True
+    both = torch.tensor([*values, *(-v for v in values)], dtype=torch.int64, device=comm_device(torch.device("cpu")))
+    dist.all_reduce(both, op=dist.ReduceOp.MAX)
+    highest, lowest = both.tolist()[: len(values)], [-v for v in both.tolist()[len(values) :]]
+    return highest == lowest
 
 
 def all_gathered(value: object) -> list:
@@ -48,5 +71,8 @@ def gather_or_raise(
 
 
 def agree_or_raise(error: BaseException | None, what: str, kind: type[Exception] = CheckpointError) -> None:
-    """Collective: raise ``kind`` on every rank if any rank failed, naming the ranks and their errors."""
-    gather_or_raise(error, None, what, kind)
+    """Collective: raise ``kind`` on every rank if any rank failed, naming the ranks and their errors
+    (one all-reduce when none did; the errors are gathered only when one did)."""
+    alike = same_everywhere([0 if error is None else 1])  # every rank takes part, failed or not
+    if error is not None or not alike:
+        gather_or_raise(error, None, what, kind)

@@ -10,10 +10,16 @@ through ``check_description`` (and ``parse_manifest`` for a manifest): a damaged
 description is refused whole, with one message naming where it came from and the field at
 fault, before anything changes.
 
-A chunk is a box of a tensor (offsets and sizes in the tensor itself), which a file's entry for
-that tensor holds from its element ``at``, row-major, the file's boxes back to back; the chunks
-of a tensor must tile it exactly. Before format version 5 a chunk was a range of the flattened
-tensor: such tables are read as the boxes of their ranges.
+Since format version 6 a manifest says where each tensor lies by its *layout*
+(``tensor_layout.py``): the rule the saving ranks' parts followed ("dim 0 split in 4,096 as
+torch.chunk does over grid 0", "elements [o, o + n) of a flat buffer split in ranges of c"),
+with the grids of ranks listed once, so its size grows with the tensors, not tensors x ranks;
+file ``r`` holds what rank ``r`` owned, its boxes back to back. A tensor whose layout could not
+be derived (and every tensor before version 6) has a chunk table instead: each chunk a box of
+the tensor (offsets and sizes in the tensor itself) that a file's entry holds from its element
+``at``, row-major, the file's boxes back to back. Before version 5 a chunk was a range of the
+flattened tensor: such tables are read as the boxes of their ranges. Either way a reader gets
+one ``TensorLayout`` per tensor (``entry["layout"]``), checked to tile it exactly.
 """
 
 from __future__ import annotations
@@ -25,18 +31,20 @@ import re
 from collections.abc import Sequence
 from typing import Any, get_args
 
-from .errors import CheckpointError
+from .errors import CheckpointError, LayoutError
 from .options import BufferPolicy
-from .parts import Part, tiles
+from .parts import Block, Part, contiguous_strides, tiles
 from .rules import rule_from_config
 from .storage import DTYPES
 from .strategies import ADAPTERS
+from .tensor_layout import Grid, ListedLayout, TensorLayout, grid_from_json, layout_from_json
 from .validate import AVERAGE_NAME, RUN_ID
 
-FORMAT, VERSION = "shardavg", 5  # the description's format, shared by checkpoints, DCP and exports
+FORMAT, VERSION = "shardavg", 6  # the description's format, shared by checkpoints, DCP and exports
 # (2: checksummed; 3: "averages", several named averages, in place of one "rule"; 4: a checkpoint's
 # manifest records its save's id and every file's size and SHA-256; 5: chunks are boxes of the
-# tensor, not ranges of the flattened tensor, and DCP holds each tensor in its own shape)
+# tensor, not ranges of the flattened tensor, and DCP holds each tensor in its own shape; 6: a
+# manifest gives each tensor's layout over the ranks, and the grids of ranks once, not its chunks)
 
 MANIFEST = "shardavg.json"  # a checkpoint's description, chunk tables and files; written last
 CHECKPOINT_FILE = re.compile(r"^(shardavg\.json|rank-\d{5}-of-\d{5}\.safetensors)$")
@@ -65,6 +73,7 @@ def tensor_key(average: str | None, name: str) -> str:
 # ------------------------------------------------------------------------- the description
 
 
+DESCRIBED = ("name", "aliases", "kind", "role", "shape", "dtype")  # a tensor entry's fields besides where it lies
 KINDS = ("param", "buffer")
 ROLES = ("average", "copy", "live")
 CHECKSUM = "checksum"
@@ -228,36 +237,27 @@ def decode_description(value: Any, where: str) -> dict[str, Any]:
 
 
 def chunk_table(chunks: Sequence[tuple[int, Part]]) -> list[dict[str, Any]]:
-    """A tensor's chunks as the manifest records them: each owner's boxes, back to back in its file."""
+    """A tensor's chunks as a chunk table records them: each owner's boxes, back to back in its file."""
     return [
-        {"file": owner, "offsets": list(block.offsets), "sizes": list(block.sizes), "at": at}
+        {"file": owner, "offsets": list(block.offsets), "sizes": list(block.sizes), "at": block.at}
         for owner, part in chunks
-        for block, at in zip(part.blocks, packed_positions(part))
+        for block in part.packed().blocks
     ]
 
 
-def packed_positions(part: Part) -> list[int]:
-    """Where each box of ``part`` starts in its saved entry: the boxes back to back, in order."""
-    positions, at = [], 0
-    for block in part.blocks:
-        positions.append(at)
-        at += block.numel
-    return positions
-
-
-def entry_lengths(entry: dict[str, Any]) -> dict[int, int]:
-    """Elements each file holds of a tensor (its boxes back to back)."""
-    lengths: dict[int, int] = {}
-    for chunk in entry["chunks"]:
-        lengths[chunk["file"]] = chunk["at"] + math.prod(chunk["sizes"])
-    return lengths
+def saved_length(layout: TensorLayout, file: int) -> int:
+    """Elements file ``file`` holds of a tensor: the part its rank owned, its boxes back to back."""
+    return layout.part(file).numel
 
 
 def check_chunk_table(meta: dict[str, Any], where: str) -> None:
     """The manifest's files are shardavg's own names (with their sizes, hashes and save id since
-    version 4), and each tensor's chunks tile it exactly."""
+    version 4), and each tensor's layout (or chunk table) tiles it exactly; each entry's
+    ``"layout"`` becomes its ``TensorLayout``."""
     if meta["version"] >= 2 and "sequence" not in meta:
         raise fail(where, "lacks 'sequence'")
+    if meta["version"] >= 6:  # a count of the standard names, and each file's [bytes, sha256]
+        _expand_files(meta, where)
     files = meta.get("files")
     if not isinstance(files, list) or not all(isinstance(f, str) and CHECKPOINT_FILE.match(f) for f in files):
         raise fail(where, f"'files' must list rank-NNNNN-of-NNNNN.safetensors names, got {str(files)[:200]}")
@@ -265,8 +265,86 @@ def check_chunk_table(meta: dict[str, Any], where: str) -> None:
         raise fail(where, f"'files' must list the shard files, each once, got {str(files)[:200]}")
     if meta["version"] >= 4:
         _check_digests(meta, files, where)
+    grids = _grids(meta, len(files), where) if meta["version"] >= 6 else []
     for entry in meta["tensors"]:
-        entry["chunks"] = _boxes(entry, len(files), meta["version"], where)
+        if meta["version"] >= 6 and "layout" in entry:
+            entry["layout"] = _layout(entry, grids, where)
+        else:
+            chunks = _boxes(entry, len(files), meta["version"], where)
+            entry["layout"] = _listed(entry["shape"], chunks, len(files))
+            entry.pop("chunks")
+
+
+def _grids(meta: dict[str, Any], files: int, where: str) -> list[Grid]:
+    """The manifest's grids of ranks: a shape, and the ranks (files) row-major, 0 .. n-1 when left out."""
+    grids = meta.get("grids")
+    if not isinstance(grids, list):
+        raise fail(where, f"'grids' must be a list, got {str(grids)[:200]}")
+    parsed = []
+    for grid in grids:
+        shape = grid.get("shape") if isinstance(grid, dict) else None
+        good = (
+            isinstance(shape, list)
+            and shape
+            and all(is_count(size, 1) for size in shape)
+            and set(grid) <= {"shape", "ranks"}
+        )
+        ranks = grid.get("ranks", range(numel(shape))) if good else None
+        if not (
+            good and isinstance(ranks, (list, range)) and len(ranks) == numel(shape)
+            and all(is_count(r) and r < files for r in ranks) and len(set(ranks)) == len(ranks)
+        ):  # fmt: skip
+            raise fail(where, f"a grid must give a shape and as many distinct ranks below {files}: {str(grid)[:200]}")
+        parsed.append(grid_from_json(grid))
+    return parsed
+
+
+def _layout(entry: dict[str, Any], grids: list[Grid], where: str) -> TensorLayout:
+    """A tensor's layout from its JSON form, checked: a known grid, a placement per grid dim (or a
+    flat partition along one), and owned parts that tile the tensor."""
+    value, ndim, name = entry["layout"], len(entry["shape"]), entry["name"]
+    grid = value.get("grid") if isinstance(value, dict) else None
+    if not (is_count(grid) and grid < len(grids)) or set(value) - {"grid", "placements", "flat"}:
+        raise fail(where, f"tensor {name!r} has a malformed layout: {str(value)[:200]}")
+    dims = len(grids[grid].shape)
+    flat, placements = value.get("flat"), value.get("placements")
+    if (flat is None) == (placements is None):
+        raise fail(where, f"tensor {name!r}: a layout has placements or a flat partition: {str(value)[:200]}")
+    if flat is not None and not (
+        isinstance(flat, dict) and set(flat) == {"dim", "chunk", "offset"}
+        and is_count(flat["dim"]) and flat["dim"] < dims and is_count(flat["chunk"]) and is_count(flat["offset"])
+    ):  # fmt: skip
+        raise fail(where, f"tensor {name!r} has a malformed flat partition: {str(flat)[:200]}")
+    if placements is not None and not (
+        isinstance(placements, list) and len(placements) == dims and all(_placement(p, ndim) for p in placements)
+    ):
+        raise fail(where, f"tensor {name!r} has malformed placements for a {dims}-d grid: {str(placements)[:200]}")
+    layout = layout_from_json(value, entry["shape"], grids)
+    try:
+        layout.check(name)
+    except LayoutError as error:
+        raise fail(where, str(error)) from None
+    return layout
+
+
+def _placement(value: Any, ndim: int) -> bool:
+    if value == ["replicate"]:
+        return True
+    if isinstance(value, list) and len(value) == 2 and value[0] == "shard":
+        return is_count(value[1]) and value[1] < ndim
+    return (
+        isinstance(value, list) and len(value) == 3 and value[0] == "strided_shard"
+        and is_count(value[1]) and value[1] < ndim and is_count(value[2], 1)
+    )  # fmt: skip
+
+
+def _listed(shape: list[int], chunks: list[dict[str, Any]], files: int) -> ListedLayout:
+    """A checked chunk table as the layout it describes: file ``f``'s part is its boxes, back to back."""
+    blocks: list[list[Block]] = [[] for _ in range(files)]
+    for c in chunks:
+        blocks[c["file"]].append(Block(tuple(c["offsets"]), tuple(c["sizes"]), c["at"], contiguous_strides(c["sizes"])))
+    parts = [Part(tuple(shape), tuple(held), sum(block.numel for block in held)) for held in blocks]
+    return ListedLayout(tuple(shape), tuple(parts))
 
 
 def _well_formed(chunk: Any, shape: list[int], files: int, version: int) -> bool:
@@ -309,6 +387,19 @@ def _boxes(entry: dict[str, Any], files: int, version: int, where: str) -> list[
                               f"expected {packed.get(c['file'], 0)}")  # fmt: skip
         packed[c["file"]] = c["at"] + numel(c["sizes"])
     return chunks
+
+
+def _expand_files(meta: dict[str, Any], where: str) -> None:
+    """Version 6 spells the files as their count (file ``r`` is rank ``r``'s, named by
+    ``shard_file``) and each digest as ``[bytes, sha256]``, so the per-rank part of a manifest is
+    its smallest; read back as earlier versions spell them."""
+    count, digests = meta.get("files"), meta.get("digests")
+    if not is_count(count, 1):
+        raise fail(where, f"'files' must be the number of shard files, got {str(count)[:200]}")
+    if not (isinstance(digests, list) and all(isinstance(d, list) and len(d) == 2 for d in digests)):
+        raise fail(where, f"'digests' must give each file's [bytes, sha256], got {str(digests)[:200]}")
+    meta["files"] = [shard_file(rank, count) for rank in range(count)]
+    meta["digests"] = [{"bytes": size, "sha256": sha} for size, sha in digests]
 
 
 def _check_digests(meta: dict[str, Any], files: list[str], where: str) -> None:

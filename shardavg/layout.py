@@ -1,11 +1,15 @@
 """Which rank holds which part of every tensor, and gathering full tensors from those parts.
 
-``ShardLayout.build`` runs one collective when the averager is built: every rank reports the
-``Part`` of each tensor it holds (``parts.py``: boxes of the global tensor, a flat range being
-the one-dimensional case). Identical parts on several ranks are replicas (DDP, HSDP, tensor
-parallel's replicated dims, every buffer); the lowest such rank *owns* the part. The owned
-parts of a tensor must tile it exactly, which is checked here, so a mistake in an adapter
-becomes a clear error instead of a wrong export.
+Every tensor's ``TensorLayout`` (``tensor_layout.py``) comes from its adapter, derived from what
+every rank already knows (DTensor placements, a flat partition), so building the layout costs
+each rank the same at 8 ranks as at 4,096: ``ShardLayout.build`` checks that the ranks agree
+with one digest per rank (not every rank's table), that each rank's own part is what its
+layout says, and that the owned parts of each distinct layout tile the tensor, which turns a
+mistake in an adapter into a clear error instead of a wrong export. Where a layout cannot be
+derived (ZeRO-1/2 master fragments; a rank whose part disagrees with its adapter's rule) the
+parts of those tensors alone are gathered from every rank (``ListedLayout``). Identical parts
+on several ranks are replicas (DDP, HSDP, tensor parallel's replicated dims, every buffer); the
+lowest such rank *owns* the part.
 
 ``iter_gathered`` then rebuilds full tensors from the owners' pieces with point-to-point
 sends, a bounded bucket of tensors at a time: the receiving rank holds at most one bucket
@@ -17,87 +21,121 @@ holds while they are in flight. This one mechanism serves every engine and layou
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from .dist import distributed, rank
+from .dist import all_gathered, comm_device, distributed, rank, same_everywhere
 from .errors import LayoutError
-from .parts import Part, place, tiles
+from .parts import Part, place
 from .strategies.base import TensorInfo
-
-Chunk = tuple[int, Part]  # (owner rank, the part of the tensor it owns)
+from .tensor_layout import Chunk, Grid, ListedLayout, TensorLayout
 
 DEFAULT_BUCKET_BYTES = 64 * 2**20
 
 
 def tiling(info: TensorInfo, parts: Sequence[Part]) -> tuple[Chunk, ...]:
     """Owned chunks of one tensor from every rank's part, checked to tile it."""
-    owned: dict[Part, int] = {}
-    for holder, part in enumerate(parts):
-        if part.numel:
-            owned.setdefault(part, holder)
-    chunks = tuple((owner, part) for part, owner in owned.items())
-    if not tiles(info.shape, [box for _, part in chunks for box in part.boxes]):
-        raise LayoutError(
-            f"the shards of {info.name!r} (shape {tuple(info.shape)}) do not tile it: "
-            + ", ".join(f"rank {holder} holds {part.shown()}" for holder, part in enumerate(parts))
-        )
-    return chunks
+    layout = ListedLayout(tuple(info.shape), tuple(parts))
+    layout.check(info.name)
+    return layout.chunks
+
+
+def _digest(items: Sequence[Any]) -> list[int]:
+    """A SHA-256 of ``items``, as four 56-bit integers (what ``same_everywhere`` compares)."""
+    digest = hashlib.sha256(repr(items).encode()).digest()
+    return [int.from_bytes(digest[i : i + 7], "little") for i in range(0, 28, 7)]
 
 
 @dataclass(frozen=True)
 class ShardLayout:
-    """Every rank's part of every tensor, and the owned parts that tile each tensor."""
+    """Every tensor's layout over the ranks, agreed by every rank and checked to tile it."""
 
-    parts: tuple[tuple[Part, ...], ...]  # [tensor][rank]
-    chunks: tuple[tuple[Chunk, ...], ...]  # [tensor] -> (owner, part) for each distinct part held
+    layouts: tuple[TensorLayout, ...]
+    gathered: tuple[int, ...]  # the tensors whose parts had to be gathered from every rank
 
     @classmethod
     def build(cls, infos: Sequence[TensorInfo]) -> ShardLayout:
-        """Collective: agree with every rank on the tensors and their shards."""
-        mine = [(info.name, tuple(info.shape), info.part) for info in infos]
-        everyone: list[list[tuple[str, tuple[int, ...], Part]]] = [mine]
-        if distributed():
-            everyone = [None] * dist.get_world_size()  # type: ignore[list-item]
-            dist.all_gather_object(everyone, mine)
-        mine_keys = [entry[:2] for entry in mine]
-        for other, theirs in enumerate(everyone):
-            their_keys = [entry[:2] for entry in theirs]
-            if mine_keys != their_keys:
-                only_mine = sorted({k[0] for k in mine_keys} - {k[0] for k in their_keys})
-                only_theirs = sorted({k[0] for k in their_keys} - {k[0] for k in mine_keys})
-                reshaped = sorted(a[0] for a, b in zip(mine_keys, their_keys) if a[0] == b[0] and a != b)
-                raise LayoutError(
-                    f"rank {rank()} and rank {other} track different tensors: only on rank {rank()}: {only_mine}; "
-                    f"only on rank {other}: {only_theirs}; other shape: {reshaped}"
-                )
-        parts = tuple(tuple(theirs[index][2] for theirs in everyone) for index in range(len(infos)))
-        chunks = tuple(tiling(info, parts[index]) for index, info in enumerate(infos))
-        return cls(parts=parts, chunks=chunks)
+        """Collective: agree with every rank on the tensors and their layouts, in one all-reduce of
+        digests; only where a rank could not derive a layout (or the ranks derived unlike ones)
+        are the parts gathered from every rank."""
+        me = rank()
+        tensors = [(info.name, tuple(info.shape)) for info in infos]
+        layouts: list[TensorLayout | None] = [
+            info.layout if info.layout is not None and info.layout.part(me) == info.part else None for info in infos
+        ]
+        undecided = [index for index, layout in enumerate(layouts) if layout is None]
+        gathered: list[int] = []
+        if not (same_everywhere([*_digest(tensors), *_digest(_keys(layouts)), len(undecided)]) and not undecided):
+            reports = all_gathered((_digest(tensors), undecided))  # the rare path: gather what must be
+            if len({tuple(names) for names, _ in reports}) > 1:
+                _raise_different_tensors(tensors)
+            gathered = sorted({index for _, theirs in reports for index in theirs})
+            if gathered:
+                everyone = all_gathered([infos[index].part for index in gathered])
+                for position, index in enumerate(gathered):
+                    parts = tuple(theirs[position] for theirs in everyone)
+                    layouts[index] = ListedLayout(tuple(infos[index].shape), parts)
+            if not gathered or not same_everywhere(_digest(_keys(layouts))):  # unlike rules: every part of every tensor
+                everyone = all_gathered([info.part for info in infos])
+                layouts = [ListedLayout(tuple(i.shape), tuple(p[k] for p in everyone)) for k, i in enumerate(infos)]
+                gathered = list(range(len(infos)))
+        checked: set[TensorLayout] = set()
+        for info, layout in zip(infos, layouts):
+            if layout not in checked:  # once per distinct layout
+                layout.check(info.name)  # type: ignore[union-attr]
+                checked.add(layout)  # type: ignore[arg-type]
+        return cls(layouts=tuple(layouts), gathered=tuple(gathered))  # type: ignore[arg-type]
+
+    def part(self, index: int, holder: int) -> Part:
+        return self.layouts[index].part(holder)
+
+    def chunks(self, index: int) -> tuple[Chunk, ...]:
+        return self.layouts[index].chunks
 
     def holds_whole(self, index: int, holder: int) -> bool:
         """Whether rank ``holder`` has all of tensor ``index`` locally, in its own order."""
-        part = self.parts[index][holder]
+        part = self.part(index, holder)
         return part.span() == (0, int(torch.Size(part.shape).numel()))
 
     def owns(self, index: int, holder: int) -> bool:
-        return any(owner == holder for owner, _ in self.chunks[index])
+        return self.layouts[index].owner_of(holder) == holder
 
     def replicas(self, index: int, owner: int) -> list[int]:
         """The other ranks holding the very part ``owner`` owns of tensor ``index``."""
-        part = self.parts[index][owner]
-        return [r for r, held in enumerate(self.parts[index]) if held == part and r != owner]
+        return self.layouts[index].replicas(owner)
+
+    def grids(self) -> list[Grid]:
+        """The distinct grids the derived layouts use, each once (a checkpoint stores them once)."""
+        found: dict[str, Grid] = {}
+        for layout in self.layouts:
+            grid = getattr(layout, "grid", None)
+            if grid is not None:
+                found.setdefault(grid.digest, grid)
+        return list(found.values())
 
 
-def _comm_device(device: torch.device) -> torch.device:
-    """Where a tensor must be for the default process group to send it (NCCL: CUDA only)."""
-    backend = dist.get_backend()
-    if device.type == "cpu" and "nccl" in backend and "cpu:" not in backend and backend != "gloo":
-        return torch.device("cuda", torch.cuda.current_device())
-    return device
+def _keys(layouts: Sequence[TensorLayout | None]) -> list:
+    return [None if layout is None else layout.key() for layout in layouts]
+
+
+def _raise_different_tensors(tensors: list[tuple[str, tuple[int, ...]]]) -> None:
+    """Collective (the ranks saw their digests differ): name what differs between this rank and another."""
+    me = rank()
+    for other, theirs in enumerate(all_gathered(tensors)):
+        if theirs != tensors:
+            only_mine = sorted({k[0] for k in tensors} - {k[0] for k in theirs})
+            only_theirs = sorted({k[0] for k in theirs} - {k[0] for k in tensors})
+            reshaped = sorted(a[0] for a, b in zip(tensors, theirs) if a[0] == b[0] and a != b)
+            raise LayoutError(
+                f"rank {me} and rank {other} track different tensors: only on rank {me}: {only_mine}; "
+                f"only on rank {other}: {only_theirs}; other shape: {reshaped}"
+            )
+    raise LayoutError("the ranks track different tensors")
 
 
 def _buckets(indices: Sequence[int], nbytes: Callable[[int], int], limit: int) -> Iterator[list[int]]:
@@ -130,12 +168,12 @@ def _gather_one(
         return local.clone()
     if dst is not None and layout.holds_whole(index, dst):
         return local.clone() if me == dst else None
-    device = _comm_device(local.device)
-    shape = layout.parts[index][0].shape
+    device = comm_device(local.device)
+    shape = layout.layouts[index].shape
     numel = int(torch.Size(shape).numel())
     if dst is None:  # each owner broadcasts its chunk to all
         out = torch.empty(numel, dtype=local.dtype, device=device)
-        for owner, part in layout.chunks[index]:
+        for owner, part in layout.chunks(index):
             span = part.span()
             if span is not None:
                 if owner == me:
@@ -146,17 +184,19 @@ def _gather_one(
                 dist.broadcast(buffer, src=owner)
                 place(out.view(shape), part, buffer)
         return out
-    out = torch.empty(numel, dtype=local.dtype, device=device) if me == dst else None
-    for owner, part in layout.chunks[index]:
-        span = part.span()
-        if owner == me == dst:
-            place(out.view(shape), part, local)  # type: ignore[union-attr]
-        elif owner == me:
+    if me != dst:  # a sender looks at its own part only: its cost does not grow with the world
+        if layout.owns(index, me):
             buffer = local.to(device)
             pending.append((dist.isend(buffer, dst=dst), buffer, None))
-        elif me == dst and span is not None:  # straight into its place
-            pending.append((dist.irecv(out[span[0] : span[1]], src=owner), out, None))  # type: ignore[index]
-        elif me == dst:
+        return None
+    out = torch.empty(numel, dtype=local.dtype, device=device)
+    for owner, part in layout.chunks(index):
+        span = part.span()
+        if owner == me:
+            place(out.view(shape), part, local)
+        elif span is not None:  # straight into its place
+            pending.append((dist.irecv(out[span[0] : span[1]], src=owner), out, None))
+        else:
             buffer = torch.empty(part.numel, dtype=local.dtype, device=device)
             pending.append((dist.irecv(buffer, src=owner), buffer, (out, part)))
     return out

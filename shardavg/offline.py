@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from .errors import CheckpointError
-from .format import decode_description, entry_lengths, is_count, tensor_key
+from .format import decode_description, is_count, tensor_key
 from .ownership import MANIFEST
 from .parts import Box, Part, box_slices, tiles, within
 from .reading import STEP_DIR, open_checkpoint
@@ -168,16 +168,15 @@ class SavedAverage:
 
     def _shard_chunks(self, name: str, key: str) -> list[Chunk]:
         entry, chunks = self.tensors[name], []
-        lengths = entry_lengths(entry)
-        for chunk in entry["chunks"]:
-            file = self._opened.shard(chunk["file"])  # type: ignore[union-attr]
-            file.checked(key, entry["dtype"], lengths[chunk["file"]])
-            offsets, sizes = tuple(chunk["offsets"]), tuple(chunk["sizes"])
+        for owner, part in entry["layout"].chunks:
+            file = self._opened.shard(owner)  # type: ignore[union-attr]
+            file.checked(key, entry["dtype"], part.numel)
+            for block in part.packed().blocks:
 
-            def fill(full: torch.Tensor, file=file, at=chunk["at"], offsets=offsets, sizes=sizes) -> None:
-                file.read_box(full[box_slices(offsets, sizes)], key, at, sizes, (0,) * len(sizes))
+                def fill(full: torch.Tensor, file=file, at=block.at, offsets=block.offsets, sizes=block.sizes) -> None:
+                    file.read_box(full[box_slices(offsets, sizes)], key, at, sizes, (0,) * len(sizes))
 
-            chunks.append(([(offsets, sizes)], fill))
+                chunks.append(([(block.offsets, block.sizes)], fill))
         return chunks
 
     def _dcp_chunks(self, key: str, entry: dict[str, Any]) -> list[Chunk]:

@@ -101,12 +101,19 @@ class Part:
         """A local view of shape ``[len(i) for i in indices]`` whose element at local position
         ``(p0, p1, ...)`` is the global element ``(indices[0][p0], indices[1][p1], ...)``: one box per
         combination of runs of consecutive indices."""
+        return cls.from_runs(shape, [[(first, length) for first, length, _ in _runs(dim)] for dim in indices])
+
+    @classmethod
+    def from_runs(cls, shape: Sequence[int], runs: Sequence[Sequence[tuple[int, int]]]) -> Part:
+        """``grid`` with each dimension's indices given as runs ``(first, length)`` of consecutive
+        ones (adjacent runs are merged), so a long dimension costs its runs, not its indices."""
         shape = tuple(shape)
-        local_shape = tuple(len(dim) for dim in indices)
+        merged = [_merged(dim) for dim in runs]
+        local_shape = tuple(sum(length for _, length in dim) for dim in merged)
         local_strides = contiguous_strides(local_shape)
-        runs = [_runs(dim) for dim in indices]
+        placed = [_positions(dim) for dim in merged]
         blocks = []
-        for combination in _product(runs):
+        for combination in _product(placed):
             offsets = tuple(first for first, _, _ in combination)
             sizes = tuple(length for _, length, _ in combination)
             at = sum(position * stride for (_, _, position), stride in zip(combination, local_strides))
@@ -152,6 +159,14 @@ class Part:
             return f"[{span[0]}, {span[1]})"
         boxes = [f"{list(offsets)}+{list(sizes)}" for offsets, sizes in self.boxes]
         return "boxes " + (", ".join(boxes[:4]) + (", ..." if len(boxes) > 4 else "") if boxes else "none")
+
+    def packed(self) -> Part:
+        """The part as a file stores it: the same boxes back to back, each row-major."""
+        blocks, at = [], 0
+        for block in self.blocks:
+            blocks.append(Block(block.offsets, block.sizes, at, contiguous_strides(block.sizes)))
+            at += block.numel
+        return Part(self.shape, tuple(blocks), at)
 
     def take(self, full: torch.Tensor) -> torch.Tensor:
         """This part's elements of the full tensor ``full``, flat, in local order (a copy)."""
@@ -284,6 +299,26 @@ def _runs(indices: Sequence[int]) -> list[tuple[int, int, int]]:
         else:
             runs.append((index, 1, position))
     return runs
+
+
+def _merged(runs: Sequence[tuple[int, int]]) -> list[tuple[int, int]]:
+    """Runs with adjacent ones joined and empty ones dropped."""
+    merged: list[tuple[int, int]] = []
+    for first, length in runs:
+        if length and merged and merged[-1][0] + merged[-1][1] == first:
+            merged[-1] = (merged[-1][0], merged[-1][1] + length)
+        elif length:
+            merged.append((first, length))
+    return merged
+
+
+def _positions(runs: list[tuple[int, int]]) -> list[tuple[int, int, int]]:
+    """``(first, length, first local position)`` of each run, the runs back to back locally."""
+    placed, position = [], 0
+    for first, length in runs:
+        placed.append((first, length, position))
+        position += length
+    return placed
 
 
 def _product(runs: list[list[tuple[int, int, int]]]) -> Iterator[tuple[tuple[int, int, int], ...]]:

@@ -24,9 +24,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
-from .dist import distributed, world_size
+from .dist import all_gathered, same_everywhere, world_size
 from .errors import ModelChangedError
 from .format import FORMAT, VERSION, tensor_key
 from .fused import gatherable
@@ -236,10 +235,9 @@ class AverageState:
     def check_ranks_agree(self) -> None:
         """Collective: every rank applied the same updates, so the shards form one average."""
         self.updater.settle()
-        if not distributed():
+        if same_everywhere([self.num_updates, self.num_skipped]):
             return
-        counts: list = [None] * dist.get_world_size()
-        dist.all_gather_object(counts, (self.num_updates, self.num_skipped))
+        counts = all_gathered((self.num_updates, self.num_skipped))
         if len(set(counts)) > 1:
             raise RuntimeError(
                 "ranks disagree on the number of updates applied (num_updates, num_skipped): "
@@ -292,9 +290,11 @@ class AverageState:
     def summary(self) -> str:
         """What was built, in one line: the engine, the tensors, what the shadows cost."""
         named = "" if self.names == [None] else f" into {', '.join(map(str, self.names))}"
+        gathered = len(self.layout.gathered)
+        listed = f"; the layouts of {gathered} gathered from every rank (not derivable)" if gathered else ""
         return (
             f"{self.strategy.name} strategy, {len(self.infos)} tensors ({self.roles.count('average')} "
-            f"averaged{named}), {self.shadow_bytes() / 2**20:.1f} MiB of shadows on rank 0"
+            f"averaged{named}), {self.shadow_bytes() / 2**20:.1f} MiB of shadows on rank 0{listed}"
         )
 
     def combine(self, terms: Iterable[tuple[list[torch.Tensor | None], float]], step: int, num_updates: int) -> None:

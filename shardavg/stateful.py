@@ -74,7 +74,7 @@ def _fill_replicas(state: AverageState, slots: list[Slot]) -> None:
         return
     me = rank()
     for slot in slots:
-        for owner, part in state.layout.chunks[slot.index]:
+        for owner, part in state.layout.chunks(slot.index):
             holders = state.layout.replicas(slot.index, owner)
             if not holders:
                 continue

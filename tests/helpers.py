@@ -63,10 +63,30 @@ def replace_shard(checkpoint: Path, name: str, tensors: dict[str, torch.Tensor])
     shard = checkpoint / name
     save_file(tensors, str(shard), metadata={"shardavg_save": meta["save_id"]})
     data = shard.read_bytes()
-    meta["digests"][meta["files"].index(name)] = {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+    rank = int(name.split("-")[1])
+    meta["digests"][rank] = [len(data), hashlib.sha256(data).hexdigest()]
     meta.pop("checksum")
     (checkpoint / "shardavg.json").write_text(json.dumps(with_checksum(meta)))
     return shard
+
+
+def as_chunk_tables(meta: dict) -> dict:
+    """A manifest of format 6 rewritten as format 5 wrote it: each tensor's chunk table (every
+    owner's boxes, back to back in its file) in place of its layout, files by name, and no grids;
+    in place."""
+    from shardavg.format import chunk_table
+    from shardavg.tensor_layout import grid_from_json, layout_from_json
+
+    if isinstance(meta.get("files"), int):  # each file by name, each digest spelt out
+        meta["files"] = [f"rank-{r:05d}-of-{meta['files']:05d}.safetensors" for r in range(meta["files"])]
+        if "digests" in meta:
+            meta["digests"] = [{"bytes": size, "sha256": sha} for size, sha in meta["digests"]]
+    grids = [grid_from_json(grid) for grid in meta.pop("grids", [])]
+    for entry in meta["tensors"]:
+        if "layout" in entry:
+            entry["chunks"] = chunk_table(layout_from_json(entry.pop("layout"), entry["shape"], grids).chunks)
+    meta["version"] = 5
+    return meta
 
 
 def as_flat_ranges(meta: dict, version: int) -> dict:
@@ -74,6 +94,7 @@ def as_flat_ranges(meta: dict, version: int) -> dict:
     chunk a range of the flattened tensor (``{file, start, end}``), not a box."""
     from shardavg.parts import box_span
 
+    meta = as_chunk_tables(meta)
     for entry in meta["tensors"]:
         ranges = [(c["file"], box_span(entry["shape"], c["offsets"], c["sizes"])) for c in entry["chunks"]]
         assert all(span is not None for _, span in ranges), "only boxes that are ranges have a flat form"

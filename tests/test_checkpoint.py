@@ -160,7 +160,7 @@ def test_truncated_and_foreign_files_are_named(trainer, tmp_path) -> None:
     with pytest.raises(CheckpointError, match=rf"cannot read {path / 'shardavg.json'}"):
         fresh().load(path)
     (path / "shardavg.json").write_text(json.dumps({"format": "shardavg", "version": 99}))
-    with pytest.raises(CheckpointError, match="format version 99; this shardavg reads up to 5"):
+    with pytest.raises(CheckpointError, match="format version 99; this shardavg reads up to 6"):
         fresh().load(path)
     (path / "shardavg.json").write_text(json.dumps({"hello": "world"}))
     with pytest.raises(CheckpointError, match="is not a shardavg checkpoint description"):

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from helpers import as_flat_ranges, deadline, fresh, replace_shard, trained
+from helpers import as_chunk_tables, as_flat_ranges, deadline, fresh, replace_shard, trained
 from safetensors.torch import load_file
 
 from shardavg import CheckpointError, WeightAverager
@@ -33,6 +33,9 @@ def craft(path: Path, mutate: Callable[[dict], None]) -> None:
     """Edit the manifest at ``path`` and recompute its checksum."""
     meta = json.loads((path / "shardavg.json").read_text())
     mutate(meta)
+    for entry in meta["tensors"] if isinstance(meta.get("tensors"), list) else []:
+        if isinstance(entry, dict) and "chunks" in entry:  # a chunk table given replaces the layout
+            entry.pop("layout", None)
     meta.pop("checksum", None)
     (path / "shardavg.json").write_text(json.dumps(with_checksum(meta)))
 
@@ -67,10 +70,54 @@ def refused_everywhere(path: Path, match: str, capsys) -> None:
 def test_an_edited_manifest_fails_its_checksum(trainer, tmp_path, capsys) -> None:
     path = trained(trainer).save(tmp_path / "ckpt")
     text = (path / "shardavg.json").read_text()
-    edited = re.sub(r'"step": (\d+)', lambda m: f'"step": {int(m.group(1)) + 1}', text)
+    edited = re.sub(r'"step":\s*(\d+)', lambda m: f'"step": {int(m.group(1)) + 1}', text)
     assert edited != text
     (path / "shardavg.json").write_text(edited)
     refused_everywhere(path, "the checksum does not match the content", capsys)
+
+
+def test_layouts_that_do_not_describe_the_tensor_are_refused(trainer, tmp_path, capsys) -> None:
+    """Format 6: a layout naming a grid that is not there, placements that do not fit it or the
+    tensor, a flat partition that stops short, grids of ranks with no file, or the files and
+    digests spelt any other way: each refused by name before anything is read."""
+    averager = trained(trainer, steps=3)
+    up = "block.up.weight"  # 10 x 6, saved whole by the one rank
+    cases = {
+        "no grid": (
+            lambda meta: tensor(meta, up)["layout"].__setitem__("grid", 5),
+            rf"tensor '{up}' has a malformed layout",
+        ),
+        "placements": (
+            lambda meta: tensor(meta, up)["layout"].__setitem__("placements", [["shard", 2]]),
+            rf"tensor '{up}' has malformed placements for a 1-d grid",
+        ),
+        "two rules": (
+            lambda meta: tensor(meta, up)["layout"].__setitem__("flat", {"dim": 0, "chunk": 60, "offset": 0}),
+            "a layout has placements or a flat partition",
+        ),
+        "flat short": (
+            lambda meta: tensor(meta, up).__setitem__(
+                "layout", {"grid": 0, "flat": {"dim": 0, "chunk": 59, "offset": 0}}
+            ),
+            rf"the shards of '{up}' \(shape \(10, 6\)\) do not tile it",
+        ),
+        "grid ranks": (
+            lambda meta: meta["grids"].__setitem__(0, {"shape": [2]}),
+            r"a grid must give a shape and as many distinct ranks below 1",
+        ),
+        "files": (
+            lambda meta: meta.__setitem__("files", ["rank-00000-of-00001.safetensors"]),
+            "'files' must be the number",
+        ),
+        "digests": (
+            lambda meta: meta.__setitem__("digests", [{"bytes": 1, "sha256": "0" * 64}]),
+            r"'digests' must give each file's \[bytes, sha256\]",
+        ),
+    }
+    for label, (mutate, match) in cases.items():
+        path = averager.save(tmp_path / label)
+        craft(path, mutate)
+        refused_everywhere(path, match, capsys)
 
 
 def test_partial_empty_and_overlapping_chunk_tables_are_refused(trainer, tmp_path, capsys) -> None:
@@ -133,7 +180,7 @@ def test_files_outside_the_checkpoint_are_never_read(trainer, tmp_path, capsys) 
     outside = averager.save(tmp_path / "elsewhere")
     for name in ("../elsewhere/" + SHARD, str(outside / SHARD), "shardavg.json"):
         path = averager.save(tmp_path / "ckpt")
-        craft(path, lambda meta, name=name: meta.__setitem__("files", [name]))
+        craft(path, lambda meta, name=name: as_chunk_tables(meta).__setitem__("files", [name]))  # names: before 6
         refused_everywhere(path, r"'files' must list", capsys)
     path = averager.save(tmp_path / "linked")
     os.replace(path / SHARD, tmp_path / "moved.safetensors")

@@ -14,7 +14,7 @@ import pytest
 PACKAGE = Path(__file__).resolve().parents[1] / "shardavg"
 
 ORDER = [  # bottom first: a module may import only modules before it
-    "errors", "parts", "validate", "dist", "logs", "storage",
+    "errors", "parts", "tensor_layout", "validate", "dist", "logs", "storage",
     "strategies.dtensor", "strategies.base", "strategies.fsdp1", "strategies.fsdp2", "strategies.zero3",
     "strategies.zero12", "strategies.replicated", "strategies.pipeline", "strategies",
     "rules", "options", "format", "ownership", "reading", "layout", "staging", "fused", "watch", "update",
@@ -31,6 +31,9 @@ ENGINE_INTERNALS = {
         "_local_tensor": "a DTensor's local shard itself: to_local() makes a new alias at every call, which "
         "would look like a new view every update",
         "_StridedShard": "the placement FSDP2 gives a parameter sharded by tensor parallel on the same dim",
+        "_layout": "a device mesh's layout over its root's ranks: where a sub-mesh's copies lie (the other "
+        "ranks' meshes), so every rank derives the same grid",
+        "_rank_map": "the root mesh's ranks, which that layout indexes",
     },
     "strategies.base": {
         "_orig_mod": "the module inside torch.compile's OptimizedModule, which offers no accessor",
@@ -46,6 +49,10 @@ ENGINE_INTERNALS = {
         "_shared_param_infos": "tied parameters in a flat parameter",
         "_params": "the original parameters (use_orig_params), for requires_grad",
         "_use_orig_params": "whether they exist",
+        "_numels_with_padding": "each parameter's size in the flat parameter, alignment padding included: "
+        "where every rank's slice of a parameter lies",
+        "_is_padding_mask": "which of those entries are padding",
+        "_device_mesh": "the 2-d mesh a hybrid-sharded unit shards and replicates over",
         "_local_shard": "this rank's slice of a flat parameter",
         "torch.distributed.fsdp._runtime_utils": "FSDP1's _reshard: frees a root unit's unsharded copy",
         "_reshard": "that function",

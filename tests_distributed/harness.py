@@ -200,11 +200,13 @@ def build_hsdp(dtype: torch.dtype) -> Engine:
     return engine
 
 
-def build_fsdp1(dtype: torch.dtype, use_orig_params: bool, mesh: bool = False) -> Engine:
+def build_fsdp1(dtype: torch.dtype, use_orig_params: bool, mesh: bool = False, hybrid: bool = False) -> Engine:
     """FSDP1 over the default group, or (``mesh``) over a 1-D device mesh, whose sharded state
-    dicts hold DTensors rather than ``ShardedTensor``s."""
+    dicts hold DTensors rather than ``ShardedTensor``s; with ``hybrid``, HYBRID_SHARD over a 2-D
+    mesh (2 replicas)."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+    from torch.distributed.fsdp import ShardingStrategy
     from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 
     from shardavg.strategies.base import canonical_name
@@ -215,7 +217,14 @@ def build_fsdp1(dtype: torch.dtype, use_orig_params: bool, mesh: bool = False) -
         auto_wrap_policy=ModuleWrapPolicy({Block, Frozen}),
         use_orig_params=use_orig_params,
         device_id=torch.device("cpu"),
-        device_mesh=init_device_mesh("cpu", (dist.get_world_size(),)) if mesh else None,
+        device_mesh=(
+            init_device_mesh("cpu", (2, dist.get_world_size() // 2))
+            if hybrid
+            else init_device_mesh("cpu", (dist.get_world_size(),))
+            if mesh
+            else None
+        ),
+        sharding_strategy=ShardingStrategy.HYBRID_SHARD if hybrid else ShardingStrategy.FULL_SHARD,
     )
     optimizer = _optimizer(model.parameters())
 
@@ -234,7 +243,7 @@ def build_fsdp1(dtype: torch.dtype, use_orig_params: bool, mesh: bool = False) -
         }
 
     return Engine(
-        name=f"fsdp1-{'orig' if use_orig_params else 'flat'}-{str(dtype)[6:]}",
+        name=f"fsdp1-{'hybrid-' if hybrid else ''}{'orig' if use_orig_params else 'flat'}-{str(dtype)[6:]}",
         model=model,
         step=lambda step: _sgd_step(model, optimizer, step),
         gather_live=gather_live,
@@ -442,3 +451,26 @@ def die_while_writing_shards(rank: int) -> None:
         real_write(path, entries, first_tensor_then_sigkill(), metadata)
 
     shardavg.checkpoint.write_safetensors = write_then_die
+
+
+def check_derived_layout(averager, gathered: Callable[[str], bool] = lambda name: False) -> None:
+    """Collective: the layout each rank derived (no gather) equals the one gathered from every
+    rank as the library did before: every rank's part of every tensor, the owned chunks and the
+    replicas; and only the tensors ``gathered`` names had to be gathered."""
+    from shardavg.layout import tiling
+
+    layout, infos = averager.layout, averager._state.infos
+    everyone: list = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, [info.part for info in infos])
+    for index, info in enumerate(infos):
+        parts = [theirs[index] for theirs in everyone]
+        for holder, part in enumerate(parts):
+            assert layout.part(index, holder) == part, f"{info.name}: rank {holder} holds {part}, derived otherwise"
+        chunks = tiling(info, parts)
+        assert layout.chunks(index) == chunks, f"{info.name}: chunks {layout.chunks(index)} != {chunks}"
+        for owner, part in chunks:
+            replicas = [r for r, held in enumerate(parts) if held == part and r != owner]
+            assert layout.replicas(index, owner) == replicas, f"{info.name}: replicas of rank {owner}"
+    derived_or_not = {infos[index].name for index in layout.gathered}
+    expected = {info.name for info in infos if gathered(info.name)}
+    assert derived_or_not == expected, f"gathered {sorted(derived_or_not)}, expected {sorted(expected)}"

@@ -38,7 +38,8 @@ def configurations(engine: str, world: int) -> list:
         hsdp = [lambda: harness.build_hsdp(fp32)] if world == 4 else []  # 2 replicas x 2 shards
         return [lambda: harness.build_fsdp2(fp32), lambda: harness.build_fsdp2(bf16), *hsdp]
     if engine == "fsdp1":
-        return [lambda d=d, o=o: harness.build_fsdp1(d, o) for d in (fp32, bf16) for o in (True, False)]
+        hybrid = [lambda: harness.build_fsdp1(fp32, True, hybrid=True)] if world == 4 else []  # 2 x 2
+        return [lambda d=d, o=o: harness.build_fsdp1(d, o) for d in (fp32, bf16) for o in (True, False)] + hybrid
     if engine == "zero3":
 
         def without_fp16(build):  # as on a CPU without oneDNN fp16, whatever this one has
@@ -316,6 +317,7 @@ def check_engine(engine_kind: str) -> None:
             references["ema_built_early"] = AveragedModel(plain, multi_avg_fn=get_ema_multi_avg_fn(0.9))
         for name, averager in averagers.items():
             assert averager.strategy.name == engine_kind, f"{name}: {averager.strategy.name}"
+        harness.check_derived_layout(averagers["ema"])
         several = WeightAverager(
             engine.model, {name: variants()[variant][0]["rule"] for name, variant in SEVERAL.items()}
         )

@@ -180,6 +180,8 @@ def master(root: Path) -> None:
         run = Run(stage, bf16=True, source="master")
         assert run.avg.strategy.name == ("zero3" if stage == 3 else "zero12"), run.avg.strategy.name
         live_source = WeightAverager(run.engine, EMA(decay=0.9))
+        harness.check_derived_layout(run.avg)
+        harness.check_derived_layout(live_source)
         torch.manual_seed(0)
         reference = AveragedModel(harness.TiedNet(), multi_avg_fn=get_ema_multi_avg_fn(0.9))
         params = dict(run.engine.module.named_parameters())

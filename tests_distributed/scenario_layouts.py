@@ -100,6 +100,7 @@ def run(engine: Engine, moe: bool = False, pipeline=None, reference_forward=None
     extra = {} if pipeline is None else {"pipeline": pipeline}
     averagers = {name: WeightAverager(engine.model, **kwargs, **extra) for name, (kwargs, _) in variants().items()}
     several = WeightAverager(engine.model, {"ema": EMA(decay=0.9), "power": PowerEMA(sigma_rel=0.1)}, **extra)
+    harness.check_derived_layout(several)
     references = {name: Reference(name, fn, moe) for name, (_, fn) in variants().items()}
     stable, collectives = StableViews(), []
     for step in range(1, STEPS + 1):

@@ -5,14 +5,19 @@ from __future__ import annotations
 
 import contextlib
 import io
+import json
+import re
+import shutil
 import subprocess
 
 import pytest
 import torch
+from helpers import as_chunk_tables
 from launcher import torchrun
 from safetensors.torch import load_file
 
 import shardavg.cli
+from shardavg.format import with_checksum
 
 pytestmark = pytest.mark.slow  # a torchrun launch: python -m pytest -m "not slow" leaves it out
 
@@ -58,12 +63,24 @@ def test_one_checkpoint_loads_bitwise_under_every_layout_and_offline(tmp_path) -
     assert saved == sorted(["fsdp2_tp-4", "pp-4", "fsdp2-4", "hsdp_tp-4", "ddp-4", "fsdp2-2", "ddp-2", "zero3-2",
                             "tp-2", "pp-2", "fsdp2-1", "ddp-1"])  # fmt: skip
 
-    for kind, label in (("saved", "fsdp2_tp-4"), ("saved", "pp-4"), ("dcp", "pp-2"), ("dcp", "tp-2")):
+    for label in ("fsdp2_tp-4", "pp-4"):  # the same checkpoints as format 5 wrote them: chunk tables
+        shutil.copytree(tmp_path / "saved" / label, tmp_path / "v5" / label)
+        meta = json.loads((tmp_path / "v5" / label / "shardavg.json").read_text())
+        meta.pop("checksum")
+        (tmp_path / "v5" / label / "shardavg.json").write_text(json.dumps(with_checksum(as_chunk_tables(meta))))
+
+    cases = (("saved", "fsdp2_tp-4"), ("saved", "pp-4"), ("v5", "fsdp2_tp-4"), ("v5", "pp-4"), ("dcp", "pp-2"),
+             ("dcp", "tp-2"))  # fmt: skip
+    for kind, label in cases:
         checkpoint = tmp_path / kind / label
         source = (tmp_path / "origin" / label).read_text() if (tmp_path / "origin" / label).exists() else label
         key = ["--key", "avg"] if kind == "dcp" else []
         inspected = cli("inspect", str(checkpoint), *key)
         assert inspected.returncode == 0 and "ema" in inspected.stdout, inspected.stderr
+        if kind == "saved":  # the layouts in words: FSDP2 rows split over the data-parallel ranks
+            assert re.search(r"layout +\d+ tensors: dim 0 split in 2 as torch.chunk does", inspected.stdout), (
+                inspected.stdout
+            )
         for average in ("ema", "swa"):
             out = tmp_path / "exports" / f"{kind}-{label}-{average}"
             done = cli("export", str(checkpoint), str(out), "--average", average, *key)

@@ -12,17 +12,21 @@ answers.
 
 from __future__ import annotations
 
+import functools
 import sys
 from abc import ABC, abstractmethod
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import ClassVar, Literal
+from typing import Any, ClassVar, Literal
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
+from ..dist import world_size
 from ..parts import Part
-from .dtensor import dtensor_part, is_dtensor, local_view
+from ..tensor_layout import Grid, MeshLayout, TensorLayout, make_grid, world_grid
+from .dtensor import dtensor_layout, dtensor_part, is_dtensor, local_view
 
 TensorKind = Literal["param", "buffer"]
 
@@ -51,6 +55,7 @@ class TensorInfo:
     dtype: torch.dtype
     requires_grad: bool
     part: Part  # what of the global tensor this rank's local view holds
+    layout: TensorLayout | None = None  # every rank's part, where the engine's rule tells (None: gathered)
 
     @property
     def numel(self) -> int:
@@ -118,9 +123,28 @@ def persistent_buffers(module: nn.Module) -> list[tuple[list[str], nn.Module, st
     return list(found.values())
 
 
-def tensor_info(names: list[str], tensor: torch.Tensor, kind: TensorKind, part: Part | None = None) -> TensorInfo:
-    """Info for ``tensor`` (its global shape and dtype), of which this rank holds ``part``: by
-    default all of it (replicated parameters, buffers)."""
+@functools.lru_cache(maxsize=64)
+def group_grid(group: Any) -> Grid:
+    """A process group's ranks as a 1-d grid (the default group's when ``group`` is None)."""
+    if group is None or group is dist.group.WORLD:
+        return world_grid(world_size())
+    return make_grid((dist.get_world_size(group),), dist.get_process_group_ranks(group))
+
+
+def everywhere(shape: Sequence[int]) -> MeshLayout:
+    """The layout of a tensor every rank holds whole (a replica, a buffer)."""
+    return MeshLayout(tuple(shape), world_grid(world_size()), (("replicate",),))
+
+
+def tensor_info(
+    names: list[str],
+    tensor: torch.Tensor,
+    kind: TensorKind,
+    part: Part | None = None,
+    layout: TensorLayout | None = None,
+) -> TensorInfo:
+    """Info for ``tensor`` (its global shape and dtype), of which this rank holds ``part`` of
+    ``layout``: by default all of it, as every rank does (replicated parameters, buffers)."""
     return TensorInfo(
         name=names[0],
         aliases=tuple(names[1:]),
@@ -129,12 +153,15 @@ def tensor_info(names: list[str], tensor: torch.Tensor, kind: TensorKind, part: 
         dtype=tensor.dtype,
         requires_grad=kind == "param" and tensor.requires_grad,
         part=Part.whole(tensor.shape) if part is None else part,
+        layout=everywhere(tensor.shape) if part is None else layout,
     )
 
 
 def held_info(names: list[str], tensor: torch.Tensor, kind: TensorKind) -> TensorInfo:
     """Info for ``tensor`` as this rank holds it: a DTensor's local shard, or the whole tensor."""
-    return tensor_info(names, tensor, kind, dtensor_part(names[0], tensor, kind) if is_dtensor(tensor) else None)
+    if is_dtensor(tensor):
+        return tensor_info(names, tensor, kind, dtensor_part(names[0], tensor, kind), dtensor_layout(tensor))
+    return tensor_info(names, tensor, kind)
 
 
 class Strategy(ABC):

@@ -22,6 +22,7 @@ from torch.distributed.tensor.placement_types import Placement, _StridedShard
 
 from ..errors import StrategyError
 from ..parts import Part
+from ..tensor_layout import Grid, MeshLayout, make_grid
 
 KNOWN = (Replicate, Shard, _StridedShard)
 
@@ -68,6 +69,35 @@ def dtensor_part(name: str, tensor: DTensor, kind: str) -> Part:
             f"on a mesh of {tuple(tensor.device_mesh.shape)} give this rank {tuple(len(i) for i in indices)}"
         )
     return part
+
+
+def dtensor_layout(tensor: DTensor) -> MeshLayout:
+    """The rule every rank's part of ``tensor`` follows: its placements on its mesh's grid of ranks
+    (checked against ``dtensor_part`` on each rank when the layout is built)."""
+    ndim = len(tensor.shape)
+    grid, copies = grid_of(tensor.device_mesh)
+    placements = [("replicate",)] if copies else []
+    for placement in tensor.placements:
+        if isinstance(placement, _StridedShard):
+            placements.append(("strided_shard", placement.dim % max(ndim, 1), int(placement.split_factor)))
+        elif isinstance(placement, Shard):
+            placements.append(("shard", placement.dim % max(ndim, 1)))
+        else:
+            placements.append(("replicate",))
+    return MeshLayout(tuple(tensor.shape), grid, tuple(placements))
+
+
+@functools.lru_cache(maxsize=64)
+def grid_of(mesh) -> tuple[Grid, bool]:
+    """A device mesh's ranks as a grid, shared by its tensors' layouts, and whether it has a
+    leading dim of copies: a sub-mesh (``mesh["dp"]``) is one of several alike, one per index of
+    the other dims of its root mesh, and the grid holds them all (so every rank describes a
+    tensor on its own copy the same way), as DeviceMesh's own layout of the copies says."""
+    layout, rank_map = getattr(mesh, "_layout", None), getattr(mesh, "_rank_map", None)
+    full = mesh.mesh.unsqueeze(0) if layout is None or rank_map is None else layout.remap_to_tensor(rank_map)
+    if full.shape[0] == 1:
+        return make_grid(tuple(mesh.shape), full.flatten().tolist()), False
+    return make_grid(tuple(full.shape), full.flatten().tolist()), True
 
 
 def _along(placements: tuple[Placement, ...], dim: int) -> list[Placement]:

@@ -2,21 +2,35 @@
 
 Each FSDP unit flattens its parameters into one flat parameter and gives every rank an equal
 chunk of it. An original parameter's local view is the slice of this rank's chunk that falls
-inside it (FSDP's own ``_shard_param_infos``), one contiguous range of that parameter.
+inside it (FSDP's own ``_shard_param_infos``), one contiguous range of that parameter. Every
+rank's slice follows from the parameter's offset in the flat parameter and the chunk size
+(a ``FlatLayout`` over the unit's process group, or its 2-d device mesh under hybrid
+sharding); a unit that does not shard (``NO_SHARD``) holds its parameters whole on every rank
+of its group.
 """
 
 from __future__ import annotations
+
+from itertools import accumulate
 
 import torch
 from torch import nn
 from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 
 from ..parts import Part
-from .base import ModuleStrategy, TensorInfo, canonical_name
+from ..tensor_layout import FlatLayout, Grid, MeshLayout
+from .base import ModuleStrategy, TensorInfo, canonical_name, group_grid
+from .dtensor import grid_of
 
 
 def _join(*parts: str) -> str:
     return ".".join(part for part in parts if part)
+
+
+def _offsets(flat: torch.Tensor) -> list[int]:
+    """Where each original parameter starts in the unsharded flat parameter (alignment padding skipped)."""
+    starts = [0, *accumulate(flat._numels_with_padding)]
+    return [start for start, padding in zip(starts, flat._is_padding_mask) if not padding]
 
 
 class FSDP1(ModuleStrategy):
@@ -45,6 +59,9 @@ class FSDP1(ModuleStrategy):
             for shared in flat._shared_param_infos:
                 primary = _join(prefix, shared.prim_module_name, shared.prim_param_name)
                 aliases.setdefault(primary, []).append(_join(prefix, shared.module_name, shared.param_name))
+            offsets = _offsets(flat)
+            grid, dim = self._grid(unit)
+            chunk = self._local_shard(flat).numel()
             for index, (fqn, shape, shard) in enumerate(zip(flat._fqns, flat._shapes, flat._shard_param_infos)):
                 name = _join(prefix, canonical_name(fqn))
                 start = shard.intra_param_start_idx if shard.in_shard else 0
@@ -59,9 +76,23 @@ class FSDP1(ModuleStrategy):
                         dtype=flat.dtype,
                         requires_grad=requires_grad,
                         part=Part.flat(shape, start, end),
+                        layout=(
+                            FlatLayout(tuple(shape), grid, dim, chunk, offsets[index])
+                            if handle.uses_sharded_strategy
+                            else MeshLayout(tuple(shape), grid, (("replicate",),))
+                        ),
                     )
                 )
         return infos
+
+    @staticmethod
+    def _grid(unit: FSDP) -> tuple[Grid, int]:
+        """The ranks a unit shards over, and the grid dim along which its flat parameter is split:
+        under hybrid sharding on a 2-d device mesh, (replicas, shards) and dim 1; else its process group."""
+        mesh = getattr(unit, "_device_mesh", None)
+        if mesh is not None and mesh.ndim == 2:
+            return grid_of(mesh)[0], 1
+        return group_grid(unit._handle.process_group), 0
 
     @staticmethod
     def _local_shard(flat: torch.Tensor) -> torch.Tensor:

@@ -14,14 +14,18 @@ should be kept equal by the training loop. ``update()`` and ``swapped()`` touch 
 own tensors only: no communication.
 
 The other stages' tensors are learnt once, when the averager is built (a collective over all
-ranks); a later rescan looks at this rank's parts only. The pipeline group (the ranks of one
-pipeline, as ``PipelineStage`` is given) tells which ranks must agree: ranks at the same place
-in their pipeline groups hold the same stages, so they must list the same tensors.
+ranks: each place's list is sent once, by the lowest rank there, with each tensor's layout,
+so every rank derives any rank's part); a later rescan looks at this rank's parts only. The
+pipeline group (the ranks of one pipeline, as ``PipelineStage`` is given) tells which ranks
+must agree: ranks at the same place in their pipeline groups hold the same stages, so they
+must list the same tensors.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import math
 from collections import Counter
 from collections.abc import Sequence
 from typing import Any
@@ -32,6 +36,7 @@ from torch import nn
 
 from ..errors import LayoutError, ModelChangedError
 from ..parts import Part
+from ..tensor_layout import MeshLayout, TensorLayout, make_grid
 from .base import Strategy, TensorInfo
 
 
@@ -63,32 +68,41 @@ class Pipeline(Strategy):
             )
         self._slots = [mine.get(name) for name, _ in self._order]  # per tensor: its place among this rank's own
         return [
-            placeholder if slot is None else dataclasses.replace(own[slot], aliases=placeholder.aliases)
+            placeholder
+            if slot is None
+            else dataclasses.replace(own[slot], aliases=placeholder.aliases, layout=placeholder.layout)
             for (_, placeholder), slot in zip(self._order, self._slots)
         ]
 
     def _learn(self, own: list[TensorInfo]) -> list[tuple[str, TensorInfo]]:
-        """Collective: every rank's tensors, checked, in one order (rank by rank, first seen first)."""
+        """Collective: every stage's tensors, checked, in one order (stage by stage, first seen first).
+
+        The ranks share their place and a digest of their tensors (O(ranks)); then the lowest rank
+        at each place sends its place's list to all (O(tensors) in all, not per rank)."""
         listed = [
-            (info.name, info.aliases, info.kind, tuple(info.shape), info.dtype, info.requires_grad) for info in own
+            (info.name, info.aliases, info.kind, tuple(info.shape), info.dtype, info.requires_grad, info.layout)
+            for info in own
         ]
         place = dist.get_rank(self.group) if self.group is not None else 0
+        digest = hashlib.sha256(repr([entry[:6] + (_key(entry[6]),) for entry in listed]).encode()).hexdigest()
         everyone: list = [None] * dist.get_world_size()
-        dist.all_gather_object(everyone, (place, listed))
-        stages: dict[int, tuple[int, set[str]]] = {}
-        for holder, (their_place, theirs) in enumerate(everyone):
-            names = {entry[0] for entry in theirs}
-            first, expected = stages.setdefault(their_place, (holder, names))
-            if names != expected:
-                raise LayoutError(
-                    f"ranks {first} and {holder} are at place {their_place} of their pipelines but hold different "
-                    f"tensors: only on rank {first}: {sorted(expected - names)[:8]}, only on rank {holder}: "
-                    f"{sorted(names - expected)[:8]}"
-                )
+        dist.all_gather_object(everyone, (place, digest))
+        ranks_at: dict[int, list[int]] = {}
+        for holder, (their_place, _) in enumerate(everyone):
+            ranks_at.setdefault(their_place, []).append(holder)
+        if any(everyone[holder][1] != everyone[ranks[0]][1] for ranks in ranks_at.values() for holder in ranks):
+            self._raise_unlike_places(listed, place)
+        listings: dict[int, list] = {}
+        for their_place, ranks in sorted(ranks_at.items(), key=lambda item: item[1][0]):
+            sent = [listed if dist.get_rank() == ranks[0] else None]
+            dist.broadcast_object_list(sent, src=ranks[0])
+            listings[their_place] = sent[0]
         seen: dict[str, tuple[int, tuple]] = {}
         aliases: dict[str, list[str]] = {}
-        for holder, (_, theirs) in enumerate(everyone):
-            for name, their_aliases, *described in theirs:
+        layouts: dict[str, list[tuple[int, TensorLayout | None]]] = {}
+        for their_place, theirs in listings.items():
+            holder = ranks_at[their_place][0]
+            for name, their_aliases, *described, layout in theirs:
                 first, known = seen.setdefault(name, (holder, tuple(described)))
                 if known != tuple(described):
                     raise LayoutError(
@@ -96,6 +110,7 @@ class Pipeline(Strategy):
                     )
                 known_aliases = aliases.setdefault(name, [])
                 known_aliases += [alias for alias in their_aliases if alias not in known_aliases]
+                layouts.setdefault(name, []).append((their_place, layout))
         both = sorted(set(seen) & {alias for names in aliases.values() for alias in names})
         if both:
             raise LayoutError(f"{both} name a tensor of their own on some ranks and an alias on others")
@@ -103,10 +118,28 @@ class Pipeline(Strategy):
         order = []
         for name, (_, (kind, shape, dtype, requires_grad)) in seen.items():
             size = torch.Size(shape)
-            placeholder = TensorInfo(name, tuple(aliases[name]), kind, size, dtype, requires_grad, Part.empty(size))
+            layout = _stage_layout(tuple(shape), layouts[name], ranks_at)
+            placeholder = TensorInfo(
+                name, tuple(aliases[name]), kind, size, dtype, requires_grad, Part.empty(size), layout
+            )
             order.append((name, placeholder))
         self._empty = {name: torch.empty(0, dtype=info.dtype, device=device) for name, info in order}
         return order
+
+    def _raise_unlike_places(self, listed: list, place: int) -> None:
+        """Collective (every rank saw the digests differ): name two ranks at one place holding different tensors."""
+        everyone: list = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, (place, {entry[0] for entry in listed}))
+        stages: dict[int, tuple[int, set[str]]] = {}
+        for holder, (their_place, names) in enumerate(everyone):
+            first, expected = stages.setdefault(their_place, (holder, names))
+            if names != expected:
+                raise LayoutError(
+                    f"ranks {first} and {holder} are at place {their_place} of their pipelines but hold different "
+                    f"tensors: only on rank {first}: {sorted(expected - names)[:8]}, only on rank {holder}: "
+                    f"{sorted(names - expected)[:8]}"
+                )
+        raise LayoutError("ranks at the same place of their pipelines shard their stage differently")
 
     def local_views(self) -> list[torch.Tensor]:
         return self._arranged([view for part in self.parts for view in part.local_views()])
@@ -123,6 +156,28 @@ class Pipeline(Strategy):
     def release_gathered(self) -> None:
         for part in self.parts:
             part.release_gathered()
+
+
+def _key(layout: TensorLayout | None) -> tuple | None:
+    return None if layout is None else layout.key()
+
+
+def _stage_layout(
+    shape: tuple[int, ...], held: list[tuple[int, TensorLayout | None]], ranks_at: dict[int, list[int]]
+) -> TensorLayout | None:
+    """The layout of a tensor that the stages at the places in ``held`` hold: each stage's layout
+    cut to the ranks at its place (a tensor a stage holds whole is held by the ranks there, not
+    by every rank), the copies at every such place replicas of each other (an embedding tied to
+    the output head); None (gathered) where that cannot be said as one layout."""
+    cut = [layout.within(set(ranks_at[place])) if isinstance(layout, MeshLayout) else None for place, layout in held]
+    if any(layout is None for layout in cut) or len({(c.placements, c.grid.shape[1:]) for c in cut}) > 1:  # type: ignore[union-attr]
+        return held[0][1] if len(held) == 1 and not isinstance(held[0][1], MeshLayout) else None
+    ranks = [rank for layout in cut for rank in layout.grid.ranks]  # type: ignore[union-attr]
+    first = cut[0]
+    grid_shape = (len(ranks) // math.prod(first.grid.shape[1:]), *first.grid.shape[1:])  # type: ignore[union-attr]
+    if grid_shape[0] == 1 and len(grid_shape) > 1:
+        return MeshLayout(shape, make_grid(grid_shape[1:], ranks), first.placements[1:])  # type: ignore[union-attr]
+    return MeshLayout(shape, make_grid(grid_shape, ranks), first.placements)  # type: ignore[union-attr]
 
 
 def _shown(described: Sequence) -> str:

@@ -6,7 +6,9 @@ parameters, so a parameter's master may be split between ranks. DeepSpeed links 
 parameter to its piece on this rank (``param._hp_mapping``: ``hp_fragment``, a view of the
 flat partition, and where it starts in the flattened parameter), which is exactly this
 adapter's answer: the local view is the fragment, ``[start, end)`` its place, an empty range
-where this rank holds none of it. Frozen parameters have no master and are read whole.
+where this rank holds none of it. Every rank's fragment follows from the parameter's offset in
+its group's flat buffer and the partition size (a ``FlatLayout``; where this DeepSpeed does not
+say the offsets, the fragments are gathered). Frozen parameters have no master and are read whole.
 
 ``swapped()`` writes the whole live parameters, which every rank holds: the average is
 gathered for it (``swap_gathers``), one bounded bucket at a time.
@@ -14,11 +16,14 @@ gathered for it (``swap_gathers``), one bounded bucket at a time.
 
 from __future__ import annotations
 
+from itertools import accumulate
+
 import torch
 from torch import nn
 
 from ..parts import Part
-from .base import ModuleStrategy, TensorInfo, grouped_by_identity, is_deepspeed_engine, tensor_info
+from ..tensor_layout import FlatLayout
+from .base import ModuleStrategy, TensorInfo, group_grid, grouped_by_identity, is_deepspeed_engine, tensor_info
 
 
 class Zero12Master(ModuleStrategy):
@@ -34,9 +39,23 @@ class Zero12Master(ModuleStrategy):
         self._flats = model.optimizer.single_partition_of_fp32_groups
         self._key: list | None = None
 
+    def _placed(self) -> dict[int, tuple]:
+        """Per trained parameter (by id): its group's grid of ranks, the partition size and its
+        offset in the group's flat buffer, as DeepSpeed laid them out."""
+        optimizer, placed = self.model.optimizer, {}
+        for index, params in enumerate(optimizer.round_robin_bit16_groups):
+            offsets = getattr(optimizer, "round_robin_bit16_offsets", None)
+            starts = offsets[index] if offsets is not None else [0, *accumulate(p.numel() for p in params)]
+            group = optimizer.real_dp_process_group[index]
+            chunk = optimizer.bit16_groups_flat[index].numel() // group_grid(group).shape[0]
+            for param, start in zip(params, starts):
+                placed[id(param)] = (group_grid(group), chunk, int(start))
+        return placed
+
     def _scan_params(self) -> list[TensorInfo]:
         groups = grouped_by_identity(self.module.named_parameters(remove_duplicate=False))
         self._params = [tensor for _, tensor in groups]
+        placed = self._placed()
         infos = []
         for names, param in groups:
             info = tensor_info(names, param, "param")
@@ -45,7 +64,9 @@ class Zero12Master(ModuleStrategy):
                 start = 0 if mapping is None else mapping.lp_fragment_address.start
                 end = start if mapping is None else start + mapping.lp_fragment_address.numel
                 part = Part.flat(info.shape, start, end)
-                info = TensorInfo(info.name, info.aliases, "param", info.shape, torch.float32, True, part)
+                grid, chunk, offset = placed.get(id(param), (None, 0, 0))
+                layout = None if grid is None else FlatLayout(tuple(info.shape), grid, 0, chunk, offset)
+                info = TensorInfo(info.name, info.aliases, "param", info.shape, torch.float32, True, part, layout)
             infos.append(info)
         return infos
 

@@ -1,8 +1,9 @@
 """DeepSpeed ZeRO-3: each parameter's ``ds_tensor`` holds this rank's partition.
 
 ZeRO-3 flattens a parameter, pads it to a multiple of the partition count and gives rank
-``r`` elements ``[r * p, (r + 1) * p)`` of it (``p`` = the partition size). The local view is
-the real (unpadded) head of ``ds_tensor``: the padding is uninitialised memory. Works for a
+``r`` elements ``[r * p, (r + 1) * p)`` of it (``p`` = the partition size): a ``FlatLayout`` over
+the parameter's process group. The local view is the real (unpadded) head of ``ds_tensor``:
+the padding is uninitialised memory. Works for a
 ``DeepSpeedEngine`` and for a module partitioned by ``deepspeed.zero.Init``.
 """
 
@@ -14,7 +15,8 @@ from torch import nn
 
 from ..errors import StrategyError
 from ..parts import Part
-from .base import ModuleStrategy, TensorInfo, grouped_by_identity, is_deepspeed_engine, unwrap
+from ..tensor_layout import FlatLayout
+from .base import ModuleStrategy, TensorInfo, group_grid, grouped_by_identity, is_deepspeed_engine, unwrap
 
 
 def _partition_info(names: list[str], param: torch.Tensor, master: bool) -> TensorInfo:
@@ -29,6 +31,7 @@ def _partition_info(names: list[str], param: torch.Tensor, master: bool) -> Tens
         raise StrategyError(f"parameter {names[0]!r} is offloaded to NVMe, which shardavg does not support")
     partition = param.ds_tensor.numel()
     start = min(dist.get_rank(group=param.ds_process_group) * partition, param.ds_numel)
+    grid = group_grid(param.ds_process_group)
     return TensorInfo(
         name=names[0],
         aliases=tuple(names[1:]),
@@ -37,6 +40,7 @@ def _partition_info(names: list[str], param: torch.Tensor, master: bool) -> Tens
         dtype=torch.float32 if master and param.requires_grad else param.ds_tensor.dtype,
         requires_grad=param.requires_grad,
         part=Part.flat(param.ds_shape, start, min(start + partition, param.ds_numel)),
+        layout=FlatLayout(tuple(param.ds_shape), grid, 0, partition, 0),
     )
 
 
