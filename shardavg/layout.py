@@ -2,14 +2,14 @@
 
 Every tensor's ``TensorLayout`` (``tensor_layout.py``) comes from its adapter, derived from what
 every rank already knows (DTensor placements, a flat partition), so building the layout costs
-each rank the same at 8 ranks as at 4,096: ``ShardLayout.build`` checks that the ranks agree
-with one digest per rank (not every rank's table), that each rank's own part is what its
-layout says, and that the owned parts of each distinct layout tile the tensor, which turns a
-mistake in an adapter into a clear error instead of a wrong export. Where a layout cannot be
-derived (ZeRO-1/2 master fragments; a rank whose part disagrees with its adapter's rule) the
-parts of those tensors alone are gathered from every rank (``ListedLayout``). Identical parts
-on several ranks are replicas (DDP, HSDP, tensor parallel's replicated dims, every buffer); the
-lowest such rank *owns* the part.
+each rank the same at 8 ranks as at 4,096: ``ShardLayout.build`` checks that each rank's own
+part is what its layout says and that the ranks agree on every layout (one all-reduce of a
+digest, not every rank's table), and proves once per distinct layout that the owned parts tile
+the tensor, which turns a mistake in an adapter into a clear error instead of a wrong export.
+Where a rank's part disagrees with its adapter's rule (an engine laid out in a way the adapter
+does not know), the parts of those tensors alone are gathered from every rank
+(``ListedLayout``), and tiled the same way. Identical parts on several ranks are replicas (DDP,
+HSDP, tensor parallel's replicated dims, every buffer); the lowest such rank *owns* the part.
 
 ``iter_gathered`` then rebuilds full tensors from the owners' pieces with point-to-point
 sends, a bounded bucket of tensors at a time: the receiving rank holds at most one bucket

@@ -2,7 +2,7 @@
 
 An engine shards a tensor by a rule that every rank already knows: DTensor's placements over
 a device mesh (``torch.chunk`` along a dim per mesh dim that shards it, replicas along the
-others), or a flat parameter split in equal ranges (FSDP1, ZeRO-3). A ``TensorLayout`` is that
+others), or a flat buffer split in equal ranges (FSDP1, ZeRO-3, ZeRO-1/2's fp32 groups). A ``TensorLayout`` is that
 rule, written down once per tensor and the same on every rank, so any rank's part is computed
 when it is needed instead of being gathered from every rank:
 
@@ -14,10 +14,11 @@ when it is needed instead of being gathered from every rank:
 - ``ListedLayout``: every rank's part, listed (gathered), for what cannot be derived.
 
 Each answers ``part(rank)``, the owned ``chunks`` (the lowest rank holding a part owns it),
-``owner_of``, ``replicas``, ``check`` (the owned parts tile the tensor, proven once per
-distinct layout: a model has a dozen, not one per tensor), ``candidates(box)`` (the chunks that
-may overlap a box, without a pass over every rank) and its JSON form, which a checkpoint's
-manifest stores once per tensor (and each grid once), so it never lists tensors x ranks.
+``owner_of`` and ``replicas`` (from a rank's coordinate, no pass over every rank), ``check``
+(that the owned parts tile the tensor: by construction for ``torch.chunk``'s pieces, by
+arithmetic for a flat partition, by a sweep over listed parts), ``candidates(box)`` (the saved
+chunks a box may overlap) and its JSON form, which a checkpoint's manifest stores once per
+tensor (and each grid once), so it never lists tensors x ranks.
 """
 
 from __future__ import annotations
