@@ -92,3 +92,25 @@ def test_strided_index_runs_become_boxes_in_local_order() -> None:
     others = Part.grid(shape, [[0, 2], range(6)]), Part.grid(shape, [[1, 3], [2, 3, 5]])
     assert tiles(shape, part.boxes + others[0].boxes + others[1].boxes)
     assert not tiles(shape, part.boxes + others[0].boxes)
+
+
+def test_a_part_its_layout_does_not_describe_is_gathered_and_tiled() -> None:
+    """A tensor with no layout, or whose layout says this rank holds something else, is gathered
+    (here from the one process) and checked like any listed layout; the others stay derived."""
+    from shardavg.layout import ShardLayout
+    from shardavg.tensor_layout import ListedLayout, MeshLayout, world_grid
+
+    whole = MeshLayout((4, 6), world_grid(1), (("replicate",),))
+    infos = [
+        TensorInfo("a", (), "param", torch.Size((4, 6)), torch.float32, True, Part.whole((4, 6)), whole),
+        TensorInfo("b", (), "param", torch.Size((4, 6)), torch.float32, True, Part.whole((4, 6)), None),
+        TensorInfo("c", (), "param", torch.Size((4, 6)), torch.float32, True, Part.flat((4, 6), 0, 12), whole),
+    ]
+    with pytest.raises(
+        LayoutError, match=r"the shards of 'c' \(shape \(4, 6\)\) do not tile it: rank 0 holds \[0, 12\)"
+    ):
+        ShardLayout.build(infos)
+    infos[2] = TensorInfo("c", (), "param", torch.Size((4, 6)), torch.float32, True, Part.whole((4, 6)), None)
+    layout = ShardLayout.build(infos)
+    assert layout.gathered == (1, 2) and layout.layouts[0] is whole
+    assert all(isinstance(layout.layouts[i], ListedLayout) for i in (1, 2)) and layout.owns(2, 0)
