@@ -784,9 +784,13 @@ def cell(value: Any, digits: int = 3) -> str:
 
 
 def grouped(records: list[dict[str, Any]]) -> dict[tuple, list[dict[str, Any]]]:
-    """Records by (mode, model, engine, W), rank 0's first."""
+    """Records by (mode, model, engine, W) in that order, rank 0's first."""
+
+    def order(record: dict[str, Any]) -> tuple:
+        return record["mode"], MODELS.index(record["model"]), ENGINES.index(record["engine"]), record["world"]
+
     groups: dict[tuple, list[dict[str, Any]]] = {}
-    for record in sorted(records, key=lambda r: r["rank"]):
+    for record in sorted(records, key=lambda r: (order(r), r["rank"])):
         groups.setdefault((record["mode"], record["model"], record["engine"], record["world"]), []).append(record)
     return groups
 
