@@ -33,7 +33,7 @@ from .dist import all_gathered, comm_device, distributed, rank, same_everywhere
 from .errors import LayoutError
 from .parts import Part, place
 from .strategies.base import TensorInfo
-from .tensor_layout import Chunk, Grid, ListedLayout, TensorLayout
+from .tensor_layout import Chunk, ListedLayout, TensorLayout
 
 DEFAULT_BUCKET_BYTES = 64 * 2**20
 
@@ -108,15 +108,6 @@ class ShardLayout:
     def replicas(self, index: int, owner: int) -> list[int]:
         """The other ranks holding the very part ``owner`` owns of tensor ``index``."""
         return self.layouts[index].replicas(owner)
-
-    def grids(self) -> list[Grid]:
-        """The distinct grids the derived layouts use, each once (a checkpoint stores them once)."""
-        found: dict[str, Grid] = {}
-        for layout in self.layouts:
-            grid = getattr(layout, "grid", None)
-            if grid is not None:
-                found.setdefault(grid.digest, grid)
-        return list(found.values())
 
 
 def _keys(layouts: Sequence[TensorLayout | None]) -> list:
