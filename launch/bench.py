@@ -9,7 +9,11 @@ the engine's gather-based peer (DDP: a full ``AveragedModel`` replica; FSDP1:
 ``summon_full_params``; FSDP2 and FSDP2 + tensor parallel: ``full_tensor()`` per parameter;
 ZeRO-3: ``GatheredParameters`` per parameter; each with an fp32 EMA into a full copy), and the floor
 (the same fused kernels
-over plain tensors of this rank's local-shard sizes). The methods take turns on each new set of
+over plain tensors of this rank's local-shard sizes) and the copy floor (a ``_foreach_copy_`` of
+the live shards into fp32 tensors: the least any update moves). ``device: cuda`` in the config
+runs it on each rank's GPU over NCCL (one GPU per rank), the clock stopped after a device sync;
+the achieved GB/s counts the bytes an update must move (read the live shard, read and write
+the fp32 shadow). The methods take turns on each new set of
 live weights, so every one sees the same sequence (and ours is checked against the reference's
 average) and a drift in the machine's speed falls on all of them alike. It also measures bytes received
 per update, the average's extra bytes per rank, and the consolidated export against torch's
@@ -140,6 +144,15 @@ def floor(wrapped: engines.Wrapped, decay: float) -> Method:
     return Method("floor", "floor", update, lambda: None, lambda: sum(s.nbytes for s in shadows))
 
 
+def copy_floor(wrapped: engines.Wrapped) -> Method:
+    """A device-to-device copy of the live shards into fp32 tensors of their sizes: reading the
+    live weights and writing the shadows' bytes once, with nothing averaged."""
+    lives = [shard.detach().clone() for shard in wrapped.local_shards() if shard.numel()]
+    targets = [torch.zeros_like(live, dtype=torch.float32) for live in lives]
+    update = lambda: torch._foreach_copy_(targets, lives)  # noqa: E731
+    return Method("copy floor", "copy", update, lambda: None, lambda: sum(t.nbytes for t in targets))
+
+
 def replica(wrapped: engines.Wrapped, decay: float) -> Method:
     """DDP: a full ``AveragedModel`` on every rank (the torch recipe)."""
     from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
@@ -218,6 +231,7 @@ def methods(wrapped: engines.Wrapped, decay: float) -> list:
         lambda: several_apart(wrapped),
         *(lambda peer=peer: peer(wrapped, decay) for peer in peers),
         lambda: floor(wrapped, decay),
+        lambda: copy_floor(wrapped),
     ]
 
 
@@ -236,6 +250,7 @@ class Row:
     comm_bytes_per_update: int
     extra_bytes_per_rank: int
     check: str
+    gb_per_s: float = 0.0  # bytes an update must move (live read, shadow read and write) / time
 
 
 def compare(got: dict | None, want: dict | None, dtype: torch.dtype, failing: str) -> str:
@@ -243,6 +258,7 @@ def compare(got: dict | None, want: dict | None, dtype: torch.dtype, failing: st
     if dist.get_rank() != 0:
         return ""
     names = sorted(want)
+    got, want = {n: t.detach().cpu() for n, t in got.items()}, {n: t.detach().cpu() for n, t in want.items()}
     missing = sorted(set(names) - set(got))
     if missing:
         return f"FAIL: missing {missing[:3]}"
@@ -253,10 +269,12 @@ def compare(got: dict | None, want: dict | None, dtype: torch.dtype, failing: st
     return f"close (max rel {worst:.1e})" if worst <= tolerance else f"{failing} (max rel {worst:.1e})"
 
 
-def run_case(kind: str, shape_name: str, shape: dict, dtype: torch.dtype, cfg: dict) -> list[Row]:
+def run_case(kind: str, shape_name: str, shape: dict, dtype: torch.dtype, cfg: dict, device: torch.device) -> list[Row]:
     module, block = build_model(shape)
-    wrapped = engines.wrap(kind, module, block, dtype, cfg["deepspeed"], parallel=cfg["parallel"])
+    wrapped = engines.wrap(kind, module, block, dtype, cfg["deepspeed"], parallel=cfg["parallel"], device=device)
     shards = [s for s in wrapped.local_shards() if s.numel()]
+    moved = sum(s.nbytes + 2 * 4 * s.numel() for s in shards)  # read live, read and write an fp32 shadow
+    synchronize = torch.cuda.synchronize if device.type == "cuda" else lambda: None
 
     def next_weights() -> None:  # what an optimizer step would do: every live shard changes in place
         with torch.no_grad():
@@ -269,14 +287,16 @@ def run_case(kind: str, shape_name: str, shape: dict, dtype: torch.dtype, cfg: d
     # makes our next update re-verify the model): they take their turns apart from ours, on the
     # same sequence of live weights from the same start.
     phases = [
-        [m for m in built if m.role in ("ours", "floor", "several")],
+        [m for m in built if m.role in ("ours", "floor", "copy", "several")],
         [m for m in built if m.role in ("reference", "peer")],
     ]
     measured = {}
     for phase in phases:
         with torch.no_grad():
             torch._foreach_copy_(shards, initial)
-        timings = interleaved_ms([m.update for m in phase], cfg["warmup"], cfg["repeats"], before=next_weights)
+        timings = interleaved_ms(
+            [m.update for m in phase], cfg["warmup"], cfg["repeats"], before=next_weights, synchronize=synchronize
+        )
         next_weights()
         for method, timing in zip(phase, timings):
             with CommCounter().counting() as counter:
@@ -291,9 +311,10 @@ def run_case(kind: str, shape_name: str, shape: dict, dtype: torch.dtype, cfg: d
         result = method.result()
         reference = result if method.role == "reference" else reference
         results.append((method.role, result))
+        rate = moved / timing.median_ms / 1e6 if method.role in ("ours", "floor", "copy") else 0.0
         rows.append(
             Row(kind, shape_name, str(dtype)[6:], method.name, method.role, timing.median_ms, timing.p90_ms, int(comm),
-                int(extra), "")
+                int(extra), "", rate)
         )  # fmt: skip
     checks = {
         "ours": "FAIL",
@@ -302,6 +323,7 @@ def run_case(kind: str, shape_name: str, shape: dict, dtype: torch.dtype, cfg: d
     }  # a peer in bf16 (AveragedModel's copy) loses the average
     for row, (role, result) in zip(rows, results):
         row.check = compare(result, reference, dtype, checks[role]) if role in checks else role.replace("floor", "-")
+        row.check = "-" if role == "copy" else row.check
     rows.extend(export_rows(wrapped, kind, shape_name, dtype, cfg) if cfg["export"] else [])
     return rows
 
@@ -364,16 +386,16 @@ def export_rows(wrapped: engines.Wrapped, kind: str, shape_name: str, dtype: tor
 # ----------------------------------------------------------------------------- report
 
 
-def table(rows: list[Row], bandwidth: float, world: int) -> str:
-    """Markdown: times, ratios to the floor and of the peer to ours, bytes."""
+def table(rows: list[Row], bandwidth: float, world: int, device: torch.device) -> str:
+    """Markdown: times, ratios to the floor and of the peer to ours, achieved GB/s, bytes."""
     floor_ms = {(r.engine, r.shape, r.dtype): r.ms_median for r in rows if r.method == "floor"}
     ours_ms = {(r.engine, r.shape, r.dtype): r.ms_median for r in rows if r.method == "ours"}
     lines = [
-        f"copy bandwidth with {world} ranks streaming: {bandwidth / 1e9:.1f} GB/s per rank",
+        f"copy bandwidth on {device.type} with {world} ranks streaming: {bandwidth / 1e9:.1f} GB/s per rank",
         "",
-        "| engine | shape | live | method | ms median | ms p90 | x floor | peer / ours | MB recv / update "
+        "| engine | shape | live | method | ms median | ms p90 | x floor | peer / ours | GB/s | MB recv / update "
         "| extra MiB / rank | check |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         key = (r.engine, r.shape, r.dtype)
@@ -382,9 +404,10 @@ def table(rows: list[Row], bandwidth: float, world: int) -> str:
         is_peer = update and r.role in ("reference", "peer")
         peer = f"{r.ms_median / ours_ms[key]:.1f}" if is_peer and key in ours_ms else ""
         extra = f"{r.extra_bytes_per_rank / 2**20:.1f}"
+        rate = f"{r.gb_per_s:.1f}" if r.gb_per_s else ""
         lines.append(
             f"| {r.engine} | {r.shape} | {r.dtype} | {r.method} | {r.ms_median:.2f} | {r.ms_p90:.2f} | {x_floor} | "
-            f"{peer} | {r.comm_bytes_per_update / 1e6:.1f} | {extra} | {r.check} |"
+            f"{peer} | {rate} | {r.comm_bytes_per_update / 1e6:.1f} | {extra} | {r.check} |"
         )
     return "\n".join(lines)
 
@@ -394,8 +417,8 @@ def summary(rows: list[Row]) -> str:
     lines = [
         "| engine | shape | live | ours / floor | check off / floor | peer / ours | MB recv / update, ours : peer "
         "| extra MiB / rank, ours : peer | export ms, ours : torch | export rank-0 peak MiB, ours : torch "
-        "| 3 averages, one averager / three | check |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| 3 averages, one averager / three | GB/s, ours : copy floor | check |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     cases = dict.fromkeys((r.engine, r.shape, r.dtype) for r in rows)
     for case in cases:
@@ -410,12 +433,13 @@ def summary(rows: list[Row]) -> str:
         export_ms = " : ".join(f"{r.ms_median:.0f}" for r in exports) or "-"
         export_mib = " : ".join(f"{r.extra_bytes_per_rank / 2**20:.1f}" for r in exports) or "-"
         one, three = by_role["several"]
+        rates = f"{ours.gb_per_s:.1f} : {by_role['copy'][0].gb_per_s:.1f}" if "copy" in by_role else "-"
         lines.append(
             f"| {' | '.join(case)} | {ours.ms_median / floor_row.ms_median:.2f} | "
             f"{off.ms_median / floor_row.ms_median:.2f} | {peer.ms_median / ours.ms_median:.1f} | "
             f"{ours.comm_bytes_per_update / 1e6:.1f} : {peer.comm_bytes_per_update / 1e6:.1f} | "
             f"{ours.extra_bytes_per_rank / 2**20:.1f} : {peer.extra_bytes_per_rank / 2**20:.1f} | "
-            f"{export_ms} | {export_mib} | {one.ms_median / three.ms_median:.2f} | {ours.check} |"
+            f"{export_ms} | {export_mib} | {one.ms_median / three.ms_median:.2f} | {rates} | {ours.check} |"
         )
     return "\n".join(lines)
 
@@ -431,7 +455,7 @@ def main() -> None:
     unknown = [e for e in cfg["engines"] if e not in known]
     if unknown:
         raise configs.ConfigError(f"engines: unknown {unknown}; expected some of {', '.join(known)}")
-    engines.init_distributed("zero3" if "zero3" in cfg["engines"] else "ddp")
+    device = engines.init_distributed("zero3" if "zero3" in cfg["engines"] else "ddp", cfg["device"])
     rank, world = dist.get_rank(), dist.get_world_size()
     logging.basicConfig(level=logging.INFO if rank == 0 else logging.WARNING, format="%(message)s")
     torch.set_num_threads(1)
@@ -446,10 +470,10 @@ def main() -> None:
 
     rows: list[Row] = []
     for kind, name, shape, dtype in tqdm(cases, disable=rank != 0, desc="bench", file=sys.stderr):
-        rows.extend(run_case(kind, name, shape, dtype, cfg))
-    bandwidth = copy_bandwidth()
+        rows.extend(run_case(kind, name, shape, dtype, cfg, device))
+    bandwidth = copy_bandwidth(device=device)
     if rank == 0:
-        log.info("%s\n\n%s", table(rows, bandwidth, world), summary(rows))
+        log.info("%s\n\n%s", table(rows, bandwidth, world, device), summary(rows))
         if args.json:
             Path(args.json).write_text(json.dumps([asdict(r) for r in rows], indent=1))
     dist.barrier()

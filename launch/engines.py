@@ -1,4 +1,5 @@
-"""Wrap a plain model with one of the engines the jobs in ``launch/`` run under, on CPU/gloo.
+"""Wrap a plain model with one of the engines the jobs in ``launch/`` run under: on CPU over gloo,
+or on this rank's GPU over NCCL (``init_distributed(kind, "cuda")``, then ``wrap(..., device=...)``).
 
 ``wrap(kind, module, block, dtype, ...)`` shards per ``block`` (the module class the engine
 wraps or shards on its own) and returns a ``Wrapped``: what to hand to ``WeightAverager`` (with
@@ -28,19 +29,31 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+CPU = torch.device("cpu")
 ENGINES = ("ddp", "fsdp1", "fsdp2", "hsdp", "zero3", "fsdp2_tp", "pp")
 
 
-def init_distributed(kind: str) -> None:
-    """The process group over gloo (DeepSpeed's own init for ZeRO-3), with a bounded timeout."""
+def init_distributed(kind: str, device_type: str = "cpu") -> torch.device:
+    """The process group (DeepSpeed's own init for ZeRO-3), with a bounded timeout: gloo on CPU;
+    on ``"cuda"`` NCCL for CUDA tensors and gloo for CPU ones, this rank on GPU ``LOCAL_RANK``.
+    Returns the device the engines put the model on."""
     timeout = datetime.timedelta(seconds=300)
-    if kind == "zero3":
+    if device_type == "cuda":
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+        torch.cuda.set_device(device)
+        backend = "cpu:gloo,cuda:nccl"
+    elif device_type == "cpu":
+        device, backend = torch.device("cpu"), "gloo"
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    else:
+        raise ValueError(f"device: expected cpu or cuda, not {device_type!r}")
+    if kind == "zero3":
         import deepspeed
 
-        deepspeed.init_distributed(dist_backend="gloo", timeout=timeout)
+        deepspeed.init_distributed(dist_backend="nccl" if device_type == "cuda" else "gloo", timeout=timeout)
     elif not dist.is_initialized():
-        dist.init_process_group("gloo", timeout=timeout)
+        dist.init_process_group(backend, timeout=timeout)
+    return device
 
 
 @dataclass
@@ -120,10 +133,11 @@ def wrap(
     optimizer: Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer] = no_training,
     replicas: int | None = None,
     parallel: dict | None = None,
+    device: torch.device = CPU,
 ) -> Wrapped:
-    """Wrap ``module`` (cast to ``dtype`` here) with the engine ``kind``, and build ``optimizer``
-    over the parameters the engine trains. ``replicas``: HSDP's replicate dimension;
-    ``parallel``: ``{tp, pp, microbatches}`` for ``fsdp2_tp`` and ``pp``."""
+    """Wrap ``module`` (cast to ``dtype`` and moved to ``device`` here) with the engine ``kind``, and
+    build ``optimizer`` over the parameters the engine trains. ``replicas``: HSDP's replicate
+    dimension; ``parallel``: ``{tp, pp, microbatches}`` for ``fsdp2_tp`` and ``pp``."""
     if kind not in ENGINES:
         raise ValueError(f"unknown engine {kind!r}; expected one of {ENGINES}")
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -135,10 +149,10 @@ def wrap(
         config.setdefault("train_micro_batch_size_per_gpu", 1)
         config.setdefault("zero_allow_untested_optimizer", True)
         engine, engine_optimizer, _, _ = deepspeed.initialize(
-            model=module, optimizer=optimizer(module.parameters()), config=config
+            model=module.to(device), optimizer=optimizer(module.parameters()), config=config
         )
         return Wrapped(kind, engine, engine.module, engine_optimizer, engine, rank, world)
-    module = module.to(dtype)
+    module = module.to(device, dtype)
     if kind == "ddp":
         from torch.nn.parallel import DistributedDataParallel
 
@@ -151,18 +165,19 @@ def wrap(
         model = FullyShardedDataParallel(
             module,
             auto_wrap_policy=ModuleWrapPolicy({block}),
-            device_id=torch.device("cpu"),
-            device_mesh=init_device_mesh("cpu", (world,)),  # (sharded state dicts of DTensors: DCP's stagers copy them)
+            device_id=device,
+            # (over a mesh: its sharded state dicts hold DTensors, which DCP's stagers copy)
+            device_mesh=init_device_mesh(device.type, (world,)),
         )
         return Wrapped(kind, model, module, optimizer(model.parameters()), None, rank, world)
     if kind == "fsdp2_tp":
-        return _tensor_parallel(module, block, optimizer, parallel["tp"])
+        return _tensor_parallel(module, block, optimizer, parallel["tp"], device)
     if kind == "pp":
-        return _pipeline(module, optimizer, parallel["pp"], parallel["microbatches"])
+        return _pipeline(module, optimizer, parallel["pp"], parallel["microbatches"], device)
     from torch.distributed.device_mesh import init_device_mesh
 
     shape = hsdp_shape(replicas) if kind == "hsdp" else (world,)
-    mesh = init_device_mesh("cpu", shape, mesh_dim_names=("replicate", "shard") if kind == "hsdp" else None)
+    mesh = init_device_mesh(device.type, shape, mesh_dim_names=("replicate", "shard") if kind == "hsdp" else None)
     _fully_shard(module, block, mesh)
     return Wrapped(kind, module, module, optimizer(module.parameters()), None, rank, world)
 
@@ -180,12 +195,14 @@ def _fully_shard(module: nn.Module, block: type[nn.Module], mesh) -> None:
 # ----------------------------------------------------------------------------- tensor parallel
 
 
-def _tensor_parallel(module: nn.Module, block: type[nn.Module], optimizer: Callable, tp: int) -> Wrapped:
+def _tensor_parallel(
+    module: nn.Module, block: type[nn.Module], optimizer: Callable, tp: int, device: torch.device
+) -> Wrapped:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
     world = dist.get_world_size()
-    mesh = init_device_mesh("cpu", (world // tp, tp), mesh_dim_names=("dp", "tp"))
+    mesh = init_device_mesh(device.type, (world // tp, tp), mesh_dim_names=("dp", "tp"))
     plan = {"qkv": ColwiseParallel(), "proj": RowwiseParallel(), "up": ColwiseParallel(), "down": RowwiseParallel()}
     for child in module.modules():
         if isinstance(child, block):
@@ -284,19 +301,19 @@ class Pipeline:
         return loss
 
 
-def _pipeline(full: nn.Module, optimizer: Callable, stages: int, microbatches: int) -> Wrapped:
+def _pipeline(full: nn.Module, optimizer: Callable, stages: int, microbatches: int, device: torch.device) -> Wrapped:
     from model import Block, loss
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.pipelining import PipelineStage, ScheduleGPipe
 
     world = dist.get_world_size()
-    mesh = init_device_mesh("cpu", (world // stages, stages), mesh_dim_names=("dp", "pp"))
+    mesh = init_device_mesh(device.type, (world // stages, stages), mesh_dim_names=("dp", "pp"))
     stage = mesh["pp"].get_local_rank()
     module = stage_of(full, stage, stages)
     if world // stages > 1:
         _fully_shard(module, Block, mesh["dp"])
     group = mesh["pp"].get_group()
-    runner = PipelineStage(module, stage, stages, torch.device("cpu"), group=group)
+    runner = PipelineStage(module, stage, stages, device, group=group)
     schedule = ScheduleGPipe(runner, n_microbatches=microbatches, loss_fn=loss)
     tied_group = None  # the first and the last stage of this pipeline (rank = dp index * stages + stage)
     for dp_index in range(world // stages):

@@ -22,19 +22,26 @@ class Timing:
 
 
 def interleaved_ms(
-    runs: list[Callable[[], object]], warmup: int, repeats: int, before: Callable[[], None]
+    runs: list[Callable[[], object]],
+    warmup: int,
+    repeats: int,
+    before: Callable[[], None],
+    synchronize: Callable[[], None] = lambda: None,
 ) -> list[Timing]:
     """Milliseconds per call of each of ``runs`` on the slowest rank. After each ``before()``
     (untimed) every run is called once in turn, each timed alone with the ranks aligned by a
     barrier: all runs see the same inputs, and a drift in the machine's speed falls on all of
-    them alike. The first ``warmup`` rounds are not kept."""
+    them alike. The first ``warmup`` rounds are not kept. ``synchronize`` waits for the device
+    (``torch.cuda.synchronize``) before the clock starts and before it stops."""
     kept: list[list[float]] = [[] for _ in runs]
     for index in range(warmup + repeats):
         before()
         for run, times in zip(runs, kept):
+            synchronize()
             dist.barrier()
             start = time.perf_counter()
             run()
+            synchronize()
             elapsed = torch.tensor(time.perf_counter() - start, dtype=torch.float64)
             dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
             if index >= warmup:
@@ -135,14 +142,18 @@ def allocated_peak(run: Callable[[], object]) -> int:
     return peak
 
 
-def copy_bandwidth(nbytes: int = 256 * 2**20, repeats: int = 5) -> float:
-    """Bytes per second one rank moves in a large copy while every rank copies at once (read + write)."""
-    source = torch.ones(nbytes // 4)
+def copy_bandwidth(nbytes: int = 256 * 2**20, repeats: int = 5, device: torch.device | None = None) -> float:
+    """Bytes per second one rank moves in a large copy on ``device`` while every rank copies at
+    once (read + write)."""
+    source = torch.ones(nbytes // 4, device=device)
     target = torch.empty_like(source)
+    synchronize = torch.cuda.synchronize if source.is_cuda else lambda: None
     best = float("inf")
     for _ in range(repeats):
+        synchronize()
         dist.barrier()
         start = time.perf_counter()
         target.copy_(source)
+        synchronize()
         best = min(best, time.perf_counter() - start)
     return 2 * nbytes / best

@@ -10,7 +10,7 @@ shards. The host finishes every bucket before ``update()`` returns, so nothing c
 shadow before its update has landed. Elsewhere (CPU to CPU) the same buckets are filled with
 plain copies, which is how the tests run this path.
 
-(The CUDA side is written to PyTorch's stream semantics but has not run on a GPU here.)
+(The CUDA side ran on one H200, bitwise the direct update: ``tests_gpu/``.)
 """
 
 from __future__ import annotations

@@ -29,7 +29,8 @@ class Launch:
 
 
 def torchrun(script: str, nproc: int, *args: str, timeout: float = 300, env: dict | None = None) -> Launch:
-    """Launch ``script`` on ``nproc`` CPU ranks; on timeout kill the whole process group and fail."""
+    """Launch ``script`` (a name in this folder, or a path) on ``nproc`` ranks; on timeout kill the
+    whole process group and fail."""
     command = [
         sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
         str(HERE / script), *args,
@@ -37,6 +38,8 @@ def torchrun(script: str, nproc: int, *args: str, timeout: float = 300, env: dic
     # (a rank that crashes in C++ prints where it was, Python frames included)
     quiet = {"OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu", "PYTHONUNBUFFERED": "1", "PYTHONFAULTHANDLER": "1"}
     env = os.environ | quiet | (env or {})
+    # (scenarios elsewhere, tests_gpu/'s, import the harness here)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(HERE), env.get("PYTHONPATH")]))
     # DeepSpeed compiles a small op on first use; build it inside this environment, where no
     # other environment's half-finished build (and its lock file) can stall the launch.
     env.setdefault("TORCH_EXTENSIONS_DIR", str(Path(sys.prefix) / "torch_extensions"))

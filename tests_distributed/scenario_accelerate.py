@@ -79,7 +79,7 @@ def train(accelerator, model, optimizer, avg, steps: range, reference: AveragedM
     for step in steps:
         for micro in range(ACCUMULATION):
             with accelerator.accumulate(model):
-                tokens, targets = harness.batch(ACCUMULATION * step + micro)
+                tokens, targets = (t.to(accelerator.device) for t in harness.batch(ACCUMULATION * step + micro))
                 loss = nn.functional.cross_entropy(model(tokens).float(), targets)
                 accelerator.backward(loss)
                 optimizer.step()
@@ -87,7 +87,7 @@ def train(accelerator, model, optimizer, avg, steps: range, reference: AveragedM
             if accelerator.sync_gradients:
                 avg.update()
                 if reference is not None:
-                    live = harness.TiedNet()
+                    live = harness.TiedNet().to(accelerator.device)  # (the reference lerps where ours does)
                     live.load_state_dict(gathered_live(accelerator, model), strict=False)  # tied: one name
                     reference.update_parameters(live)
                     check_against(avg, reference, f"step {step}")
@@ -98,7 +98,7 @@ def check_against(avg: WeightAverager, reference: AveragedModel, label: str) -> 
     if dist.get_rank() == 0:
         for name, value in reference.module.named_parameters():
             if value.requires_grad:
-                assert torch.equal(got[name], value), f"{label}: {name} differs from the gathered-weights reference"
+                assert torch.equal(got[name], value.cpu()), f"{label}: {name} differs from the gathered reference"
 
 
 def averages(avg: WeightAverager) -> dict[str, dict[str, torch.Tensor]]:
@@ -145,7 +145,7 @@ def main() -> None:
     assert avg.strategy.name == {"ddp": "replicated", "deepspeed": "zero3", "fsdp2": "fsdp2"}[kind], avg.strategy.name
     if mode == "first":
         torch.manual_seed(0)
-        reference = AveragedModel(harness.TiedNet(), multi_avg_fn=get_ema_multi_avg_fn(0.9))
+        reference = AveragedModel(harness.TiedNet().to(accelerator.device), multi_avg_fn=get_ema_multi_avg_fn(0.9))
         train(accelerator, model, optimizer, avg, range(1, STEPS + 1), reference)
         assert avg.num_updates == STEPS, f"{avg.num_updates} updates for {STEPS} optimizer steps"
         accelerator.save_state(str(root / "checkpoint"))
