@@ -18,7 +18,7 @@ from .rules import (
 )
 from .strategies import detect
 
-__version__ = "0.5.0"
+__version__ = "0.6.0"
 
 __all__ = [
     "EMA",

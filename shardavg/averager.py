@@ -197,11 +197,15 @@ class WeightAverager:
         dtype: torch.dtype | None = None,
         average: str | None = None,
         live: bool = False,
+        writers: int | None = None,
     ) -> Path:
-        """Collective: the full average as safetensors in the folder ``path`` (rank 0 writes, a bounded
-        bucket at a time; above ``max_shard_size`` the Hugging Face sharded layout with its index).
+        """Collective: the full average as safetensors in the folder ``path`` (above ``max_shard_size``
+        the Hugging Face sharded layout with its index). Every rank writes about 1/W of the bytes
+        (``writers=k``: k ranks spread over the world; ``1``: rank 0 alone, for a file system that
+        cannot take concurrent writers), each receiving what it writes a bounded bucket at a time;
+        the files are the same whatever the number. ``path`` must be a folder every writer sees.
         ``dtype`` casts floating tensors; ``live=True`` writes the live weights instead."""
-        return export.export(self._state, path, max_shard_size, dtype, average, live)
+        return export.export(self._state, path, max_shard_size, dtype, average, live, writers)
 
     def state_dict(self) -> dict[str, Any]:
         """DCP Stateful: ``dcp.save({..., "ema": avg})`` (collective there). Each tensor in its own shape,

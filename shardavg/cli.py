@@ -8,19 +8,25 @@ post-hoc EMA snapshots, and (``merge``) on model checkpoints of several kinds.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import datetime
 import json
 import logging
+import os
 import sys
 from collections import Counter
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, NoReturn
 
+from . import provenance
 from .errors import CheckpointError
 from .export import cast, export_entries, export_metadata, parse_size, write_model
 from .format import numel
 from .logs import log
 from .offline import SavedAverage
 from .ownership import enclosing_checkpoint
+from .provenance import made_by, of_input
 from .storage import DTYPES
 
 EXPORT_DTYPES = ("float32", "bfloat16", "float16")
@@ -112,6 +118,14 @@ def _merge_parser(commands: Any) -> None:  # (argparse's subparsers action)
     weighting.add_argument(
         "--ema", type=float, metavar="DECAY", help="weight step s by DECAY**(newest - s): an EMA over the saved steps"
     )
+    weighting.add_argument(
+        "--schedule", choices=("linear", "cosine", "minus-sqrt"),
+        help="the weights that make the merge what this learning-rate decay over the inputs' steps gives (WSM)",
+    )  # fmt: skip
+    merge.add_argument(
+        "--raw-weights", action="store_true",
+        help="take --weights as given, not normalised to sum 1 (negative ones too: task arithmetic)",
+    )  # fmt: skip
     merge.add_argument(
         "--last", nargs=2, metavar=("K", "RUN_DIR"), help="merge the newest K finished checkpoints of RUN_DIR"
     )
@@ -151,12 +165,34 @@ def _merge(args: argparse.Namespace) -> str:
     elif not inputs:
         raise ValueError("merge needs checkpoints IN, or --last K RUN_DIR")
     out = merge(
-        inputs, args.out, weights=args.weights, last=last, ema=args.ema, key=args.key, average=args.average,
+        inputs, args.out, weights=args.weights, last=last, ema=args.ema, schedule=args.schedule,
+        normalize=not args.raw_weights, key=args.key, average=args.average,
         prefix=args.prefix, include=args.include, exclude=args.exclude,
         dtype=None if args.dtype is None else DTYPES[args.dtype],
         accumulate=DTYPES[args.accumulate], max_shard_size=args.max_shard_size, output=args.format,
     )  # fmt: skip
     return f"wrote the merge of {len(inputs) if last is None else last} checkpoints to {out}"
+
+
+@contextlib.contextmanager
+def _workers() -> Iterator[bool]:
+    """Under torchrun (``WORLD_SIZE`` > 1, on one node or several) a gloo process group over the
+    workers, which then split the merge between them; yields whether this is the first worker
+    (the one that reports). The group goes when the merge is done or refused."""
+    import torch.distributed as dist
+
+    if int(os.environ.get("WORLD_SIZE", "1")) <= 1 or dist.is_initialized():
+        yield not dist.is_initialized() or dist.get_rank() == 0
+        return
+    # (a worker waits at each agreement for the slowest to finish its share: hours for terabytes;
+    # a worker that dies ends the others at once, its connection closed)
+    dist.init_process_group("gloo", timeout=datetime.timedelta(hours=4))
+    try:
+        if dist.get_rank() != 0:
+            log.setLevel(logging.WARNING)
+        yield dist.get_rank() == 0
+    finally:
+        dist.destroy_process_group()
 
 
 def _posthoc(args: argparse.Namespace) -> str:
@@ -224,6 +260,25 @@ def _inspect(saved: SavedAverage, verify: bool) -> str:
     if verify:
         files, checked = saved.verify_contents()
         rows.append(("verified", f"{files} file(s), {checked} bytes: every SHA-256 matches the manifest"))
+    if isinstance(meta.get("provenance"), dict):
+        rows += [("provenance", line) for line in provenance.shown(meta["provenance"])]
+    return "\n".join(f"{label:<12} {value}" for label, value in rows)
+
+
+def _model_folder(path: Path) -> bool:
+    """A folder of safetensors weights (an export, a merge), not a checkpoint."""
+    has_weights = (path / "model.safetensors").is_file() or (path / "model.safetensors.index.json").is_file()
+    return path.is_dir() and has_weights and not (path / "shardavg.json").exists() and not (path / ".metadata").exists()
+
+
+def _inspect_folder(path: Path) -> str:
+    """A model folder: its weight files, and the provenance shardavg recorded beside them."""
+    weights = sorted(p.name for p in path.glob("model*.safetensors"))
+    size = sum((path / name).stat().st_size for name in weights)
+    rows = [("model", str(path)), ("files", f"{len(weights)} weight file(s), {size} bytes")]
+    record = provenance.read(path)
+    lines = provenance.shown(record) if record is not None else ["none recorded (not written by shardavg 0.6+)"]
+    rows += [("provenance", line) for line in lines]
     return "\n".join(f"{label:<12} {value}" for label, value in rows)
 
 
@@ -267,6 +322,15 @@ def _export(saved: SavedAverage, args: argparse.Namespace) -> str:
 
     metadata = export_metadata(saved.description, average)
     path = write_model(out, entries, stream(), metadata, parse_size(max_shard_size))
+    record = made_by(
+        "export",
+        1,
+        average=average,
+        step=saved.description["step"],
+        dtype=dtype_name,
+        inputs=[of_input(saved.path, saved.description["step"], 1.0, saved.description.get("run"))],
+    )
+    provenance.write(path, record)  # fmt: skip
     which = "" if average is None else f" of average {average!r}"
     return f"wrote {len(entries)} tensors{which} to {path}"
 
@@ -294,8 +358,17 @@ def main(argv: list[str] | None = None) -> int:
     level = log.level
     log.setLevel(logging.INFO if level == logging.NOTSET else level)
     try:
-        if args.command in ("posthoc", "merge"):
-            print(_posthoc(args) if args.command == "posthoc" else _merge(args))
+        if args.command == "merge":
+            with _workers() as lead:
+                said = _merge(args)
+            if lead:
+                print(said)
+            return 0
+        if args.command == "posthoc":
+            print(_posthoc(args))
+            return 0
+        if args.command == "inspect" and _model_folder(Path(args.checkpoint)):
+            print(_inspect_folder(Path(args.checkpoint)))
             return 0
         saved = SavedAverage(args.checkpoint, key=args.key)
         if args.command == "inspect":

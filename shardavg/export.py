@@ -1,34 +1,36 @@
 """Consolidated export: the full averaged model as safetensors, in the Hugging Face layout, or
 as a state dict on rank 0 (``full_state_dict``) or in a plain module on every rank (``copy_to``).
 
-Tensors arrive one at a time (gathered by the averager, or read from a checkpoint by the
-offline CLI) and are streamed to disk as they come, so the writer holds one tensor at a time.
-A model above ``max_shard_size`` is split into ``model-00001-of-0000N.safetensors`` files
-with a ``model.safetensors.index.json``; otherwise it is one ``model.safetensors``. Files
-already in the directory stay, unless they are weight files of an earlier shardavg export.
+The files are planned once, the same on every rank (``weight_files``), and spread over the
+writer ranks by bytes: each writer receives the tensors it writes, a bounded bucket at a time,
+in rounds in which every writer receives its own bucket at once, and writes them at their
+offsets into files rank 0 created; rank 0 commits once every writer has finished. So W ranks
+write about 1/W of the model each, and the folder holds the previous export or the new one,
+whole. The offline CLI and ``merge`` write through ``write_model``, the same files from one
+process.
 """
 
 from __future__ import annotations
 
 import contextlib
-import itertools
 import json
 import os
 import re
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 
 import torch
 from torch import nn
 
-from . import validate
-from .dist import agree_or_raise, rank
+from . import provenance, validate
+from .dist import agree_or_raise, distributed, rank, same_everywhere, world_size
 from .errors import ExportError
-from .ownership import INDEX_FILE, MANIFEST, TargetLock, enclosing_checkpoint, export_files, target_path
+from .ownership import TargetLock, target_path
+from .provenance import made_by
 from .state import AverageState
-from .storage import Entry, atomic_file, commit_file, discard_staged, dtype_name, write_safetensors
+from .storage import Entry, dtype_name
+from .weight_files import Slots, WeightPlan, assign, check_target, commit, create_staged, discard
 
-SINGLE_FILE = "model.safetensors"
 _UNITS = {
     "": 1,
     "B": 1,
@@ -54,40 +56,71 @@ def parse_size(size: int | str) -> int:
     return int(value)
 
 
-def plan_files(entries: list[Entry], max_bytes: int) -> list[list[Entry]]:
-    """Split entries, in order, into files of at most ``max_bytes`` (a larger tensor gets a file alone)."""
-    files: list[list[Entry]] = [[]]
-    size = 0
-    for entry in entries:
-        if files[-1] and size + entry.nbytes > max_bytes:
-            files.append([])
-            size = 0
-        files[-1].append(entry)
-        size += entry.nbytes
-    return files
+@contextlib.contextmanager
+def staged_export(directory: Path, plan: WeightPlan) -> Iterator[dict[str, bool]]:
+    """Hold ``directory`` for one write: checked, locked, the plan's files created under their
+    temporary names; yields the previous export's weight files. When the block raises, the
+    temporary files go, and the folder too if this made it (and nothing else is in it)."""
+    check_target(directory)
+    created = not directory.exists()
+    directory.mkdir(parents=True, exist_ok=True)
+    try:
+        with TargetLock.inside(directory):
+            previous = check_target(directory)
+            create_staged(directory, plan)
+            try:
+                yield previous
+            except BaseException:
+                discard(directory, plan)
+                raise
+    except BaseException:
+        if created:
+            with contextlib.suppress(OSError):  # not empty: another writer's files are there
+                directory.rmdir()
+        raise
 
 
-def _check_target(directory: Path) -> dict[str, bool]:
-    """Refuse a target that is a file, a checkpoint or inside one, or holds weight files shardavg
-    did not write; return the weight files it holds, each with whether it is shardavg's own."""
-    if directory.is_symlink() or (directory.exists() and not directory.is_dir()):
-        raise ExportError(f"{directory} exists and is not a directory: shardavg will not replace it")
-    if (directory / MANIFEST).exists() or (directory / ".metadata").exists():
-        raise ExportError(f"{directory} is a checkpoint: export into a model folder of its own")
-    enclosing = enclosing_checkpoint(directory)
-    if enclosing is not None:
-        raise ExportError(
-            f"{directory} is inside the checkpoint {enclosing}, which holds only its own files: export into a "
-            "model folder of its own"
-        )
-    present = export_files(directory)
-    foreign = sorted(name for name, own in present.items() if not own)
-    if foreign:
-        raise ExportError(
-            f"{directory} holds weight files shardavg did not write ({', '.join(foreign)}): they would be "
-            "replaced; export into another directory, or move them"
-        )
-    return present
+def write_spread(
+    directory: Path,
+    plan: WeightPlan,
+    write: Callable[[Slots], Exception | None],
+    what: str,
+    finish: Callable[[], None] = lambda: None,
+    together: bool = True,
+) -> Path:
+    """The files of ``plan`` written into ``directory`` by every rank of the process group
+    (collective), or with ``together=False`` (or no process group) by this process alone.
+
+    Rank 0 prepares the folder (``staged_export``); each rank's ``write(slots)`` writes what it
+    writes and returns its error, if any; once every rank has finished, rank 0 commits, then runs
+    ``finish``. A failure anywhere is every rank's, and leaves the previous export whole."""
+    together = together and distributed()
+
+    def agree(error: Exception | None, doing: str) -> None:
+        if together:
+            agree_or_raise(error, doing, ExportError)
+        elif error is not None:
+            raise error
+
+    error: Exception | None = None
+    lead = rank() == 0 or not together
+    with contextlib.ExitStack() as held:
+        previous: dict[str, bool] = {}
+        if lead:
+            try:
+                previous = held.enter_context(staged_export(directory, plan))
+            except Exception as caught:
+                error = caught
+        agree(error, what)
+        agree(write(Slots(directory, plan)), what)
+        if lead:
+            try:
+                commit(directory, plan, previous)
+                finish()
+            except Exception as caught:
+                error = caught
+    agree(error, f"committing {what}")
+    return directory
 
 
 def write_model(
@@ -97,57 +130,21 @@ def write_model(
     metadata: dict[str, str],
     max_shard_size: int | str = "5GB",
 ) -> Path:
-    """Write ``tensors`` (one per entry, in order) as safetensors weight files into ``directory``.
-
-    Other files there (a Hugging Face ``config.json``, a tokenizer) stay untouched. Every weight
-    file is written complete under its temporary name before any of them replaces the previous
-    export's (a failure while writing, an fp16 overflow found on the way, leaves the previous
-    export whole); then they are moved into place, the index last (the switch of a split model),
-    and the previous export's other weight files are removed.
-    """
+    """Write ``tensors`` (one per entry, in order) as safetensors weight files into ``directory``,
+    from this process alone (``write_spread``). A failure while writing (an fp16 overflow found on
+    the way) leaves the previous export whole."""
     directory = target_path(directory, "export", replaced_whole=False)
-    files = plan_files(entries, parse_size(max_shard_size))
-    names = (
-        [SINGLE_FILE]
-        if len(files) == 1
-        else [f"model-{k:05d}-of-{len(files):05d}.safetensors" for k in range(1, len(files) + 1)]
-    )
-    _check_target(directory)
-    created = not directory.exists()
-    directory.mkdir(parents=True, exist_ok=True)
-    held = written = False
-    try:
-        with TargetLock.inside(directory):
-            held = True
-            previous = _check_target(directory)
-            stream: Iterator[torch.Tensor] = iter(tensors)
-            try:
-                for name, planned in zip(names, files):
-                    pieces = itertools.islice(stream, len(planned))
-                    write_safetensors(directory / name, planned, pieces, metadata, staged=True)
-            except BaseException:
-                for name in names:
-                    discard_staged(directory / name)
-                raise
-            for name in names:
-                commit_file(directory / name)
-            if len(files) > 1:
-                index = {
-                    "metadata": {"total_size": sum(e.nbytes for e in entries), "shardavg": metadata["shardavg"]},
-                    "weight_map": {entry.key: name for name, planned in zip(names, files) for entry in planned},
-                }
-                with atomic_file(directory / INDEX_FILE) as handle:
-                    handle.write(json.dumps(index, indent=1).encode())
-            written = True
-            for stale in set(previous) - set(names) - ({INDEX_FILE} if len(files) > 1 else set()):
-                (directory / stale).unlink(missing_ok=True)
-    finally:
-        if created and held and not written:  # leave no half export in a directory this call made
-            for name in names:
-                (directory / name).unlink(missing_ok=True)
-            with contextlib.suppress(OSError):  # not empty: another writer's files are there
-                directory.rmdir()
-    return directory
+    plan = WeightPlan(entries, parse_size(max_shard_size), metadata)
+
+    def write(slots: Slots) -> None:
+        try:
+            stream = iter(tensors)
+            for slot in plan.slots:
+                slots.write(slot, next(stream))
+        finally:
+            slots.close()
+
+    return write_spread(directory, plan, write, f"writing {directory}", together=False)
 
 
 def export_metadata(description: dict, average: str | None, live: bool = False) -> dict[str, str]:
@@ -198,40 +195,105 @@ def export(
     dtype: torch.dtype | None = None,
     average: str | None = None,
     live: bool = False,
+    writers: int | None = None,
 ) -> Path:
-    """Collective: gather ``average`` (or the live weights) tensor by tensor and write it on rank 0
-    (see ``write_model``)."""
+    """Collective: gather ``average`` (or the live weights) and write it as a model folder, its bytes
+    spread over ``writers`` ranks (default: every rank; ``1``: rank 0 alone, for a file system
+    that cannot take concurrent writers), the same files whatever the number."""
     max_bytes = parse_size(max_shard_size)
     path = target_path(path, "export", replaced_whole=False)
     validate.floating_dtype("dtype", dtype)
+    validate.count("writers", writers, 1, optional=True)
     name = None if live else state.average(average).name
-    gathered = state.gathered(dst=0, average=name, live=live)  # checks the averager before anything is written
     pieces = (state.piece(i, name, live) for i in range(len(state.infos)))
     entries = export_entries(
         ((list(info.names), piece.dtype, tuple(info.shape)) for info, piece in zip(state.infos, pieces)), dtype
     )
-    error: BaseException | None = None
-    if rank() == 0:
+    plan = WeightPlan(entries, max_bytes, export_metadata(state.describe(), name, live))
+    tensor_of_slot = [index for index, info in enumerate(state.infos) for _ in info.names]
+    items = _items(tensor_of_slot, plan)
+    items_bytes = [sum(plan.slots[slot].entry.nbytes for slot in slots) for _, slots in items]
+    ranks = _writer_ranks(world_size() if writers is None else min(writers, world_size()))
+    owner = assign(items_bytes, len(ranks))
+    rounds = _rounds(items_bytes, owner, len(ranks), state.gather_bucket_bytes)
+    order = [items[position][1] for round_ in rounds for position in round_]  # the slots of each gathered item
+    pairs = [[(items[position][0], ranks[owner[position]]) for position in round_] for round_ in rounds]
+    gathered = state.gathered_to(pairs, name, live)  # checks the averager before anything is written
+    if not same_everywhere(plan.sizes):
+        raise ExportError(f"exporting to {path}: the ranks planned different files (their descriptions differ)")
+    write = lambda slots: _write_received(gathered, iter(order), slots, plan, dtype, state)  # noqa: E731
+    description = state.describe()
+    record = made_by(
+        "export", world_size(), average="live weights" if live else name, step=description["step"],
+        num_updates=description["num_updates"], run_id=description.get("run"), strategy=description["strategy"],
+        dtype=None if dtype is None else dtype_name(dtype), writers=len(ranks),
+    )  # fmt: skip
+    return write_spread(path, plan, write, f"exporting to {path}", lambda: provenance.write(path, record))
 
-        def tensors() -> Iterator[torch.Tensor]:
-            for info, full in gathered:
-                full = cast(full, dtype, info.names[0]).to("cpu")  # type: ignore[arg-type]
-                for _ in info.names:
-                    yield full
-                del full  # before the next tensor is gathered
 
-        stream = tensors()
+def _write_received(
+    gathered: Iterable[tuple[int, int | None, torch.Tensor | None]],
+    slots_of: Iterator[list[int]],
+    slots: Slots,
+    plan: WeightPlan,
+    dtype: torch.dtype | None,
+    state: AverageState,
+) -> Exception | None:
+    """Write every tensor this rank receives at its slots (``slots_of``: each gathered item's, in
+    order); return the first error (the collective gather goes on to its end all the same, so that
+    the ranks can agree on it)."""
+    error: Exception | None = None
+    try:
+        for index, _, full in gathered:  # (not zipped: a reused tuple would hold a tensor into the next round)
+            own_slots = next(slots_of)
+            if full is None or error is not None:
+                continue
+            try:
+                full = cast(full, dtype, state.infos[index].names[0]).to("cpu")
+                for slot in own_slots:
+                    slots.write(plan.slots[slot], full)
+            except Exception as caught:
+                error = caught
+            del full
+    finally:
         try:
-            write_model(path, entries, stream, export_metadata(state.describe(), name, live), max_bytes)
+            slots.close()
         except Exception as caught:
-            error = caught
-        for _ in stream:  # finish the collective gather even if writing failed
-            pass
-    else:
-        for _ in gathered:
-            pass
-    agree_or_raise(error, f"exporting to {path}", ExportError)
-    return Path(path)
+            error = error or caught
+    return error
+
+
+def _items(tensor_of_slot: list[int], plan: WeightPlan) -> list[tuple[int, list[int]]]:
+    """What is gathered: ``(tensor index, its slots)``, in the files' order; a tied tensor's names
+    that follow each other in one file are one item."""
+    items: list[tuple[int, list[int]]] = []
+    for slot, index in enumerate(tensor_of_slot):
+        if items and items[-1][0] == index and plan.slots[items[-1][1][-1]].file == plan.slots[slot].file:
+            items[-1][1].append(slot)
+        else:
+            items.append((index, [slot]))
+    return items
+
+
+def _writer_ranks(count: int) -> list[int]:
+    """``count`` ranks spread evenly over the world (on several nodes, writers on every node)."""
+    world = world_size()
+    return [k * world // count for k in range(count)]
+
+
+def _rounds(items_bytes: list[int], owner: list[int], writers: int, bucket_bytes: int) -> list[list[int]]:
+    """Each writer's items (positions) in buckets of at most ``bucket_bytes`` (a larger item alone);
+    round k is every writer's k-th bucket, so each writer receives at most one bucket at a time."""
+    buckets: list[list[list[int]]] = [[] for _ in range(writers)]
+    room = [0] * writers
+    for position, (size, writer) in enumerate(zip(items_bytes, owner)):
+        if not buckets[writer] or size > room[writer]:
+            buckets[writer].append([])
+            room[writer] = bucket_bytes
+        buckets[writer][-1].append(position)
+        room[writer] -= size
+    depth = max(len(own) for own in buckets)
+    return [[position for own in buckets if number < len(own) for position in own[number]] for number in range(depth)]
 
 
 def full_state_dict(state: AverageState, average: str | None, live: bool = False) -> dict[str, torch.Tensor]:

@@ -22,7 +22,7 @@ holds while they are in flight. This one mechanism serves every engine and layou
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -157,7 +157,7 @@ def _gather_one(
     me = rank()
     if not distributed():  # one process holds everything
         return local.clone()
-    if dst is not None and layout.holds_whole(index, dst):
+    if dst is not None and layout.holds_whole(index, dst) and layout.owns(index, dst):
         return local.clone() if me == dst else None
     device = comm_device(local.device)
     shape = layout.layouts[index].shape
@@ -209,17 +209,35 @@ def iter_gathered(
     others get ``None``); with ``dst=None`` every rank does. Tensors come back in their
     global shape, on the device of the pieces, never aliasing them.
     """
-    for bucket in _buckets(indices, lambda i: infos[i].numel * infos[i].dtype.itemsize, bucket_bytes):
+    nbytes = lambda i: infos[i].numel * infos[i].dtype.itemsize  # noqa: E731
+    rounds = ([(index, dst) for index in bucket] for bucket in _buckets(indices, nbytes, bucket_bytes))
+    for index, _, full in gather_rounds(layout, infos, piece, rounds):
+        yield index, full
+
+
+def gather_rounds(
+    layout: ShardLayout,
+    infos: Sequence[TensorInfo],
+    piece: Callable[[int], torch.Tensor],
+    rounds: Iterable[Sequence[tuple[int, int | None]]],
+) -> Iterator[tuple[int, int | None, torch.Tensor | None]]:
+    """Collective: for each round, gather each ``(index, dst)`` of it to rank ``dst`` (every rank
+    if ``None``) and yield ``(index, dst, full tensor or None)`` in order; every rank passes the
+    same rounds. A round's sends and receives are all posted, in the same order on every rank,
+    before any is waited for: a round whose tensors go to different ranks is one exchange in
+    which each of them receives its own, and a rank holds at most one round's tensors."""
+    for round_ in rounds:
         pending: list = []
-        pieces = {index: piece(index) for index in bucket}
-        outputs = {index: _gather_one(layout, index, pieces[index], dst, pending) for index in bucket}
+        pieces = {index: piece(index) for index, _ in round_}
+        outputs = [_gather_one(layout, index, pieces[index], dst, pending) for index, dst in round_]
         while pending:  # (no loop variable may keep the last buffer alive)
             work, buffer, into = pending.pop()
             work.wait()
             if into is not None:  # a part that is no range of the flattened tensor: its boxes, one by one
                 place(into[0].view(into[1].shape), into[1], buffer)
             del work, buffer, into
-        for index in bucket:
-            out = outputs.pop(index)  # released here, so at most one bucket is held at a time
-            yield index, None if out is None else out.to(pieces[index].device).view(infos[index].shape)
-        del out
+        outputs.reverse()
+        for index, dst in round_:
+            out = outputs.pop()  # released here, so at most one round is held at a time
+            yield index, dst, None if out is None else out.to(pieces[index].device).view(infos[index].shape)
+            del out

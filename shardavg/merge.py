@@ -14,11 +14,13 @@ model (``model.safetensors``, or shards and an index) or an averager's checkpoin
 
 from __future__ import annotations
 
+import hashlib
+import itertools
 import json
 import math
 import os
 import re
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, replace
 from fnmatch import fnmatchcase
 from pathlib import Path
@@ -26,18 +28,22 @@ from typing import Literal
 
 import torch
 
-from . import validate
+from . import provenance, validate
 from .checkpoint import save_whole
+from .dist import agree_or_raise, all_gathered, distributed, rank, same_everywhere, world_size
 from .errors import CheckpointError
-from .export import cast, cast_dtype, parse_size, write_model
+from .export import cast, cast_dtype, parse_size, write_spread
 from .format import FORMAT, VERSION
 from .logs import log
 from .model_folder import CONFIG, NOT_CARRIED, carried_files, check_tokenizers, files_dtype, write_config
 from .offline import PLAIN_NAME
-from .ownership import INDEX_FILE, LOCK_FILE, enclosing_checkpoint, export_files
+from .ownership import INDEX_FILE, LOCK_FILE, enclosing_checkpoint, export_files, target_path
+from .provenance import FILE as PROVENANCE
+from .provenance import made_by, of_input
 from .rules import SWA
 from .sources import SafetensorsSource, Source, Spec, finished_checkpoints, open_source
 from .storage import Entry, atomic_file, dtype_name, safetensors_metadata
+from .weight_files import Slots, WeightPlan, assign
 
 Output = Literal["safetensors", "shardavg"]
 HF_CONFIGS = ("config.json", "generation_config.json")  # what merges before 0.4 carried, unrecorded
@@ -50,6 +56,8 @@ def merge(
     weights: Sequence[float] | None = None,
     last: int | None = None,
     ema: float | None = None,
+    schedule: Schedule | None = None,
+    normalize: bool = True,
     key: str | None = None,
     average: str | None = None,
     prefix: str | None = None,
@@ -68,6 +76,11 @@ def merge(
         last: take the newest ``last`` finished checkpoints of the run folder ``inputs``, by step.
         ema: weight the checkpoint of step ``s`` by ``ema ** (s_newest - s)``, normalised: what an
             EMA of that decay per step gives each saved step, relative to the others.
+        schedule: ``"linear"``, ``"cosine"`` or ``"minus-sqrt"``: the weights that make the merge the
+            model a decay of the learning rate by that shape over the inputs' steps would have given
+            (WSM, warmup-stable-merge; ``schedule_weights``). Linear decay is the uniform average.
+        normalize: scale ``weights`` to sum to 1 (default). ``False`` takes them as given, negative
+            ones too (task arithmetic: ``--weights 1 1 -1``): only with ``weights``.
         key: an averager's key in DCP checkpoints (else the model's tensors are merged).
         average: which average of a shardavg checkpoint that keeps several.
         prefix: the entry of DCP checkpoints that holds the model (``"model."``; ``""`` for the top
@@ -92,28 +105,46 @@ def merge(
     validate.choice("output", output, ("safetensors", "shardavg"))
     patterns = _patterns("include", include), _patterns("exclude", exclude)
     max_bytes = parse_size(max_shard_size)
-    paths = _inputs(inputs, last)
-    _check_out(out, paths, output)
     sources: list[Source] = []
     try:
-        for path in paths:
-            sources.append(open_source(path, key=key, average=average, prefix=prefix))
-        for source in sources:
-            source.check()
-        _tie_saved_once(sources)
-        models = [s.model_dir for s in sources if isinstance(s, SafetensorsSource) and s.model_dir is not None]
-        check_tokenizers(models)
-        plan = _selected(plan_names(sources, model_folder=output == "safetensors"), *patterns)
-        shares = _weights(sources, weights, ema)
-        specs = [_output_spec(planned, sources, dtype) for planned in plan]
-        _check_range(sources, shares, plan, specs, accumulate)
+        error: Exception | None = None
+        try:  # every worker checks every input before anything is written; a refusal is every worker's
+            paths = _inputs(inputs, last)
+            _check_out(out, paths, output)
+            for path in paths:
+                sources.append(open_source(path, key=key, average=average, prefix=prefix))
+            for source in sources:
+                source.check()
+            _tie_saved_once(sources)
+            models = [s.model_dir for s in sources if isinstance(s, SafetensorsSource) and s.model_dir is not None]
+            check_tokenizers(models)
+            plan = _selected(plan_names(sources, model_folder=output == "safetensors"), *patterns)
+            shares = _weights(sources, weights, ema, schedule, normalize)
+            specs = [_output_spec(planned, sources, dtype) for planned in plan]
+            owner = assign([_nbytes(p, spec, output) for p, spec in zip(plan, specs)], world_size())
+            mine = [i for i, writer in enumerate(owner) if writer == rank() or output == "shardavg"]
+            _check_range(sources, shares, [plan[i] for i in mine], [specs[i] for i in mine], accumulate)
+        except Exception as caught:
+            error = caught
+        _agree(error, "checking the merge's inputs")
+        if not same_everywhere(_digest(plan, specs, shares)):
+            seen = all_gathered((len(plan), [round(share, 6) for share in shares], _digest(plan, specs, shares)))
+            raise CheckpointError(
+                "the workers read different inputs (names, shapes, dtypes or weights differ): "
+                + "; ".join(f"rank {r}: {n} tensors, weights {w}, digest {d[0]:x}" for r, (n, w, d) in enumerate(seen))
+                + ": every worker must see the same checkpoints and be given the same arguments"
+            )
+
+        def record() -> dict:  # (made where it is written: the manifests are hashed once)
+            inputs_made = [of_input(Path(s.path), s.step, w, s.run_id) for s, w in zip(sources, shares)]
+            written_dtype = None if dtype is None else dtype_name(dtype)
+            return made_by("merge", world_size(), schedule=schedule, dtype=written_dtype, inputs=inputs_made)
+
         if output == "shardavg":
-            stream = _merged(sources, shares, plan, specs, accumulate, per_name=False)
-            written = save_whole(out, _description(sources, shares, plan, specs), stream)
+            written = _write_checkpoint(Path(out), sources, shares, plan, specs, accumulate, record)
         else:
-            stream = _merged(sources, shares, plan, specs, accumulate, per_name=True)
-            written = _write_folder(Path(out), models[-1] if models else None, _record(sources, shares), plan, specs,
-                                    stream, max_bytes)  # fmt: skip
+            folder = Folder(Path(out), models[-1] if models else None, _record(sources, shares), max_bytes)
+            written = folder.write(sources, shares, plan, specs, owner, accumulate, record)
         _log_done(sources, plan, written)
         return written
     finally:
@@ -121,25 +152,104 @@ def merge(
             source.close()
 
 
-def _write_folder(
+def _nbytes(planned: Planned, spec: Spec, output: Output) -> int:
+    """What writing ``planned`` costs: its bytes under each name it is written under."""
+    return math.prod(spec.shape) * spec.dtype.itemsize * (len(planned.names) if output == "safetensors" else 1)
+
+
+def _digest(plan: list[Planned], specs: list[Spec], shares: list[float]) -> list[int]:
+    """What the workers must agree on, as a few integers."""
+    text = json.dumps([[p.names, p.held, str(s.dtype), s.shape] for p, s in zip(plan, specs)] + [shares])
+    digest = hashlib.sha256(text.encode()).digest()
+    return [int.from_bytes(digest[k : k + 7], "little") for k in range(0, 28, 7)]
+
+
+def _agree(error: Exception | None, what: str) -> None:
+    """One process: raise its own error as it is; several: every worker raises if any failed."""
+    if not distributed():
+        if error is not None:
+            raise error
+        return
+    agree_or_raise(error, what, CheckpointError)
+
+
+def _write_checkpoint(
     out: Path,
-    model: Path | None,
-    record: dict,
+    sources: list[Source],
+    shares: list[float],
     plan: list[Planned],
     specs: list[Spec],
-    stream: Iterator[torch.Tensor],
-    max_bytes: int,
+    accumulate: torch.dtype,
+    record: Callable[[], dict],
 ) -> Path:
+    """The merge as an averager's checkpoint of one rank file (its provenance in the manifest):
+    written by the first worker (one file, with its digest, is one writer's), the others waiting
+    for its verdict."""
+    error: Exception | None = None
+    if rank() == 0:
+        try:
+            stream = _merged(sources, shares, plan, specs, accumulate, per_name=False)
+            description = _description(sources, shares, plan, specs) | {"provenance": record()}
+            out = save_whole(out, description, stream)
+        except Exception as caught:
+            error = caught
+    _agree(error, f"writing {out}")
+    return Path(out)
+
+
+@dataclass
+class Folder:
     """The merge as a model folder: the weights (``record`` in their metadata, with the files
-    carried), then the Hugging Face input ``model``'s other files (see ``_carry``)."""
-    before = carried_before(out) if out.is_dir() else set()
-    carried = carried_files(model) if model is not None else []
-    metadata = {"format": "pt", "shardavg": json.dumps(record | {"carried": carried})}
-    entries = [Entry(n, spec.dtype, spec.shape) for planned, spec in zip(plan, specs) for n in planned.names]
-    written = write_model(out, entries, stream, metadata, max_bytes)
-    untied = any(planned.untied for planned in plan)
-    _carry(model, carried, before, written, files_dtype((e.dtype, math.prod(e.shape)) for e in entries), untied)
-    return written
+    carried), written by every worker, each its share of the tensors by bytes; then the Hugging
+    Face input ``model``'s other files (see ``_carry``), by the first worker."""
+
+    out: Path
+    model: Path | None
+    record: dict
+    max_bytes: int
+
+    def write(
+        self,
+        sources: list[Source],
+        shares: list[float],
+        plan: list[Planned],
+        specs: list[Spec],
+        owner: list[int],
+        accumulate: torch.dtype,
+        record: Callable[[], dict],
+    ) -> Path:
+        target = target_path(self.out, "merge", replaced_whole=False)
+        before = carried_before(target) if target.is_dir() else set()
+        carried = carried_files(self.model) if self.model is not None else []
+        metadata = {"format": "pt", "shardavg": json.dumps(self.record | {"carried": carried})}
+        entries = [Entry(n, spec.dtype, spec.shape) for planned, spec in zip(plan, specs) for n in planned.names]
+        weights = WeightPlan(entries, self.max_bytes, metadata)
+        first_slot = list(itertools.accumulate((len(p.names) for p in plan), initial=0))
+        mine = [i for i, writer in enumerate(owner) if writer == rank()]
+
+        def write(slots: Slots) -> Exception | None:
+            try:
+                merged = _merged(sources, shares, [plan[i] for i in mine], [specs[i] for i in mine], accumulate, False)
+                positions = iter(mine)
+                for tensor in merged:  # (not zip: its reused tuple would hold a tensor while the next is merged)
+                    i = next(positions)
+                    for slot in range(first_slot[i], first_slot[i + 1]):
+                        slots.write(weights.slots[slot], tensor)
+                    del tensor  # before the next one is merged
+            except Exception as caught:
+                return caught
+            finally:
+                slots.close()
+            return None
+
+        untied = any(planned.untied for planned in plan)
+        dtype = files_dtype((e.dtype, math.prod(e.shape)) for e in entries)
+
+        def finish() -> None:
+            _carry(self.model, carried, before, target, dtype, untied)
+            provenance.write(target, record())
+
+        return write_spread(target, weights, write, f"writing the merge to {self.out}", finish)
 
 
 def _inputs(inputs: Sequence[str | os.PathLike] | str | os.PathLike, last: int | None) -> list[Path]:
@@ -185,7 +295,7 @@ def _check_out(out: str | os.PathLike, inputs: list[Path], output: Output) -> No
         raise CheckpointError(f"OUT {out} is a checkpoint: name a model folder of its own")  # replaced only by one)
     if output == "safetensors" and Path(out).is_dir() and not Path(out).is_symlink():
         own = {name for name, ours in export_files(Path(out)).items() if ours} | carried_before(Path(out))
-        others = sorted(p.name for p in Path(out).iterdir() if p.name not in own | {*HF_CONFIGS, LOCK_FILE})
+        others = sorted(p.name for p in Path(out).iterdir() if p.name not in own | {*HF_CONFIGS, LOCK_FILE, PROVENANCE})
         if others:
             raise CheckpointError(
                 f"OUT {out} holds files a merge did not write ({', '.join(others[:8])}"
@@ -351,31 +461,83 @@ def _selected(plan: list[Planned], include: tuple[str, ...], exclude: tuple[str,
     return kept
 
 
-def _weights(sources: list[Source], weights: Sequence[float] | None, ema: float | None) -> list[float]:
-    """Each input's share, summing to 1."""
+def _weights(
+    sources: list[Source],
+    weights: Sequence[float] | None,
+    ema: float | None,
+    schedule: Schedule | None,
+    normalize: bool,
+) -> list[float]:
+    """Each input's share: summing to 1, unless ``normalize`` is off (given weights as they are)."""
     count = len(sources)
-    if weights is not None and ema is not None:
-        raise ValueError("weights and ema both give the inputs' weights: pass one")
+    given = [name for name, value in (("weights", weights), ("ema", ema), ("schedule", schedule)) if value is not None]
+    if len(given) > 1:
+        raise ValueError(f"{' and '.join(given)} each give the inputs' weights: pass one")
+    if not normalize and weights is None:
+        raise ValueError("normalize=False takes the weights as given: pass weights (--weights)")
+    if ema is not None or schedule is not None:
+        unknown = [str(s) for s in sources if s.step is None]
+        if unknown:
+            raise CheckpointError(f"{given[0]} weights need each input's step; these record none: {unknown}")
+        steps = [s.step for s in sources]
+        if len(set(steps)) < len(steps):
+            raise CheckpointError(f"{given[0]} weights need distinct steps; the inputs' steps are {steps}")
     if ema is not None:
         if isinstance(ema, bool) or not isinstance(ema, (int, float)) or not 0.0 < ema < 1.0:
             raise ValueError(f"ema must be a decay in (0, 1), got {ema!r}")
-        unknown = [str(s) for s in sources if s.step is None]
-        if unknown:
-            raise CheckpointError(f"ema weights need each input's step; these record none: {unknown}")
         newest = max(s.step for s in sources)  # type: ignore[type-var]
         weights = [ema ** (newest - s.step) for s in sources]  # type: ignore[operator]
+    if schedule is not None:
+        return schedule_weights(schedule, [s.step for s in sources])  # type: ignore[misc]
     if weights is None:
         return [1.0 / count] * count
     weights = list(weights)
     if len(weights) != count:
         raise ValueError(f"{len(weights)} weights for {count} inputs: give one per input")
     numbers = (isinstance(w, (int, float)) and not isinstance(w, bool) for w in weights)
-    if not all(numbers) or not all(math.isfinite(w) and w >= 0 for w in weights):
-        raise ValueError(f"weights must be finite numbers >= 0, got {weights}")
+    if not all(numbers) or not all(math.isfinite(w) for w in weights):
+        raise ValueError(f"weights must be finite numbers, got {weights}")
+    if not normalize:
+        return [float(w) for w in weights]
+    if not all(w >= 0 for w in weights):
+        raise ValueError(f"weights must be >= 0 to be normalised, got {weights}: pass normalize=False (--raw-weights)")
     total = math.fsum(weights)
     if not total > 0:
         raise ValueError(f"weights {weights} sum to {total}: at least one must be positive")
     return [w / total for w in weights]
+
+
+Schedule = Literal["linear", "cosine", "minus-sqrt"]
+DECAYS: dict[str, Callable[[float], float]] = {  # the learning rate's multiplier at progress x of the window
+    "linear": lambda x: 1.0 - x,
+    "cosine": lambda x: 0.5 * (1.0 + math.cos(math.pi * x)),
+    "minus-sqrt": lambda x: 1.0 - math.sqrt(x),
+}
+
+
+def schedule_weights(schedule: Schedule, steps: Sequence[int]) -> list[float]:
+    """The weights of checkpoints taken at ``steps`` (under a constant learning rate) whose average
+    is the model a decay of the learning rate by ``schedule`` over those steps would give (WSM).
+
+    The average sum(c_i x_i) moves from the weights before the window by the sum over segments of
+    (the weights of checkpoints at or after the segment) times (the segment's update), so it
+    gives segment i the learning-rate multiplier c_i + ... + c_n. Setting that to the decay at
+    the segment's start, ``decay(x_{i-1})``, gives c_i = decay(x_{i-1}) - decay(x_i), where x_i
+    is checkpoint i's progress through the window. The window starts one interval (the
+    checkpoints' mean spacing) before the oldest step and ends at the newest, so evenly spaced
+    checkpoints sit at x_i = i / n. The weights sum to decay(0) - decay(1) = 1."""
+    if schedule not in DECAYS:
+        raise ValueError(f"schedule must be one of {sorted(DECAYS)}, got {schedule!r}")
+    order = sorted(range(len(steps)), key=lambda i: steps[i])
+    ordered = [steps[i] for i in order]
+    spacing = (ordered[-1] - ordered[0]) / (len(ordered) - 1) if len(ordered) > 1 else 1.0
+    start, end = ordered[0] - spacing, ordered[-1]
+    progress = [0.0] + [(step - start) / (end - start) for step in ordered]
+    decay = DECAYS[schedule]
+    weights = [0.0] * len(steps)
+    for position, index in enumerate(order):
+        weights[index] = decay(progress[position]) - decay(progress[position + 1])
+    return weights
 
 
 def _output_spec(planned: Planned, sources: list[Source], dtype: torch.dtype | None) -> Spec:
@@ -416,14 +578,16 @@ def _check_range(
     sources: list[Source], shares: list[float], plan: list[Planned], specs: list[Spec], accumulate: torch.dtype
 ) -> None:
     """Refuse, before anything is written, a merged tensor that overflows its output dtype: one
-    pass over the tensors narrowed to a dtype of a smaller range (fp16) from inputs of a wider one.
+    pass over the tensors narrowed to a dtype of a smaller range (fp16) from inputs of a wider one,
+    or, when the weights are no average (raw, negative or not summing to 1), from any input.
     (An average of inputs already in the output dtype stays within their range.)"""
+    average = all(w >= 0 for w in shares) and abs(math.fsum(shares) - 1.0) <= 1e-9
     narrowed = [
         i
         for i, (planned, spec) in enumerate(zip(plan, specs))
         if spec.dtype.is_floating_point
         and any(
-            torch.finfo(spec.dtype).max < torch.finfo(source.specs[name].dtype).max
+            torch.finfo(spec.dtype).max < torch.finfo(source.specs[name].dtype if average else accumulate).max
             for source, name in zip(sources, planned.held)
         )
     ]

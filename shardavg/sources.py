@@ -64,6 +64,7 @@ class Source(ABC):
     path: Path
     specs: dict[str, Spec]
     step: int | None
+    run_id: str | None = None  # the run an averager's checkpoint records, if any
     ties: list[tuple[str, ...]] = []  # names of one tensor, stored once under the first
     left_out: dict[str, int] = {}  # entries of training state not merged: {where: how many tensors}
     described: dict[str, tuple[str, str]] = {}  # name: (kind, role), where the checkpoint says
@@ -96,6 +97,7 @@ class AverageSource(Source):
             self.saved.close()
             raise
         self.path, self.step = self.saved.path, self.saved.description["step"]
+        self.run_id = self.saved.description.get("run")
         tensors = self.saved.description["tensors"]
         self.specs = {t["name"]: Spec(DTYPES[t["dtype"]], tuple(t["shape"])) for t in tensors}
         self.ties = [(t["name"], *t["aliases"]) for t in tensors if t["aliases"]]

@@ -19,7 +19,7 @@ that the model's structure did not change; its ``updater`` (``update.py``) does 
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -29,7 +29,7 @@ from .dist import all_gathered, same_everywhere, world_size
 from .errors import ModelChangedError
 from .format import FORMAT, VERSION, tensor_key
 from .fused import gatherable
-from .layout import DEFAULT_BUCKET_BYTES, ShardLayout, iter_gathered
+from .layout import DEFAULT_BUCKET_BYTES, ShardLayout, gather_rounds, iter_gathered
 from .options import Options, Role
 from .rules import Rule
 from .storage import dtype_name
@@ -259,10 +259,7 @@ class AverageState:
         With ``dst`` set only that rank receives (others get ``None``); with ``None`` every rank
         receives the owners' values (replicas such as per-rank BatchNorm statistics included).
         """
-        name = None if live else self.average(average).name
-        if not live:
-            self.require_updates("gathering the average")
-        self.check_current()
+        name = self._check_gathering(average, live)
         gathered = iter_gathered(
             self.layout,
             self.infos,
@@ -278,6 +275,22 @@ class AverageState:
                 del full  # hold nothing while the next bucket is gathered
 
         return named()
+
+    def gathered_to(
+        self, rounds: Iterable[Sequence[tuple[int, int]]], average: str | None, live: bool = False
+    ) -> Iterator[tuple[int, int | None, torch.Tensor | None]]:
+        """Collective: check the state now, then gather each ``(index, dst)`` of ``rounds`` to its
+        rank as the iterator is consumed (``layout.gather_rounds``)."""
+        name = self._check_gathering(average, live)
+        return gather_rounds(self.layout, self.infos, lambda index: self.piece(index, name, live), rounds)
+
+    def _check_gathering(self, average: str | None, live: bool) -> str | None:
+        """Collective: the average's name (None for the live weights), once the state can be gathered."""
+        name = None if live else self.average(average).name
+        if not live:
+            self.require_updates("gathering the average")
+        self.check_current()
+        return name
 
     def narrowed(self) -> list[str]:
         """Tensors whose shadows are of a narrower dtype than their live shards (worth a warning)."""

@@ -204,7 +204,9 @@ def staging_path(target: Path) -> Path:
     return target.with_name(f".{target.name}.incomplete")
 
 
-def _header(entries: Sequence[Entry], metadata: dict[str, str] | None) -> bytes:
+def safetensors_header(entries: Sequence[Entry], metadata: dict[str, str] | None) -> bytes:
+    """The bytes before the data of a safetensors file of ``entries`` in order: the header's length,
+    its JSON (each entry's offsets), padded to 8 bytes as safetensors aligns the data."""
     header: dict[str, object] = {}
     if metadata:
         header["__metadata__"] = metadata
@@ -241,7 +243,7 @@ def write_safetensors(
     other files of one write); returns the file's size and SHA-256, computed as it was written."""
     with staged_file(path) if staged else atomic_file(path) as handle:
         writer = _HashingWriter(handle)
-        writer.write(_header(entries, metadata))
+        writer.write(safetensors_header(entries, metadata))
         stream = iter(tensors)
         for entry in entries:
             tensor = next(stream)

@@ -284,7 +284,7 @@ def test_a_dcp_entry_holding_a_pickled_object_is_refused(tmp_path) -> None:
 def test_export_single_file_with_metadata(trainer, tmp_path) -> None:
     averager = trained(trainer)
     out = averager.export(tmp_path / "export")
-    assert sorted(os.listdir(out)) == ["model.safetensors"]
+    assert sorted(os.listdir(out)) == ["model.safetensors", "provenance.json"]
     state = load_file(str(out / "model.safetensors"))
     TiedNet().load_state_dict(state, strict=True)
     reference = averager.full_state_dict()

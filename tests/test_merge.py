@@ -8,6 +8,7 @@ state dicts kept in memory at those steps.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import subprocess
@@ -191,7 +192,8 @@ def test_a_model_saved_by_transformers_merges_and_loads_with_from_pretrained(tmp
     transformers.GPT2LMHeadModel(transformers.GPT2Config(**(config.to_dict() | {"n_embd": 64}))).save_pretrained(wider)
     shardavg.merge([wider], out)
     assert transformers.GPT2LMHeadModel.from_pretrained(out).config.n_embd == 64
-    assert sorted(p.name for p in out.iterdir()) == ["config.json", "generation_config.json", "model.safetensors"]
+    written = ["config.json", "generation_config.json", "model.safetensors", "provenance.json"]
+    assert sorted(p.name for p in out.iterdir()) == written
 
 
 def test_a_link_planted_at_the_config_is_replaced_not_written_through(tmp_path: Path) -> None:
@@ -213,9 +215,11 @@ def test_a_link_planted_at_the_config_is_replaced_not_written_through(tmp_path: 
 
 
 def cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "shardavg", "merge", *args], capture_output=True, text=True, timeout=120
-    )
+    return shardavg_cli("merge", *args)
+
+
+def shardavg_cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "shardavg", *args], capture_output=True, text=True, timeout=120)
 
 
 class Refusals:
@@ -306,8 +310,8 @@ def test_every_refusal_writes_nothing(run: Run, tmp_path: Path, capsys: pytest.C
     refused(base, str(run.hf(3)), "--out", str(notes), match="holds files a merge did not write (notes.txt)")
 
     refused(base, str(run.hf(3)), "--weights", "1", "--out", out, match="1 weights for 2 inputs")
-    refused(base, str(run.hf(3)), "--weights", "1", "-1", "--out", out, match="finite numbers >= 0")
-    refused(base, str(run.hf(3)), "--weights", "1", "nan", "--out", out, match="finite numbers >= 0")
+    refused(base, str(run.hf(3)), "--weights", "1", "-1", "--out", out, match="must be >= 0 to be normalised")
+    refused(base, str(run.hf(3)), "--weights", "1", "nan", "--out", out, match="weights must be finite numbers")
     refused(base, str(run.hf(3)), "--weights", "0", "0", "--out", out, match="at least one must be positive")
     refused(base, str(run.hf(3)), "--ema", "1.5", "--out", out, match="ema must be a decay in (0, 1)")
     refused(base, str(renamed.parent / "base.safetensors"), "--ema", "0.9", "--out", out, match="record none")
@@ -364,3 +368,70 @@ def test_memory_does_not_grow_with_the_number_of_inputs(tmp_path: Path) -> None:
     # the accumulator, one input's tensor, the writer's piece: not 8 inputs' worth (512 MiB), nor one model (64 MiB)
     assert added[8] <= 3 * tensor_bytes + 2 * 2**20, added
     assert added[8] <= added[2] + 2**20, added  # (holding each input's tensor would add 6 tensors, 24 MiB)
+
+
+def test_schedules_weight_each_step_by_the_drop_of_their_learning_rate_decay(run: Run, tmp_path: Path) -> None:
+    """WSM: checkpoints at steps 1, 2 and 4; the window starts one mean spacing (1.5) before step 1,
+    so they sit at progress 1/3, 5/9 and 1 of it, and checkpoint i weighs decay(x_{i-1}) - decay(x_i)."""
+    from shardavg.merge import schedule_weights
+
+    x = [0.0, 1 / 3, 5 / 9, 1.0]
+    decays = {
+        "linear": lambda t: 1 - t,
+        "cosine": lambda t: (1 + math.cos(math.pi * t)) / 2,
+        "minus-sqrt": lambda t: 1 - math.sqrt(t),
+    }
+    paths = [run.hf(step) for step in (1, 2, 4)]
+    for name, decay in decays.items():
+        want = [decay(x[i]) - decay(x[i + 1]) for i in range(3)]
+        got = schedule_weights(name, [1, 2, 4])
+        assert got == pytest.approx(want, abs=1e-15) and math.fsum(got) == pytest.approx(1.0, abs=1e-15), name
+        merged = shardavg.merge(paths, tmp_path / name, schedule=name)
+        assert_bitwise(read_model(merged), reference(states_of(run, "safetensors", [1, 2, 4]), got))
+    assert schedule_weights("linear", [100, 200, 300, 400]) == pytest.approx([0.25] * 4, abs=1e-15)
+    assert schedule_weights("minus-sqrt", [300, 100, 200]) == pytest.approx(
+        [1 - math.sqrt(2 / 3), math.sqrt(1 / 3), math.sqrt(2 / 3) - math.sqrt(1 / 3)], abs=1e-15
+    )  # (inputs in any order: each weighs by its own step)
+
+
+def test_raw_weights_are_taken_as_given_only_when_asked(run: Run, tmp_path: Path) -> None:
+    paths = [run.hf(step) for step in (1, 2, 4)]
+    merged = shardavg.merge(paths, tmp_path / "task", weights=[1.0, 1.0, -1.0], normalize=False)
+    assert_bitwise(read_model(merged), reference(states_of(run, "safetensors", [1, 2, 4]), [1.0, 1.0, -1.0]))
+    with pytest.raises(ValueError, match="must be >= 0 to be normalised"):
+        shardavg.merge(paths, tmp_path / "refused", weights=[1.0, 1.0, -1.0])
+    with pytest.raises(ValueError, match="normalize=False takes the weights as given"):
+        shardavg.merge(paths, tmp_path / "refused", schedule="linear", normalize=False)
+    with pytest.raises(ValueError, match="each give the inputs' weights"):
+        shardavg.merge(paths, tmp_path / "refused", schedule="linear", ema=0.9)
+    assert not (tmp_path / "refused").exists()
+
+
+def test_provenance_is_written_beside_every_merge_and_export_and_a_merge_of_merges_keeps_it(
+    run: Run, tmp_path: Path
+) -> None:
+    first = shardavg.merge([run.hf(1), run.hf(2)], tmp_path / "first", schedule="minus-sqrt")
+    second = shardavg.merge([first, run.avg(4)], tmp_path / "second", average="ema", weights=[3, 1])
+    record = json.loads((second / "provenance.json").read_text())
+    assert record["made"] == "merge" and record["shardavg"] and record["torch"] == torch.__version__
+    assert [entry["weight"] for entry in record["inputs"]] == [0.75, 0.25] and record["command"]
+    nested = record["inputs"][0]["provenance"]
+    assert nested["schedule"] == "minus-sqrt" and [e["step"] for e in nested["inputs"]] == [1, 2], nested
+    checkpoint = record["inputs"][1]
+    assert checkpoint["step"] == 4 and len(checkpoint["manifest_sha256"]) == 64, checkpoint
+    assert checkpoint["manifest_sha256"] == hashlib.sha256((run.avg(4) / "shardavg.json").read_bytes()).hexdigest()
+    shown = shardavg_cli("inspect", str(second))
+    assert shown.returncode == 0 and f"by shardavg {shardavg.__version__}" in shown.stdout, shown
+    assert "made merge" in shown.stdout and "schedule minus-sqrt" in shown.stdout and str(run.hf(1)) in shown.stdout
+    as_checkpoint = shardavg.merge([first, run.hf(3)], tmp_path / "ckpt", output="shardavg")
+    shown = shardavg_cli("inspect", str(as_checkpoint))
+    assert shown.returncode == 0 and "provenance" in shown.stdout and str(first) in shown.stdout, shown.stdout
+
+    model = torch.nn.Linear(3, 2)
+    avg = WeightAverager(model, EMA(decay=0.5))
+    avg.update()
+    exported = avg.export(tmp_path / "export", dtype=torch.bfloat16)
+    record = json.loads((exported / "provenance.json").read_text())
+    assert (record["made"], record["dtype"], record["step"], record["writers"]) == ("export", "bfloat16", 1, 1)
+    avg.export(exported)  # an export replaces its own provenance with the rest
+    assert json.loads((exported / "provenance.json").read_text())["dtype"] is None

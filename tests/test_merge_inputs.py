@@ -252,7 +252,8 @@ def test_a_folders_other_files_are_carried_and_its_adapter_is_not_the_model(tmp_
         (folder / "adapter_config.json").write_text("{}")
     out = shardavg.merge(folders, tmp_path / "out")
     assert sorted(p.name for p in out.iterdir()) == [
-        "chat_template.jinja", "config.json", "generation_config.json", "model.safetensors", "tokenizer.json",
+        "chat_template.jinja", "config.json", "generation_config.json", "model.safetensors", "provenance.json",
+        "tokenizer.json",
     ]  # fmt: skip
     assert (out / "tokenizer.json").read_bytes() == (folders[-1] / "tokenizer.json").read_bytes()
     want = {k: v for k, v in mean([state(m) for m in models]).items() if k != "lm_head.weight"}  # (saved once, tied)

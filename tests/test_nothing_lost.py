@@ -70,6 +70,16 @@ def test_save_refuses_a_regular_file_and_a_checkpoint_with_a_foreign_file(traine
     assert fresh().load(tmp_path / "ckpt").name == "ckpt"  # still loads
 
 
+def test_a_provenance_file_shardavg_did_not_write_is_never_replaced(trainer, tmp_path) -> None:
+    averager = trained(trainer, steps=2)
+    folder = tmp_path / "model"
+    notes = {"provenance.json": '{"source": "my notes"}'}
+    put(folder, notes)
+    with pytest.raises(CheckpointError, match="provenance.json was not written by shardavg"):
+        averager.export(folder)
+    assert sorted(os.listdir(folder)) == ["provenance.json"] and intact(folder, notes)
+
+
 def test_export_writes_beside_a_hugging_face_folder_and_replaces_only_its_own_weights(trainer, tmp_path) -> None:
     averager = trained(trainer, steps=3)
     folder = tmp_path / "hf-model"
@@ -78,7 +88,8 @@ def test_export_writes_beside_a_hugging_face_folder_and_replaces_only_its_own_we
     split = sorted(name for name in os.listdir(folder) if name.startswith("model"))
     assert len(split) > 2 and "model.safetensors.index.json" in split and intact(folder, HF_FOLDER)
     averager.export(folder)  # one file now: the split export's files are its own, so they go
-    assert sorted(os.listdir(folder)) == sorted([*HF_FOLDER, "model.safetensors"]) and intact(folder, HF_FOLDER)
+    written = ["model.safetensors", "provenance.json"]
+    assert sorted(os.listdir(folder)) == sorted([*HF_FOLDER, *written]) and intact(folder, HF_FOLDER)
     TiedNet().load_state_dict(load_file(str(folder / "model.safetensors")), strict=True)
 
     theirs = tmp_path / "their-model"
@@ -108,7 +119,9 @@ def test_cli_export_never_wipes_the_run_folder_or_the_checkpoint(trainer, tmp_pa
     beside = cli("export", str(run / "ema"), str(run))  # the run folder: the export goes beside the user's files
     assert beside.returncode == 0, beside.stderr
     assert intact(run, USER_FILES) and fresh().load(run / "ema") == run / "ema"
-    assert sorted(os.listdir(run)) == sorted(["config.json", "train.log", "model_ckpt", "ema", "model.safetensors"])
+    assert sorted(os.listdir(run)) == sorted(
+        ["config.json", "train.log", "model_ckpt", "ema", "model.safetensors", "provenance.json"]
+    )
 
 
 def test_keep_last_after_a_restart_from_an_earlier_step_keeps_what_it_saved(trainer, tmp_path) -> None:

@@ -13,6 +13,7 @@ import os
 import sys
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -474,3 +475,43 @@ def check_derived_layout(averager, gathered: Callable[[str], bool] = lambda name
     derived_or_not = {infos[index].name for index in layout.gathered}
     expected = {info.name for info in infos if gathered(info.name)}
     assert derived_or_not == expected, f"gathered {sorted(derived_or_not)}, expected {sorted(expected)}"
+
+
+def shared_folder() -> Path:
+    """Collective: a new temporary folder, the same on every rank (all ranks share this machine)."""
+    import tempfile
+
+    made = [tempfile.mkdtemp(prefix="shardavg-") if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(made, src=0)
+    return Path(made[0])
+
+
+def check_writers(averager, label: str, live: bool = False) -> None:
+    """Collective: the export written by every rank (the default), by two and by rank 0 alone
+    (``writers=1``, the single writer) holds the same files, byte for byte, whole and split in
+    several files; nothing temporary is left behind."""
+    import shutil
+
+    root = shared_folder()
+    model_bytes = sum(info.numel * 4 for info in averager.tensors)
+    for size in ("5GB", max(1, model_bytes // 5)):
+        folders = {}
+        for writers in (None, 2, 1):
+            folder = root / f"{writers}-{size}"
+            folders[writers] = averager.export(folder, max_shard_size=size, writers=writers, live=live)
+        if dist.get_rank() == 0:
+            for writers, folder in folders.items():  # (what made it differs: the number of writers)
+                made = json.loads((folder / "provenance.json").read_text())
+                assert made["writers"] == min(writers or dist.get_world_size(), dist.get_world_size()), made
+            weights = lambda folder: sorted(p.name for p in folder.iterdir() if p.name != "provenance.json")  # noqa: E731
+            listed = {w: weights(folder) for w, folder in folders.items()}
+            assert listed[None] == listed[2] == listed[1], f"{label}: files differ: {listed}"
+            assert not [n for n in listed[1] if n.startswith(".")], f"{label}: left behind: {listed[1]}"
+            assert size == "5GB" or len(listed[1]) > 2, f"{label}: not split: {listed[1]}"
+            for name in listed[1]:
+                single = (folders[1] / name).read_bytes()
+                for writers in (None, 2):
+                    assert (folders[writers] / name).read_bytes() == single, f"{label}: {name} by {writers} writers"
+    dist.barrier()
+    if dist.get_rank() == 0:
+        shutil.rmtree(root)

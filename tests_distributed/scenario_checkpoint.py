@@ -6,6 +6,9 @@ ENGINES is a comma-separated list of replicated, fsdp2, fsdp1, zero3 (or "all");
   save           train, then write avg.save, a DCP checkpoint, two exports and the reference
   load           load every checkpoint under ROOT/saved (any engine, any world size) both ways
   kill           save once, then SIGKILL rank 1 in the middle of the next save
+  kill-export    export once (split in files, every rank writing), then SIGKILL rank 1 in the middle
+                 of its part of the next export into the same folder
+  export-again   export into that folder again
   resume-first   train k steps, checkpoint model + optimizer + average, go on to 2k: the reference
   resume-second  restore from that checkpoint, train to 2k, compare with the uninterrupted run
   export-memory  export a model of many equal tensors, tracking rank 0's allocations
@@ -16,6 +19,7 @@ ENGINES is a comma-separated list of replicated, fsdp2, fsdp1, zero3 (or "all");
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -146,6 +150,37 @@ def refused_on_one_rank(engine: harness.Engine) -> None:
         avg.load_state_dict(state)
     waited = time.monotonic() - started
     assert waited < 20, f"the ranks took {waited:.0f} s to agree (the process group's timeout is 120 s)"
+
+
+def kill_export(kind: str, root: Path) -> None:
+    engine = build(kind)
+    avg = averager(engine)
+    train(engine, avg, range(1, 5))
+    avg.export(root / "export", max_shard_size=300, average="ema")
+    full = avg.full_state_dict("ema")
+    if dist.get_rank() == 0:
+        save_file({k: v.clone() for k, v in full.items()}, str(root / "killed-export-reference.safetensors"))
+    train(engine, avg, range(5, STEPS + 1))
+    if dist.get_rank() == 1:
+        import signal
+
+        import shardavg.weight_files
+
+        def first_then_sigkill(self, slot, tensor):
+            real_write(self, slot, tensor)
+            os.kill(os.getpid(), signal.SIGKILL)
+
+        real_write = shardavg.weight_files.Slots.write
+        shardavg.weight_files.Slots.write = first_then_sigkill
+    avg.export(root / "export", max_shard_size=300, average="ema")
+    raise AssertionError("rank 1 should have been killed during the export")
+
+
+def export_again(kind: str, root: Path) -> None:
+    engine = build(kind)
+    avg = averager(engine)
+    train(engine, avg, range(1, 3))
+    avg.export(root / "export", max_shard_size=300, average="ema")
 
 
 def kill(kind: str, root: Path) -> None:
@@ -312,6 +347,8 @@ def main() -> None:
         "save": save,
         "load": load,
         "kill": kill,
+        "kill-export": kill_export,
+        "export-again": export_again,
         "resume-first": resume_first,
         "resume-second": resume_second,
         "export-memory": export_memory,

@@ -133,6 +133,7 @@ def run(engine: Engine, moe: bool = False, pipeline=None, reference_forward=None
     for name in ("ema", "power"):  # each named average is bitwise its single-average twin
         got, want = several.full_state_dict(name), results[name]
         assert set(got) == set(want) and all(torch.equal(got[k], want[k]) for k in want), f"several/{name}"
+    harness.check_writers(averagers["ema"], engine.name)
     ema = averagers["ema"]
     local_bytes = sum(engine.local_param_numels().values()) * 4
     local_bytes += sum(v.numel() * v.element_size() for v, info in zip(ema.strategy.local_views(), ema.tensors)

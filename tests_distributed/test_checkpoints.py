@@ -129,6 +129,28 @@ def test_a_rank_killed_during_save_leaves_the_previous_checkpoint(tmp_path: Path
         averager.load(parent / ".step-000000010.incomplete")
 
 
+def test_a_rank_killed_during_export_leaves_the_previous_export(tmp_path: Path) -> None:
+    """Every rank writes part of the export; rank 1 dies after writing one tensor of the second
+    one: the folder still holds the first export, byte for byte (its files and index; rank 0, its
+    collective broken, removes the temporary files), and the next export into it succeeds and
+    leaves nothing temporary."""
+    launch = torchrun(SCRIPT, 2, "kill-export", "fsdp2", str(tmp_path), timeout=180)
+    assert launch.returncode != 0
+    assert f"Signal {int(signal.SIGKILL)} (SIGKILL)" in launch.output, launch.output[-5000:]
+    folder = tmp_path / "export"
+    final = sorted(p.name for p in folder.iterdir() if not p.name.startswith("."))
+    assert "model.safetensors.index.json" in final and len(final) > 2, final
+    index = json.loads((folder / "model.safetensors.index.json").read_text())
+    assert set(index["weight_map"].values()) == set(final) - {"model.safetensors.index.json"}
+    reference = load_file(str(folder.parent / "killed-export-reference.safetensors"))
+    exported = {}
+    for name in final[:-1]:
+        exported |= load_file(str(folder / name))
+    assert set(exported) >= set(reference) and all(torch.equal(exported[k], reference[k]) for k in reference)
+    run_ok("export-again", 2, tmp_path, engines="fsdp2")
+    assert not [p.name for p in folder.iterdir() if p.name.startswith(".")], sorted(p.name for p in folder.iterdir())
+
+
 @pytest.mark.parametrize("world_size", [1, 2, 4])
 def test_export_holds_one_bucket_on_rank_zero(tmp_path: Path, world_size: int) -> None:
     launch = run_ok("export-memory", world_size, tmp_path, engines="replicated,fsdp2")

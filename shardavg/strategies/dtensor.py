@@ -60,13 +60,13 @@ def dtensor_part(name: str, tensor: DTensor, kind: str) -> Part:
                 f"{', '.join(cls.__name__ for cls in KNOWN)}): cannot tell which part of it this rank holds"
             )
     mesh, placements = tensor.device_mesh, tensor.placements
-    indices = [_indices(size, mesh, tuple(_along(placements, d))) for d, size in enumerate(tensor.shape)]
-    part = Part.grid(tensor.shape, indices)
-    local = tensor._local_tensor
-    if local.numel() != part.numel or tuple(local.shape) != tuple(len(i) for i in indices):
+    runs = [_runs_along(size, mesh, tuple(_along(placements, d))) for d, size in enumerate(tensor.shape)]
+    part = Part.from_runs(tensor.shape, runs)
+    local, sizes = tensor._local_tensor, tuple(sum(length for _, length in dim) for dim in runs)
+    if local.numel() != part.numel or tuple(local.shape) != sizes:
         raise StrategyError(
             f"{kind} {name!r}: its local shard is {tuple(local.shape)}, but its placements {tensor.placements} "
-            f"on a mesh of {tuple(tensor.device_mesh.shape)} give this rank {tuple(len(i) for i in indices)}"
+            f"on a mesh of {tuple(tensor.device_mesh.shape)} give this rank {sizes}"
         )
     return part
 
@@ -111,8 +111,15 @@ def _along(placements: tuple[Placement, ...], dim: int) -> list[Placement]:
 
 
 @functools.lru_cache(maxsize=4096)
-def _indices(size: int, mesh, placements: tuple[Placement, ...]) -> tuple[int, ...]:
-    """The global indices along one dimension of ``size`` that this rank's shard holds, in order."""
+def _runs_along(size: int, mesh, placements: tuple[Placement, ...]) -> tuple[tuple[int, int], ...]:
+    """The global indices along one dimension of ``size`` that this rank's shard holds, in order,
+    as runs ``(first, length)`` of consecutive ones: DTensor's own split of an ``arange``, its runs
+    found by comparing neighbours (one pass in torch, not one step per index in Python)."""
     if all(isinstance(p, Replicate) for p in placements):
-        return tuple(range(size))
-    return tuple(distribute_tensor(torch.arange(size), mesh, list(placements), src_data_rank=None).to_local().tolist())
+        return ((0, size),) if size else ()
+    indices = distribute_tensor(torch.arange(size), mesh, list(placements), src_data_rank=None).to_local()
+    if not indices.numel():
+        return ()
+    starts = [0, *(torch.nonzero(indices[1:] - indices[:-1] != 1).flatten() + 1).tolist(), indices.numel()]
+    firsts = indices[starts[:-1]].tolist()
+    return tuple((first, end - start) for first, start, end in zip(firsts, starts, starts[1:]))
