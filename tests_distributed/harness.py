@@ -486,7 +486,7 @@ def shared_folder() -> Path:
     return Path(made[0])
 
 
-def check_writers(averager, label: str, live: bool = False) -> None:
+def check_writers(averager, label: str, live: bool = False, average: str | None = None) -> None:
     """Collective: the export written by every rank (the default), by two and by rank 0 alone
     (``writers=1``, the single writer) holds the same files, byte for byte, whole and split in
     several files; nothing temporary is left behind."""
@@ -498,7 +498,7 @@ def check_writers(averager, label: str, live: bool = False) -> None:
         folders = {}
         for writers in (None, 2, 1):
             folder = root / f"{writers}-{size}"
-            folders[writers] = averager.export(folder, max_shard_size=size, writers=writers, live=live)
+            folders[writers] = averager.export(folder, max_shard_size=size, writers=writers, live=live, average=average)
         if dist.get_rank() == 0:
             for writers, folder in folders.items():  # (what made it differs: the number of writers)
                 made = json.loads((folder / "provenance.json").read_text())

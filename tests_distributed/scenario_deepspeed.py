@@ -195,6 +195,7 @@ def master(root: Path) -> None:
                 frozen = {n: p.detach().float().clone() for n, p in params.items() if not p.requires_grad}
             plain.load_state_dict(masters | frozen, strict=False)
             reference.update_parameters(plain)
+        harness.check_writers(run.avg, f"zero{stage}-masters", average="ema")
         got, lived = run.avg.full_state_dict("ema"), live_source.full_state_dict()
         if dist.get_rank() == 0:
             differences = []
