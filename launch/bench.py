@@ -23,8 +23,10 @@ own full state dict (or DeepSpeed's) saved with safetensors.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
+import shutil
 import sys
 import tempfile
 import time
@@ -355,10 +357,15 @@ def export_rows(wrapped: engines.Wrapped, kind: str, shape_name: str, dtype: tor
         kind, "get_model_state_dict(full_state_dict)"
     )
     rows = []
-    with tempfile.TemporaryDirectory() as scratch:
+    scratch_of_rank0 = [tempfile.mkdtemp(prefix="bench-export-") if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(scratch_of_rank0, src=0)  # (every rank writes part of our export: one folder)
+    with contextlib.ExitStack() as cleanup:
+        scratch = scratch_of_rank0[0]
+        if dist.get_rank() == 0:
+            cleanup.callback(shutil.rmtree, scratch, True)
         for name, export in (("export: ours", lambda d: average.export(d)), (f"export: {label} + save_file", theirs)):
             directory = Path(scratch) / name.replace(" ", "_").replace(":", "")
-            directory.mkdir()
+            directory.mkdir(exist_ok=True)
             dist.barrier()
             start = time.perf_counter()
             peak = allocated_peak(lambda export=export, directory=directory: export(directory))

@@ -170,6 +170,7 @@ def _merge(args: argparse.Namespace) -> str:
         prefix=args.prefix, include=args.include, exclude=args.exclude,
         dtype=None if args.dtype is None else DTYPES[args.dtype],
         accumulate=DTYPES[args.accumulate], max_shard_size=args.max_shard_size, output=args.format,
+        collective=True,  # (the workers' process group, under torchrun: see _workers)
     )  # fmt: skip
     return f"wrote the merge of {len(inputs) if last is None else last} checkpoints to {out}"
 

@@ -13,6 +13,7 @@ process.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import os
 import re
@@ -204,6 +205,12 @@ def export(
     path = target_path(path, "export", replaced_whole=False)
     validate.floating_dtype("dtype", dtype)
     validate.count("writers", writers, 1, optional=True)
+    where = int.from_bytes(hashlib.sha256(str(path.resolve()).encode()).digest()[:7], "little")
+    if not same_everywhere([where, writers or 0]):
+        raise ExportError(
+            f"exporting to {path}: the ranks name different folders (or writers): every rank passes the same "
+            "path, on a file system every rank sees"
+        )
     name = None if live else state.average(average).name
     pieces = (state.piece(i, name, live) for i in range(len(state.infos)))
     entries = export_entries(

@@ -67,6 +67,7 @@ def merge(
     accumulate: torch.dtype = torch.float32,
     max_shard_size: int | str = "5GB",
     output: Output = "safetensors",
+    collective: bool = False,
 ) -> Path:
     """Write the weighted average of the checkpoints ``inputs`` to ``out``; returns ``out``.
 
@@ -92,6 +93,9 @@ def merge(
         accumulate: ``torch.float32`` or ``torch.float64``.
         max_shard_size: the largest output file before the model is split (``"5GB"``, or bytes).
         output: ``"safetensors"`` (a model folder) or ``"shardavg"`` (an averager's checkpoint).
+        collective: split the work between the ranks of the default process group, each of which
+            must call ``merge`` with the same arguments (what ``torchrun -m shardavg merge`` does);
+            by default this process merges alone, whatever process group there is.
 
     Names tied in any input (an averager's aliases; a Hugging Face folder that stores
     ``lm_head.weight`` once, with the embedding) are one tensor; a model folder then holds it as
@@ -105,6 +109,7 @@ def merge(
     validate.choice("output", output, ("safetensors", "shardavg"))
     patterns = _patterns("include", include), _patterns("exclude", exclude)
     max_bytes = parse_size(max_shard_size)
+    workers = Workers.of(collective)
     sources: list[Source] = []
     try:
         error: Exception | None = None
@@ -121,13 +126,13 @@ def merge(
             plan = _selected(plan_names(sources, model_folder=output == "safetensors"), *patterns)
             shares = _weights(sources, weights, ema, schedule, normalize)
             specs = [_output_spec(planned, sources, dtype) for planned in plan]
-            owner = assign([_nbytes(p, spec, output) for p, spec in zip(plan, specs)], world_size())
-            mine = [i for i, writer in enumerate(owner) if writer == rank() or output == "shardavg"]
+            owner = assign([_nbytes(p, spec, output) for p, spec in zip(plan, specs)], workers.count)
+            mine = [i for i, writer in enumerate(owner) if writer == workers.rank or output == "shardavg"]
             _check_range(sources, shares, [plan[i] for i in mine], [specs[i] for i in mine], accumulate)
         except Exception as caught:
             error = caught
-        _agree(error, "checking the merge's inputs")
-        if not same_everywhere(_digest(plan, specs, shares)):
+        workers.agree(error, "checking the merge's inputs")
+        if not workers.same(_digest(plan, specs, shares)):
             seen = all_gathered((len(plan), [round(share, 6) for share in shares], _digest(plan, specs, shares)))
             raise CheckpointError(
                 "the workers read different inputs (names, shapes, dtypes or weights differ): "
@@ -138,13 +143,13 @@ def merge(
         def record() -> dict:  # (made where it is written: the manifests are hashed once)
             inputs_made = [of_input(Path(s.path), s.step, w, s.run_id) for s, w in zip(sources, shares)]
             written_dtype = None if dtype is None else dtype_name(dtype)
-            return made_by("merge", world_size(), schedule=schedule, dtype=written_dtype, inputs=inputs_made)
+            return made_by("merge", workers.count, schedule=schedule, dtype=written_dtype, inputs=inputs_made)
 
         if output == "shardavg":
-            written = _write_checkpoint(Path(out), sources, shares, plan, specs, accumulate, record)
+            written = _write_checkpoint(Path(out), sources, shares, plan, specs, accumulate, record, workers)
         else:
             folder = Folder(Path(out), models[-1] if models else None, _record(sources, shares), max_bytes)
-            written = folder.write(sources, shares, plan, specs, owner, accumulate, record)
+            written = folder.write(sources, shares, plan, specs, owner, accumulate, record, workers)
         _log_done(sources, plan, written)
         return written
     finally:
@@ -164,13 +169,28 @@ def _digest(plan: list[Planned], specs: list[Spec], shares: list[float]) -> list
     return [int.from_bytes(digest[k : k + 7], "little") for k in range(0, 28, 7)]
 
 
-def _agree(error: Exception | None, what: str) -> None:
-    """One process: raise its own error as it is; several: every worker raises if any failed."""
-    if not distributed():
-        if error is not None:
+@dataclass(frozen=True)
+class Workers:
+    """Who merges: this process alone, or (``together``) every rank of the process group."""
+
+    rank: int
+    count: int
+    together: bool
+
+    @classmethod
+    def of(cls, collective: bool) -> Workers:
+        together = collective and distributed()
+        return cls(rank() if together else 0, world_size() if together else 1, together)
+
+    def agree(self, error: Exception | None, what: str) -> None:
+        """Alone: raise its own error as it is; together: every worker raises if any failed."""
+        if self.together:
+            agree_or_raise(error, what, CheckpointError)
+        elif error is not None:
             raise error
-        return
-    agree_or_raise(error, what, CheckpointError)
+
+    def same(self, values: list[int]) -> bool:
+        return not self.together or same_everywhere(values)
 
 
 def _write_checkpoint(
@@ -181,19 +201,20 @@ def _write_checkpoint(
     specs: list[Spec],
     accumulate: torch.dtype,
     record: Callable[[], dict],
+    workers: Workers,
 ) -> Path:
     """The merge as an averager's checkpoint of one rank file (its provenance in the manifest):
     written by the first worker (one file, with its digest, is one writer's), the others waiting
     for its verdict."""
     error: Exception | None = None
-    if rank() == 0:
+    if workers.rank == 0:
         try:
             stream = _merged(sources, shares, plan, specs, accumulate, per_name=False)
             description = _description(sources, shares, plan, specs) | {"provenance": record()}
             out = save_whole(out, description, stream)
         except Exception as caught:
             error = caught
-    _agree(error, f"writing {out}")
+    workers.agree(error, f"writing {out}")
     return Path(out)
 
 
@@ -217,6 +238,7 @@ class Folder:
         owner: list[int],
         accumulate: torch.dtype,
         record: Callable[[], dict],
+        workers: Workers,
     ) -> Path:
         target = target_path(self.out, "merge", replaced_whole=False)
         before = carried_before(target) if target.is_dir() else set()
@@ -225,7 +247,7 @@ class Folder:
         entries = [Entry(n, spec.dtype, spec.shape) for planned, spec in zip(plan, specs) for n in planned.names]
         weights = WeightPlan(entries, self.max_bytes, metadata)
         first_slot = list(itertools.accumulate((len(p.names) for p in plan), initial=0))
-        mine = [i for i, writer in enumerate(owner) if writer == rank()]
+        mine = [i for i, writer in enumerate(owner) if writer == workers.rank]
 
         def write(slots: Slots) -> Exception | None:
             try:
@@ -249,7 +271,8 @@ class Folder:
             _carry(self.model, carried, before, target, dtype, untied)
             provenance.write(target, record())
 
-        return write_spread(target, weights, write, f"writing the merge to {self.out}", finish)
+        what = f"writing the merge to {self.out}"
+        return write_spread(target, weights, write, what, finish, together=workers.together)
 
 
 def _inputs(inputs: Sequence[str | os.PathLike] | str | os.PathLike, last: int | None) -> list[Path]:

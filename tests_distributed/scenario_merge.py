@@ -37,7 +37,7 @@ def main() -> None:
     if mode == "missing" and last:
         inputs[0] = root / "no-such-checkpoint"
     with harness.expect_raises(shardavg.CheckpointError, "rank"):
-        shardavg.merge(inputs, root / "refused", weights=weights)
+        shardavg.merge(inputs, root / "refused", weights=weights, collective=True)
     assert not (root / "refused").exists(), "a refused merge wrote something"
     harness.report("REFUSED", {"mode": mode, "world_size": dist.get_world_size()})
     harness.finish()

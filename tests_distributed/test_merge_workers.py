@@ -3,6 +3,7 @@ byte; workers that disagree on an input refuse together, writing nothing."""
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -34,7 +35,8 @@ def inputs(tmp_path_factory) -> Path:
 
 
 def files(folder: Path) -> dict[str, bytes]:
-    return {p.name: p.read_bytes() for p in sorted(folder.iterdir())}
+    """Every file the merge wrote but its provenance (which records the command and the workers)."""
+    return {p.name: p.read_bytes() for p in sorted(folder.iterdir()) if p.name != "provenance.json"}
 
 
 @pytest.mark.parametrize("split", ["5GB", "40KB"])
@@ -56,6 +58,8 @@ def test_workers_write_what_one_process_writes(inputs: Path, split: str) -> None
         assert sorted(got) == sorted(want), (sorted(got), sorted(want))
         for name, content in want.items():
             assert got[name] == content, f"{workers} workers: {name} differs from the one-process merge"
+        made = json.loads((out / "provenance.json").read_text())
+        assert made["world_size"] == workers and made["made"] == "merge", made
 
 
 @pytest.mark.parametrize("mode", ["disagree", "missing"])
