@@ -9,6 +9,7 @@ ENGINES is a comma-separated list of replicated, fsdp2, fsdp1, zero3 (or "all");
   kill-export    export once (split in files, every rank writing), then SIGKILL rank 1 in the middle
                  of its part of the next export into the same folder
   export-again   export into that folder again
+  export-apart   each rank names another export folder: refused on every rank
   resume-first   train k steps, checkpoint model + optimizer + average, go on to 2k: the reference
   resume-second  restore from that checkpoint, train to 2k, compare with the uninterrupted run
   export-memory  export a model of many equal tensors, tracking rank 0's allocations
@@ -174,6 +175,17 @@ def kill_export(kind: str, root: Path) -> None:
         shardavg.weight_files.Slots.write = first_then_sigkill
     avg.export(root / "export", max_shard_size=300, average="ema")
     raise AssertionError("rank 1 should have been killed during the export")
+
+
+def export_apart(kind: str, root: Path) -> None:
+    """Each rank names a folder of its own: every rank refuses, before anything is created."""
+    engine = build(kind)
+    avg = averager(engine)
+    train(engine, avg, range(1, 2))
+    mine = root / f"apart-{dist.get_rank()}"
+    with harness.expect_raises(CheckpointError, "the ranks name different folders"):
+        avg.export(mine, average="ema")
+    assert not mine.exists(), f"rank {dist.get_rank()} created {mine}"
 
 
 def export_again(kind: str, root: Path) -> None:
@@ -349,6 +361,7 @@ def main() -> None:
         "kill": kill,
         "kill-export": kill_export,
         "export-again": export_again,
+        "export-apart": export_apart,
         "resume-first": resume_first,
         "resume-second": resume_second,
         "export-memory": export_memory,

@@ -151,6 +151,11 @@ def test_a_rank_killed_during_export_leaves_the_previous_export(tmp_path: Path) 
     assert not [p.name for p in folder.iterdir() if p.name.startswith(".")], sorted(p.name for p in folder.iterdir())
 
 
+def test_ranks_that_name_different_export_folders_refuse_together(tmp_path: Path) -> None:
+    run_ok("export-apart", 2, tmp_path, engines="fsdp2")
+    assert not list(tmp_path.glob("apart-*"))
+
+
 @pytest.mark.parametrize("world_size", [1, 2, 4])
 def test_export_holds_one_bucket_on_rank_zero(tmp_path: Path, world_size: int) -> None:
     launch = run_ok("export-memory", world_size, tmp_path, engines="replicated,fsdp2")
