@@ -205,18 +205,18 @@ def export(
     path = target_path(path, "export", replaced_whole=False)
     validate.floating_dtype("dtype", dtype)
     validate.count("writers", writers, 1, optional=True)
-    where = int.from_bytes(hashlib.sha256(str(path.resolve()).encode()).digest()[:7], "little")
-    if not same_everywhere([where, writers or 0]):
-        raise ExportError(
-            f"exporting to {path}: the ranks name different folders (or writers): every rank passes the same "
-            "path, on a file system every rank sees"
-        )
     name = None if live else state.average(average).name
+    description = state.describe()
     pieces = (state.piece(i, name, live) for i in range(len(state.infos)))
     entries = export_entries(
         ((list(info.names), piece.dtype, tuple(info.shape)) for info, piece in zip(state.infos, pieces)), dtype
     )
-    plan = WeightPlan(entries, max_bytes, export_metadata(state.describe(), name, live))
+    plan = WeightPlan(entries, max_bytes, export_metadata(description, name, live))
+    if not same_everywhere([_digest(str(path.resolve())), writers or 0, _digest(json.dumps(plan.sizes))]):
+        raise ExportError(
+            f"exporting to {path}: the ranks name different folders or writers, or planned different files: every "
+            "rank passes the same arguments, and the folder is on a file system every rank sees"
+        )
     tensor_of_slot = [index for index, info in enumerate(state.infos) for _ in info.names]
     items = _items(tensor_of_slot, plan)
     items_bytes = [sum(plan.slots[slot].entry.nbytes for slot in slots) for _, slots in items]
@@ -226,16 +226,18 @@ def export(
     order = [items[position][1] for round_ in rounds for position in round_]  # the slots of each gathered item
     pairs = [[(items[position][0], ranks[owner[position]]) for position in round_] for round_ in rounds]
     gathered = state.gathered_to(pairs, name, live)  # checks the averager before anything is written
-    if not same_everywhere(plan.sizes):
-        raise ExportError(f"exporting to {path}: the ranks planned different files (their descriptions differ)")
     write = lambda slots: _write_received(gathered, iter(order), slots, plan, dtype, state)  # noqa: E731
-    description = state.describe()
     record = made_by(
         "export", world_size(), average="live weights" if live else name, step=description["step"],
         num_updates=description["num_updates"], run_id=description.get("run"), strategy=description["strategy"],
         dtype=None if dtype is None else dtype_name(dtype), writers=len(ranks),
     )  # fmt: skip
     return write_spread(path, plan, write, f"exporting to {path}", lambda: provenance.write(path, record))
+
+
+def _digest(text: str) -> int:
+    """``text`` as one integer below 2**56, for ``same_everywhere``."""
+    return int.from_bytes(hashlib.sha256(text.encode()).digest()[:7], "little")
 
 
 def _write_received(
