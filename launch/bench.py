@@ -27,6 +27,7 @@ import contextlib
 import json
 import logging
 import shutil
+import statistics
 import sys
 import tempfile
 import time
@@ -326,8 +327,68 @@ def run_case(kind: str, shape_name: str, shape: dict, dtype: torch.dtype, cfg: d
     for row, (role, result) in zip(rows, results):
         row.check = compare(result, reference, dtype, checks[role]) if role in checks else role.replace("floor", "-")
         row.check = "-" if role == "copy" else row.check
+    rows.extend(
+        blocked_rows(wrapped, kind, shape_name, dtype, cfg, next_weights, synchronize) if cfg["work_ms"] else []
+    )
     rows.extend(export_rows(wrapped, kind, shape_name, dtype, cfg) if cfg["export"] else [])
     return rows
+
+
+def blocked_rows(
+    wrapped: engines.Wrapped, kind: str, shape_name: str, dtype: torch.dtype, cfg: dict, next_weights, synchronize
+) -> list[Row]:
+    """How long the loop is blocked per update, in the loop and in the background (``background=True``),
+    shadows beside the live shards and offloaded (``device="cpu"``): ``update()`` itself plus what
+    collecting it waits beyond ``work_ms`` of the loop's own work in between (a stand-in for the
+    forward and backward; the optimizer step that follows collects it, here ``wait()``). The
+    averages are checked bitwise against the loop's. On a CPU the background shares the cores the
+    work runs on."""
+    variants = [(device, background) for device in (None, "cpu") for background in (False, True)]
+    averages = [WeightAverager(wrapped.model, EMA(decay=cfg["decay"]), device=d, background=b) for d, b in variants]
+    work = busy_work(cfg["work_ms"] / 1e3, next(iter(wrapped.local_shards())).device)
+    kept: list[list[float]] = [[] for _ in variants]
+    for index in range(cfg["warmup"] + cfg["repeats"]):
+        next_weights()
+        for average, times in zip(averages, kept):
+            synchronize()
+            dist.barrier()
+            began = time.perf_counter()
+            average.update()
+            returned = time.perf_counter()
+            work()
+            synchronize()
+            collecting = time.perf_counter()
+            average.wait()
+            synchronize()
+            blocked = torch.tensor(returned - began + time.perf_counter() - collecting, dtype=torch.float64)
+            dist.all_reduce(blocked, op=dist.ReduceOp.MAX)
+            if index >= cfg["warmup"]:
+                times.append(blocked.item() * 1e3)
+    reference = averages[0].full_state_dict()
+    rows = []
+    for (device, background), average, times in zip(variants, averages, kept):
+        name = ("background" if background else "in the loop") + (", shadows on cpu" if device else "")
+        check = compare(average.full_state_dict(), reference, torch.float32, "FAIL") if background else "-"
+        timing = sorted(times)
+        rows.append(
+            Row(kind, shape_name, str(dtype)[6:], f"blocked: {name}", "blocked", statistics.median(timing),
+                timing[min(len(timing) - 1, int(0.9 * len(timing)))], 0, average.shadow_bytes(), check)
+        )  # fmt: skip
+    return rows
+
+
+def busy_work(seconds: float, device: torch.device) -> Callable[[], None]:
+    """``seconds`` of matrix products on ``device``: the loop's own work between two updates."""
+    a = torch.randn(256, 256, device=device)
+
+    def work() -> None:
+        until = time.perf_counter() + seconds
+        while time.perf_counter() < until:
+            a.copy_(torch.tanh(a @ a * 1e-2))
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+
+    return work
 
 
 def export_rows(wrapped: engines.Wrapped, kind: str, shape_name: str, dtype: torch.dtype, cfg: dict) -> list[Row]:
@@ -406,7 +467,7 @@ def table(rows: list[Row], bandwidth: float, world: int, device: torch.device) -
     ]
     for r in rows:
         key = (r.engine, r.shape, r.dtype)
-        update = not r.method.startswith("export")
+        update = r.role not in ("export", "blocked")
         x_floor = f"{r.ms_median / floor_ms[key]:.2f}" if update and key in floor_ms else ""
         is_peer = update and r.role in ("reference", "peer")
         peer = f"{r.ms_median / ours_ms[key]:.1f}" if is_peer and key in ours_ms else ""
@@ -424,8 +485,9 @@ def summary(rows: list[Row]) -> str:
     lines = [
         "| engine | shape | live | ours / floor | check off / floor | peer / ours | MB recv / update, ours : peer "
         "| extra MiB / rank, ours : peer | export ms, ours : torch | export rank-0 peak MiB, ours : torch "
-        "| 3 averages, one averager / three | GB/s, ours : copy floor | check |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| 3 averages, one averager / three | GB/s, ours : copy floor | ms blocked, loop : background "
+        "(shadows on cpu) | check |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     cases = dict.fromkeys((r.engine, r.shape, r.dtype) for r in rows)
     for case in cases:
@@ -441,12 +503,15 @@ def summary(rows: list[Row]) -> str:
         export_mib = " : ".join(f"{r.extra_bytes_per_rank / 2**20:.1f}" for r in exports) or "-"
         one, three = by_role["several"]
         rates = f"{ours.gb_per_s:.1f} : {by_role['copy'][0].gb_per_s:.1f}" if "copy" in by_role else "-"
+        blocked = by_role.get("blocked", [])
+        waits = f"{blocked[0].ms_median:.2f} : {blocked[1].ms_median:.2f} ({blocked[2].ms_median:.2f} : " \
+            f"{blocked[3].ms_median:.2f})" if blocked else "-"  # fmt: skip
         lines.append(
             f"| {' | '.join(case)} | {ours.ms_median / floor_row.ms_median:.2f} | "
             f"{off.ms_median / floor_row.ms_median:.2f} | {peer.ms_median / ours.ms_median:.1f} | "
             f"{ours.comm_bytes_per_update / 1e6:.1f} : {peer.comm_bytes_per_update / 1e6:.1f} | "
             f"{ours.extra_bytes_per_rank / 2**20:.1f} : {peer.extra_bytes_per_rank / 2**20:.1f} | "
-            f"{export_ms} | {export_mib} | {one.ms_median / three.ms_median:.2f} | {rates} | {ours.check} |"
+            f"{export_ms} | {export_mib} | {one.ms_median / three.ms_median:.2f} | {rates} | {waits} | {ours.check} |"
         )
     return "\n".join(lines)
 

@@ -46,6 +46,7 @@ SCHEMA = {
         "grad_clip": float,
     },
     "averages": dict,  # name -> a shardavg rule config, e.g. {kind: ema, decay: 0.999}
+    "averaging": {"background": bool},  # background: each update() on a thread of its own (background=True)
     "eval": {"every": int, "batches": int},
     "posthoc": {"snapshot_every": int, "sigma_rels": list, "sweep": list},  # snapshot_every 0: off
     "checkpoint": {"every": int, "keep_last": int, "async": bool},  # async: DCP's async_save, one request in flight

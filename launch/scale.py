@@ -571,6 +571,16 @@ def measure_built(averager: Any, directory: Path, record: Record) -> None:
         record["manifest_kib"] = manifest.stat().st_size / 2**10 if manifest.exists() else None
         attempt(record, "load", lambda: averager.load(saved), "load_s")
     attempt(record, "dcp_state_dict", averager.state_dict, "dcp_state_dict_s")
+    attempt(record, "export", lambda: export(averager, directory / "export", record), "export_s")
+
+
+def export(averager: Any, directory: Path, record: Record) -> None:
+    """The consolidated export. Rank 0 writes with every rank (it plans for all W writers, creates
+    the files, writes its 1/W, commits); under the fake group another rank cannot (no rank 0
+    creates the files it would write into), so there it exports with ``writers=1``: what it costs
+    a rank that only sends its parts."""
+    alone = record["mode"] == "fake" and record["rank"] != 0
+    averager.export(directory, writers=1 if alone else None)
 
 
 def measure_dcp_save(averager: Any, directory: Path, record: Record) -> None:
@@ -765,6 +775,8 @@ COLUMNS = (
     "manifest KiB",
     "DCP state_dict s",
     "DCP save s",
+    "export rank0 s",
+    "export other s",
 )
 
 
@@ -824,6 +836,8 @@ def row(ranks: list[dict[str, Any]]) -> list[str]:
         "tensors": first.get("tensors"),
         "save rank0 s": first.get("save_s"),
         "save other s": other.get("save_s"),
+        "export rank0 s": first.get("export_s"),
+        "export other s": other.get("export_s"),
         "manifest KiB": first.get("manifest_kib"),
     }
     slowest_of = {
@@ -843,8 +857,8 @@ def row(ranks: list[dict[str, Any]]) -> list[str]:
     for record in ranks:
         for name, message in record.get("errors", {}).items():
             column = STAGE_COLUMNS.get(name, "model s")
-            if name == "save":
-                column = "save rank0 s" if record["rank"] == 0 else "save other s"
+            if name in ("save", "export"):
+                column = f"{name} {'rank0' if record['rank'] == 0 else 'other'} s"
             failures.setdefault(column, []).append(message)
     for column, messages in failures.items():
         cells[column] = "fails: " + "; ".join(dict.fromkeys(m[:100] for m in messages))

@@ -18,7 +18,7 @@ import math
 import os
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -192,7 +192,7 @@ def build(job: Job) -> Run:
         cfg["engine"], gpt, Block, getattr(torch, cfg["dtype"]), ds_config, optimizer, cfg["hsdp"]["replicas"],
         cfg["parallel"],
     )  # fmt: skip
-    options = wrapped.averager_options  # (a pipeline's group)
+    options = wrapped.averager_options | {"background": cfg["averaging"]["background"]}  # (a pipeline's group)
     averages = {name: WeightAverager(wrapped.model, rule, **options) for name, rule in job.rules.items()}
     log.info(
         "model: %.2fM parameters, %s on %d processes; averages: %s",
@@ -366,11 +366,19 @@ class UpdateClock:
     report what averaging costs the training step."""
 
     seconds: dict[str, float]
+    waited: dict[str, float] = field(default_factory=dict)  # each background's waits counted so far
 
     def update(self, name: str, average: WeightAverager | PostHocEMA, step: int) -> None:
+        """Time ``update()``; in the background (``averaging.background``), also the time the loop
+        was blocked collecting the previous update since (at the optimizer step, by a reader)."""
+        background = (average.averager if isinstance(average, PostHocEMA) else average).updater.background
+        if background is not None:
+            self.seconds[name] += background.waited_seconds - self.waited.get(name, 0.0)
         began = time.perf_counter()
         average.update(step)
         self.seconds[name] += time.perf_counter() - began
+        if background is not None:
+            self.waited[name] = background.waited_seconds
 
     def shares(self, step_seconds: float) -> dict[str, float]:
         """Collective: each one's share of the time in training steps, and all of them together,

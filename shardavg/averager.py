@@ -11,12 +11,13 @@ communication. Full tensors are gathered only on request (``full_state_dict``, `
 
 from __future__ import annotations
 
+import functools
 import os
 import warnings
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from contextlib import AbstractContextManager
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 from torch import nn
@@ -29,6 +30,19 @@ from .state import AverageState
 from .strategies import make_strategy
 
 DEFAULT_RULE = EMA(decay=0.999)
+
+Method = TypeVar("Method", bound=Callable[..., Any])
+
+
+def _after_the_update(method: Method) -> Method:
+    """The method, once the update running in the background (if any) has landed."""
+
+    @functools.wraps(method)
+    def waiting(self: WeightAverager, *args: Any, **kwargs: Any) -> Any:
+        self._state.updater.wait()
+        return method(self, *args, **kwargs)
+
+    return waiting  # type: ignore[return-value]
 
 
 class WeightAverager:
@@ -51,7 +65,8 @@ class WeightAverager:
             every stage's tensors are then gathered, exported and saved, the stage's own updated.
 
     The other arguments (``every_n_steps``, ``start_step``, ``dtype``, ``buffers``, ``device``,
-    ``include_frozen``, ``on_nonfinite``) say how to average: see ``Options`` (``avg.options``).
+    ``include_frozen``, ``on_nonfinite``, ``background``) say how to average: see ``Options``
+    (``avg.options``).
 
     Example (one process; under torchrun every rank runs the same lines)::
 
@@ -82,10 +97,11 @@ class WeightAverager:
         device: torch.device | str | None = None,
         include_frozen: bool = False,
         on_nonfinite: NonfinitePolicy = "raise",
+        background: bool = False,
         source: str = "live",
         pipeline: Any = None,
     ) -> None:
-        options = Options(every_n_steps, start_step, dtype, buffers, device, include_frozen, on_nonfinite)
+        options = Options(every_n_steps, start_step, dtype, buffers, device, include_frozen, on_nonfinite, background)
         adapter = make_strategy(model, strategy, source, pipeline)
         self._state = state = AverageState(adapter, named_rules(rule), options)
         narrowed = state.narrowed()
@@ -104,6 +120,7 @@ class WeightAverager:
     tensors = property(lambda self: list(self._state.infos), doc="Each tensor tracked, with this rank's part.")
     updater = property(lambda self: self._state.updater, doc="The update pipeline (``Updater``), for tests and tools.")
 
+    @_after_the_update
     def shadows(self, average: str | None = None) -> list[torch.Tensor | None]:
         """This rank's shadow of each tensor of ``average`` (``None`` where not stored), for
         inspection: write into them only to restore a state you read from them."""
@@ -111,14 +128,16 @@ class WeightAverager:
 
     @property
     def num_updates(self) -> int:
-        """Updates applied (restored by load). Reads the pending verdicts of updates checked on an
-        accelerator first, so it waits for them there (and raises or warns for a non-finite one)."""
+        """Updates applied (restored by load). Waits for the update in the background, and reads the
+        pending verdicts of updates checked on an accelerator (raising or warning for a non-finite one)."""
+        self._state.updater.wait()
         self._state.updater.settle()
         return self._state.num_updates
 
     @property
     def num_skipped(self) -> int:
-        """Updates skipped for non-finite live weights (reads pending verdicts, as ``num_updates``)."""
+        """Updates skipped for non-finite live weights (waits and reads verdicts, as ``num_updates``)."""
+        self._state.updater.wait()
         self._state.updater.settle()
         return self._state.num_skipped
 
@@ -155,11 +174,19 @@ class WeightAverager:
             raise RuntimeError("update() inside swapped(): the live model holds averaged weights")
         return self._state.updater.update(step)
 
+    def wait(self) -> None:
+        """Wait for the update running in the background (``background=True``), raising its error if
+        it met one. Every method here does this first, and so does every torch optimizer's
+        ``step()``; call it before writing the live weights any other way."""
+        self._state.updater.wait()
+
+    @_after_the_update
     def restart(self, step: int) -> None:
         """Restart every average from the live weights, as if its first update at ``step`` had copied
         them: what a resume does when the checkpoint it loaded has no average (``strict=False``)."""
         self._state.reseed(validate.step(f"restart(step={step})", step))
 
+    @_after_the_update
     def combine(self, sources: Iterable[tuple[WeightAverager, str | None, float]], step: int, num_updates: int) -> None:
         """Set the only average to the sum of ``weight`` times each source averager's average
         ``name`` (same model, same parts), shard by shard, its copied tensors to the last source's
@@ -168,28 +195,33 @@ class WeightAverager:
         terms = ((source.shadows(name), weight) for source, name, weight in sources)
         self._state.combine(terms, step, num_updates)
 
+    @_after_the_update
     def swapped(self, average: str | None = None) -> AbstractContextManager[None]:
         """Inside the block the live model holds ``average``; shard-local, no gather (but under
         ZeRO-1/2 masters, where every rank holds the whole model: a collective there). The live
         shards come back bit for bit on exit, also when the block raises."""
         return swap.swapped(self._state, average)
 
+    @_after_the_update
     def copy_into_model(self, average: str | None = None) -> None:
         """Write the average into the live model for good, as ``swapped()`` does on entry (to go on
         from it, or save it with the engine's own checkpoints): the live weights are lost."""
         swap.copy_into_model(self._state, average)
 
+    @_after_the_update
     def full_state_dict(self, average: str | None = None, live: bool = False) -> dict[str, torch.Tensor]:
         """Collective: on rank 0 ``{name: full tensor}`` on CPU, every name of the plain model; ``{}``
         elsewhere. Frozen parameters and ignored buffers carry their live values; ``live=True``
         gathers the live weights. One bounded bucket at a time."""
         return export.full_state_dict(self._state, average, live)
 
+    @_after_the_update
     def copy_to(self, module: nn.Module, average: str | None = None) -> None:
         """Collective: write ``average`` into ``module`` (a plain model) on every rank, the same values
         everywhere (where ranks hold their own copy of a buffer, its owner's)."""
         export.copy_to(self._state, module, average)
 
+    @_after_the_update
     def export(
         self,
         path: str | os.PathLike,
@@ -200,23 +232,27 @@ class WeightAverager:
         writers: int | None = None,
     ) -> Path:
         """Collective: the full average as safetensors in the folder ``path`` (above ``max_shard_size``
-        the Hugging Face sharded layout with its index). Every rank writes about 1/W of the bytes
-        (``writers=k``: k ranks spread over the world; ``1``: rank 0 alone, for a file system that
-        cannot take concurrent writers), each receiving what it writes a bounded bucket at a time;
-        the files are the same whatever the number. ``path`` must be a folder every writer sees.
+        the Hugging Face sharded layout with its index). Every rank writes: its own parts where
+        they lie in the files (parameters sharded in ranges: rows, flat shards), and about 1/W of
+        the rest, received a bounded bucket at a time (``writers=k``: k ranks spread over the world
+        receive everything; ``1``: rank 0 alone, for a file system that cannot take concurrent
+        writers); the files are the same whatever the number. ``path`` must be a folder every writer sees.
         ``dtype`` casts floating tensors; ``live=True`` writes the live weights instead."""
         return export.export(self._state, path, max_shard_size, dtype, average, live, writers)
 
+    @_after_the_update
     def state_dict(self) -> dict[str, Any]:
         """DCP Stateful: ``dcp.save({..., "ema": avg})`` (collective there). Each tensor in its own shape,
         this rank holding the boxes it owns, so ``dcp.load`` reshards to any layout or world size."""
         return stateful.state_dict(self._state)
 
+    @_after_the_update
     def load_state_dict(self, state_dict: dict[str, Any], strict: bool = True) -> None:
         """Restore from ``state_dict()`` as ``dcp.load`` filled it: names and shapes must match; another
         rule raises unless ``strict=False``, which warns. Checked on every rank before anything changes."""
         stateful.load_state_dict(self._state, state_dict, strict)
 
+    @_after_the_update
     def save(
         self, directory: str | os.PathLike, keep_last: int | None = None, dtype: torch.dtype | None = None
     ) -> Path:
@@ -225,6 +261,7 @@ class WeightAverager:
         averaged tensors in that dtype."""
         return checkpoint.save(self._state, directory, keep_last, dtype)
 
+    @_after_the_update
     def load(self, directory: str | os.PathLike, strict: bool = True, verify: bool = False) -> Path:
         """Collective: restore ``save``'s checkpoint (the newest of a ``keep_last`` directory) at any
         layout, one save whole even while another process saves there; ``verify`` hashes every
@@ -241,5 +278,6 @@ class WeightAverager:
         """Bytes of shadow storage on this rank."""
         return self._state.shadow_bytes()
 
+    @_after_the_update
     def __repr__(self) -> str:
         return f"WeightAverager(rules={self.rules!r}, {self._state.summary()}, num_updates={self._state.num_updates})"

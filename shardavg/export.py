@@ -1,8 +1,11 @@
 """Consolidated export: the full averaged model as safetensors, in the Hugging Face layout, or
 as a state dict on rank 0 (``full_state_dict``) or in a plain module on every rank (``copy_to``).
 
-The files are planned once, the same on every rank (``weight_files``), and spread over the
-writer ranks by bytes: each writer receives the tensors it writes, a bounded bucket at a time,
+The files are planned once, the same on every rank (``weight_files``). When every rank writes,
+each writes the parameters' parts it holds where they lie in the files, with no gather, where
+every part is one range of the flattened tensor (``_held_in_ranges``). The rest is spread over
+the writer ranks by bytes: each writer receives the tensors it writes (a tensor larger than a
+bucket as pieces of its rows, which may go to different writers), a bounded bucket at a time,
 in rounds in which every writer receives its own bucket at once, and writes them at their
 offsets into files rank 0 created; rank 0 commits once every writer has finished. So W ranks
 write about 1/W of the model each, and the folder holds the previous export or the new one,
@@ -18,6 +21,7 @@ import json
 import os
 import re
 from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -30,7 +34,7 @@ from .ownership import TargetLock, target_path
 from .provenance import made_by
 from .state import AverageState
 from .storage import Entry, dtype_name
-from .weight_files import Slots, WeightPlan, assign, check_target, commit, create_staged, discard
+from .weight_files import Slot, Slots, WeightPlan, assign, check_target, commit, create_staged, discard
 
 _UNITS = {
     "": 1,
@@ -218,15 +222,25 @@ def export(
             "rank passes the same arguments, and the folder is on a file system every rank sees"
         )
     tensor_of_slot = [index for index, info in enumerate(state.infos) for _ in info.names]
-    items = _items(tensor_of_slot, plan)
-    items_bytes = [sum(plan.slots[slot].entry.nbytes for slot in slots) for _, slots in items]
     ranks = _writer_ranks(world_size() if writers is None else min(writers, world_size()))
-    owner = assign(items_bytes, len(ranks))
-    rounds = _rounds(items_bytes, owner, len(ranks), state.gather_bucket_bytes)
-    order = [items[position][1] for round_ in rounds for position in round_]  # the slots of each gathered item
-    pairs = [[(items[position][0], ranks[owner[position]]) for position in round_] for round_ in rounds]
-    gathered = state.gathered_to(pairs, name, live)  # checks the averager before anything is written
-    write = lambda slots: _write_received(gathered, iter(order), slots, plan, dtype, state)  # noqa: E731
+    held = [] if writers is not None else _held_in_ranges(state)  # (every rank writing: each its own parts)
+    largest = min(state.gather_bucket_bytes, max(1, plan.total_bytes // len(ranks)))
+    written_held = frozenset(held)
+    items = [item for item in _items(tensor_of_slot, plan, largest) if item.index not in written_held]
+    owner = assign([item.nbytes for item in items], len(ranks))
+    rounds = _rounds([item.nbytes for item in items], owner, len(ranks), state.gather_bucket_bytes)
+    order = [items[position] for round_ in rounds for position in round_]
+    wanted = [[(items[at].index, ranks[owner[at]], items[at].rows) for at in round_] for round_ in rounds]
+    gathered = state.gathered_to(wanted, name, live)  # checks the averager before anything is written
+    own = _written_where_held(state, held)
+    slots_of: dict[int, list[Slot]] = {}
+    for slot, index in zip(plan.slots, tensor_of_slot):
+        slots_of.setdefault(index, []).append(slot)
+
+    def write(slots: Slots) -> Exception | None:
+        error = _write_held(state, own, name, live, slots, slots_of, dtype)
+        return _write_received(gathered, iter(order), slots, plan, dtype, state, error)
+
     record = made_by(
         "export", world_size(), average="live weights" if live else name, step=description["step"],
         num_updates=description["num_updates"], run_id=description.get("run"), strategy=description["strategy"],
@@ -240,27 +254,80 @@ def _digest(text: str) -> int:
     return int.from_bytes(hashlib.sha256(text.encode()).digest()[:7], "little")
 
 
+def _held_in_ranges(state: AverageState) -> list[int]:
+    """The tensors written where they lie, with no gather: parameters whose every part is one range
+    of the flattened tensor (FSDP1/FSDP2/ZeRO shards, rows, replicas). Buffers are gathered from
+    their owners: ranks may hold their own values of them (BatchNorm statistics without a
+    broadcast), and the owner's is the one written."""
+    layouts = state.layout.layouts
+    return [i for i, info in enumerate(state.infos) if info.kind == "param" and layouts[i].in_ranges()]
+
+
+def _written_where_held(state: AverageState, held: list[int]) -> list[int]:
+    """Of the tensors ``held`` (each rank's part one range of the flattened tensor), those whose
+    part this rank writes where it lies, with no gather: the parts it owns alone, and of a part
+    several ranks hold (DDP, HSDP's replicas, buffers), a share by bytes among them (each of them
+    makes the same split: they hold the same parts)."""
+    me = rank()
+    groups: dict[tuple[int, ...], list[int]] = {}
+    for index in held:
+        layout = state.layout.layouts[index]
+        owner = layout.owner_of(me)
+        if owner is not None:
+            groups.setdefault((owner, *layout.replicas(owner)), []).append(index)
+    mine = []
+    for holders, indices in groups.items():
+        sizes = [state.layout.part(i, me).numel * state.infos[i].dtype.itemsize for i in indices]
+        mine += [i for i, writer in zip(indices, assign(sizes, len(holders))) if holders[writer] == me]
+    return sorted(mine)
+
+
+def _write_held(
+    state: AverageState,
+    own: list[int],
+    average: str | None,
+    live: bool,
+    slots: Slots,
+    slots_of: dict[int, list[Slot]],
+    dtype: torch.dtype | None,
+) -> Exception | None:
+    """Write this rank's parts of the tensors ``own`` at their place in the files, at most a bucket
+    at a time; return the first error."""
+    try:
+        for index in own:
+            local = state.piece(index, average, live)
+            start = state.layout.part(index, rank()).span()[0]  # type: ignore[index]
+            step = max(state.gather_bucket_bytes, 2**20) // local.element_size()  # (a copy only to cast or move)
+            for first in range(0, local.numel(), step):
+                piece = cast(local[first : first + step], dtype, state.infos[index].names[0])
+                for slot in slots_of[index]:
+                    slots.write_elements(slot, piece, start + first)
+    except Exception as caught:
+        return caught
+    return None
+
+
 def _write_received(
     gathered: Iterable[tuple[int, int | None, torch.Tensor | None]],
-    slots_of: Iterator[list[int]],
+    items: Iterator[Item],
     slots: Slots,
     plan: WeightPlan,
     dtype: torch.dtype | None,
     state: AverageState,
+    error: Exception | None = None,
 ) -> Exception | None:
-    """Write every tensor this rank receives at its slots (``slots_of``: each gathered item's, in
-    order); return the first error (the collective gather goes on to its end all the same, so that
-    the ranks can agree on it)."""
-    error: Exception | None = None
+    """Write every tensor (or piece) this rank receives at its slots (``items``: each gathered
+    one's, in order); return the first error, ``error`` if given (the collective gather goes on
+    to its end all the same, so that the ranks can agree on it)."""
     try:
         for index, _, full in gathered:  # (not zipped: a reused tuple would hold a tensor into the next round)
-            own_slots = next(slots_of)
+            item = next(items)
             if full is None or error is not None:
                 continue
             try:
                 full = cast(full, dtype, state.infos[index].names[0]).to("cpu")
-                for slot in own_slots:
-                    slots.write(plan.slots[slot], full)
+                for slot in item.slots:
+                    slots.write(plan.slots[slot], full, item.rows)
             except Exception as caught:
                 error = caught
             del full
@@ -272,15 +339,38 @@ def _write_received(
     return error
 
 
-def _items(tensor_of_slot: list[int], plan: WeightPlan) -> list[tuple[int, list[int]]]:
-    """What is gathered: ``(tensor index, its slots)``, in the files' order; a tied tensor's names
-    that follow each other in one file are one item."""
-    items: list[tuple[int, list[int]]] = []
+@dataclass(frozen=True)
+class Item:
+    """What one writer receives at once: tensor ``index`` (its ``rows``, or all of it if None),
+    written at its ``slots`` (a tied tensor's names that follow each other in one file)."""
+
+    index: int
+    slots: tuple[int, ...]
+    rows: tuple[int, int] | None
+    nbytes: int  # bytes written
+
+
+def _items(tensor_of_slot: list[int], plan: WeightPlan, largest: int) -> list[Item]:
+    """What is gathered, in the files' order: each tensor, and a tensor of more than ``largest``
+    bytes as pieces of consecutive rows of at most that (one row at least), so that no writer
+    holds more than a bucket at once and the largest tensors spread over the writers too."""
+    grouped: list[tuple[int, list[int]]] = []
     for slot, index in enumerate(tensor_of_slot):
-        if items and items[-1][0] == index and plan.slots[items[-1][1][-1]].file == plan.slots[slot].file:
-            items[-1][1].append(slot)
+        if grouped and grouped[-1][0] == index and plan.slots[grouped[-1][1][-1]].file == plan.slots[slot].file:
+            grouped[-1][1].append(slot)
         else:
-            items.append((index, [slot]))
+            grouped.append((index, [slot]))
+    items = []
+    for index, slots in grouped:
+        entry = plan.slots[slots[0]].entry
+        if entry.nbytes <= largest or not entry.shape or entry.shape[0] < 2:
+            items.append(Item(index, tuple(slots), None, entry.nbytes * len(slots)))
+            continue
+        row_bytes = entry.nbytes // entry.shape[0]
+        step = max(1, largest // max(1, row_bytes))
+        for start in range(0, entry.shape[0], step):
+            stop = min(start + step, entry.shape[0])
+            items.append(Item(index, tuple(slots), (start, stop), (stop - start) * row_bytes * len(slots)))
     return items
 
 

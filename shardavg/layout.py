@@ -13,7 +13,8 @@ HSDP, tensor parallel's replicated dims, every buffer); the lowest such rank *ow
 
 ``iter_gathered`` then rebuilds full tensors from the owners' pieces with point-to-point
 sends, a bounded bucket of tensors at a time: the receiving rank holds at most one bucket
-(or one tensor, if larger) beyond what it already had. A piece that is one range of the
+(or one tensor, if larger) beyond what it already had; ``gather_rounds`` also gathers rows of
+a tensor, so an export sends a tensor larger than a bucket in pieces. A piece that is one range of the
 flattened tensor is received in place; any other (columns, strided runs) is received into a
 buffer of its own and its boxes copied into place, so such pieces can double what a bucket
 holds while they are in flight. This one mechanism serves every engine and layout, for averaged and live values alike.
@@ -36,6 +37,8 @@ from .strategies.base import TensorInfo
 from .tensor_layout import Chunk, ListedLayout, TensorLayout
 
 DEFAULT_BUCKET_BYTES = 64 * 2**20
+
+Wanted = tuple[int, int | None, tuple[int, int] | None]  # (tensor index, receiving rank, rows or None: all)
 
 
 def tiling(info: TensorInfo, parts: Sequence[Part]) -> tuple[Chunk, ...]:
@@ -193,6 +196,42 @@ def _gather_one(
     return out
 
 
+def _gather_rows(
+    layout: ShardLayout, index: int, local: torch.Tensor, dst: int, rows: tuple[int, int], pending: list
+) -> torch.Tensor | None:
+    """Gather rows ``[start, stop)`` of tensor ``index``, flat, on rank ``dst``: each owner sends
+    what its part holds of them (``Part.rows_of``), and ``dst`` places it (``Part.within_rows``);
+    owners holding none of them send nothing. Otherwise as ``_gather_one``."""
+    me = rank()
+    start, stop = rows
+    shape = tuple(layout.layouts[index].shape)
+    if not distributed() or (layout.holds_whole(index, dst) and layout.owns(index, dst)):
+        return local.view(shape)[start:stop].reshape(-1).clone() if me == dst or not distributed() else None
+    device = comm_device(local.device)
+    if me != dst:
+        if layout.owns(index, me):
+            held = layout.part(index, me).rows_of(local, start, stop)
+            if held.numel():
+                buffer = held.to(device)
+                pending.append((dist.isend(buffer, dst=dst), buffer, None))
+        return None
+    slab = (stop - start, *shape[1:])
+    out = torch.empty(int(torch.Size(slab).numel()), dtype=local.dtype, device=device)
+    for owner, part in layout.chunks(index):
+        held = part.within_rows(start, stop)
+        if not held.numel:
+            continue
+        span = held.span()
+        if owner == me:
+            place(out.view(slab), held, part.rows_of(local, start, stop))
+        elif span is not None:
+            pending.append((dist.irecv(out[span[0] : span[1]], src=owner), out, None))
+        else:
+            buffer = torch.empty(held.numel, dtype=local.dtype, device=device)
+            pending.append((dist.irecv(buffer, src=owner), buffer, (out, held)))
+    return out
+
+
 def iter_gathered(
     layout: ShardLayout,
     infos: Sequence[TensorInfo],
@@ -210,7 +249,7 @@ def iter_gathered(
     global shape, on the device of the pieces, never aliasing them.
     """
     nbytes = lambda i: infos[i].numel * infos[i].dtype.itemsize  # noqa: E731
-    rounds = ([(index, dst) for index in bucket] for bucket in _buckets(indices, nbytes, bucket_bytes))
+    rounds = ([(index, dst, None) for index in bucket] for bucket in _buckets(indices, nbytes, bucket_bytes))
     for index, _, full in gather_rounds(layout, infos, piece, rounds):
         yield index, full
 
@@ -219,17 +258,24 @@ def gather_rounds(
     layout: ShardLayout,
     infos: Sequence[TensorInfo],
     piece: Callable[[int], torch.Tensor],
-    rounds: Iterable[Sequence[tuple[int, int | None]]],
+    rounds: Iterable[Sequence[Wanted]],
 ) -> Iterator[tuple[int, int | None, torch.Tensor | None]]:
-    """Collective: for each round, gather each ``(index, dst)`` of it to rank ``dst`` (every rank
-    if ``None``) and yield ``(index, dst, full tensor or None)`` in order; every rank passes the
-    same rounds. A round's sends and receives are all posted, in the same order on every rank,
-    before any is waited for: a round whose tensors go to different ranks is one exchange in
-    which each of them receives its own, and a rank holds at most one round's tensors."""
+    """Collective: for each round, gather each ``(index, dst, rows)`` of it to rank ``dst`` (every
+    rank if ``None``) and yield ``(index, dst, tensor or None)`` in order: the full tensor, or with
+    ``rows = (start, stop)`` only those rows of it (``dst`` set), so a tensor larger than a bucket
+    travels in pieces. Every rank passes the same rounds. A round's sends and receives are all
+    posted, in the same order on every rank, before any is waited for: a round whose tensors go
+    to different ranks is one exchange in which each of them receives its own, and a rank holds
+    at most one round's tensors."""
     for round_ in rounds:
         pending: list = []
-        pieces = {index: piece(index) for index, _ in round_}
-        outputs = [_gather_one(layout, index, pieces[index], dst, pending) for index, dst in round_]
+        pieces = {index: piece(index) for index, _, _ in round_}
+        outputs = [
+            _gather_one(layout, index, pieces[index], dst, pending)
+            if rows is None
+            else _gather_rows(layout, index, pieces[index], dst, rows, pending)  # type: ignore[arg-type]
+            for index, dst, rows in round_
+        ]
         while pending:  # (no loop variable may keep the last buffer alive)
             work, buffer, into = pending.pop()
             work.wait()
@@ -237,7 +283,8 @@ def gather_rounds(
                 place(into[0].view(into[1].shape), into[1], buffer)
             del work, buffer, into
         outputs.reverse()
-        for index, dst in round_:
+        for index, dst, rows in round_:
             out = outputs.pop()  # released here, so at most one round is held at a time
-            yield index, dst, None if out is None else out.to(pieces[index].device).view(infos[index].shape)
+            shape = infos[index].shape if rows is None else (rows[1] - rows[0], *infos[index].shape[1:])
+            yield index, dst, None if out is None else out.to(pieces[index].device).view(shape)
             del out

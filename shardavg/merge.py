@@ -20,7 +20,7 @@ import json
 import math
 import os
 import re
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, replace
 from fnmatch import fnmatchcase
 from pathlib import Path
@@ -36,7 +36,7 @@ from .export import cast, cast_dtype, parse_size, write_spread
 from .format import FORMAT, VERSION
 from .logs import log
 from .model_folder import CONFIG, NOT_CARRIED, carried_files, check_tokenizers, files_dtype, write_config
-from .offline import PLAIN_NAME
+from .offline import PLAIN_NAME, Rows, slab_shape
 from .ownership import INDEX_FILE, LOCK_FILE, enclosing_checkpoint, export_files, target_path
 from .provenance import FILE as PROVENANCE
 from .provenance import made_by, of_input
@@ -126,9 +126,10 @@ def merge(
             plan = _selected(plan_names(sources, model_folder=output == "safetensors"), *patterns)
             shares = _weights(sources, weights, ema, schedule, normalize)
             specs = [_output_spec(planned, sources, dtype) for planned in plan]
-            owner = assign([_nbytes(p, spec, output) for p, spec in zip(plan, specs)], workers.count)
-            mine = [i for i, writer in enumerate(owner) if writer == workers.rank or output == "shardavg"]
-            _check_range(sources, shares, [plan[i] for i in mine], [specs[i] for i in mine], accumulate)
+            pieces = _pieces(plan, specs, output, workers.count)
+            owner = assign([piece.nbytes for piece in pieces], workers.count)
+            mine = [piece for piece, writer in zip(pieces, owner) if writer == workers.rank or output == "shardavg"]
+            _check_range(sources, shares, plan, specs, mine, accumulate)
         except Exception as caught:
             error = caught
         workers.agree(error, "checking the merge's inputs")
@@ -149,7 +150,7 @@ def merge(
             written = _write_checkpoint(Path(out), sources, shares, plan, specs, accumulate, record, workers)
         else:
             folder = Folder(Path(out), models[-1] if models else None, _record(sources, shares), max_bytes)
-            written = folder.write(sources, shares, plan, specs, owner, accumulate, record, workers)
+            written = folder.write(sources, shares, plan, specs, mine, accumulate, record, workers)
         _log_done(sources, plan, written)
         return written
     finally:
@@ -157,9 +158,33 @@ def merge(
             source.close()
 
 
-def _nbytes(planned: Planned, spec: Spec, output: Output) -> int:
-    """What writing ``planned`` costs: its bytes under each name it is written under."""
-    return math.prod(spec.shape) * spec.dtype.itemsize * (len(planned.names) if output == "safetensors" else 1)
+@dataclass(frozen=True)
+class Piece:
+    """What one worker merges at once: tensor ``plan[index]``, its ``rows`` or all of it (None)."""
+
+    index: int
+    rows: Rows
+    nbytes: int  # bytes written
+
+
+def _pieces(plan: list[Planned], specs: list[Spec], output: Output, workers: int) -> list[Piece]:
+    """The work, by bytes written (under each name of a tied tensor): every tensor, and, into a
+    model folder by several workers, one larger than 1/``workers`` of the whole as pieces of
+    consecutive rows of about that, so that the largest tensors spread over the workers too."""
+    copies = [len(planned.names) if output == "safetensors" else 1 for planned in plan]
+    sizes = [math.prod(spec.shape) * spec.dtype.itemsize * n for spec, n in zip(specs, copies)]
+    largest = -(-sum(sizes) // workers) if output == "safetensors" else sum(sizes)
+    pieces = []
+    for index, (spec, size) in enumerate(zip(specs, sizes)):
+        if size <= largest or not spec.shape or spec.shape[0] < 2:
+            pieces.append(Piece(index, None, size))
+            continue
+        row_bytes = size // spec.shape[0]
+        step = max(1, largest // max(1, row_bytes))
+        for start in range(0, spec.shape[0], step):
+            stop = min(start + step, spec.shape[0])
+            pieces.append(Piece(index, (start, stop), (stop - start) * row_bytes))
+    return pieces
 
 
 def _digest(plan: list[Planned], specs: list[Spec], shares: list[float]) -> list[int]:
@@ -209,7 +234,8 @@ def _write_checkpoint(
     error: Exception | None = None
     if workers.rank == 0:
         try:
-            stream = _merged(sources, shares, plan, specs, accumulate, per_name=False)
+            whole = [Piece(index, None, 0) for index in range(len(plan))]
+            stream = _merged(sources, shares, plan, specs, whole, accumulate, per_name=False)
             description = _description(sources, shares, plan, specs) | {"provenance": record()}
             out = save_whole(out, description, stream)
         except Exception as caught:
@@ -235,7 +261,7 @@ class Folder:
         shares: list[float],
         plan: list[Planned],
         specs: list[Spec],
-        owner: list[int],
+        mine: list[Piece],
         accumulate: torch.dtype,
         record: Callable[[], dict],
         workers: Workers,
@@ -247,16 +273,15 @@ class Folder:
         entries = [Entry(n, spec.dtype, spec.shape) for planned, spec in zip(plan, specs) for n in planned.names]
         weights = WeightPlan(entries, self.max_bytes, metadata)
         first_slot = list(itertools.accumulate((len(p.names) for p in plan), initial=0))
-        mine = [i for i, writer in enumerate(owner) if writer == workers.rank]
 
         def write(slots: Slots) -> Exception | None:
             try:
-                merged = _merged(sources, shares, [plan[i] for i in mine], [specs[i] for i in mine], accumulate, False)
-                positions = iter(mine)
+                merged = _merged(sources, shares, plan, specs, mine, accumulate, per_name=False)
+                pieces = iter(mine)
                 for tensor in merged:  # (not zip: its reused tuple would hold a tensor while the next is merged)
-                    i = next(positions)
-                    for slot in range(first_slot[i], first_slot[i + 1]):
-                        slots.write(weights.slots[slot], tensor)
+                    piece = next(pieces)
+                    for slot in range(first_slot[piece.index], first_slot[piece.index + 1]):
+                        slots.write(weights.slots[slot], tensor, piece.rows)
                     del tensor  # before the next one is merged
             except Exception as caught:
                 return caught
@@ -578,44 +603,50 @@ def _merged(
     shares: list[float],
     plan: list[Planned],
     specs: list[Spec],
+    pieces: Iterable[Piece],
     accumulate: torch.dtype,
     per_name: bool,
 ) -> Iterator[torch.Tensor]:
-    """Each merged tensor in turn (once per name it is written under, with ``per_name``):
+    """Each piece merged in turn (once per name it is written under, with ``per_name``):
     ``sum(w_i * x_i)`` accumulated in input order, then cast (an overflow of the output dtype
-    refused by name). Nothing is kept from one tensor to the next."""
-    for planned, spec in zip(plan, specs):
+    refused by name). Nothing is kept from one piece to the next."""
+    for piece in pieces:
+        planned, spec = plan[piece.index], specs[piece.index]
         if spec.dtype.is_floating_point:
-            merged = torch.zeros(spec.shape, dtype=accumulate)
+            merged = torch.zeros(slab_shape(spec.shape, piece.rows), dtype=accumulate)
             for source, name, share in zip(sources, planned.held, shares):
-                merged.add_(source.read(name).to(accumulate).mul_(share))
+                merged.add_(source.read(name, piece.rows).to(accumulate).mul_(share))
             merged = cast(merged, spec.dtype, planned.names[0])
         else:
-            merged = sources[-1].read(planned.held[-1])
+            merged = sources[-1].read(planned.held[-1], piece.rows)
         for _ in planned.names if per_name else planned.names[:1]:
             yield merged
         del merged
 
 
 def _check_range(
-    sources: list[Source], shares: list[float], plan: list[Planned], specs: list[Spec], accumulate: torch.dtype
+    sources: list[Source],
+    shares: list[float],
+    plan: list[Planned],
+    specs: list[Spec],
+    pieces: list[Piece],
+    accumulate: torch.dtype,
 ) -> None:
     """Refuse, before anything is written, a merged tensor that overflows its output dtype: one
-    pass over the tensors narrowed to a dtype of a smaller range (fp16) from inputs of a wider one,
-    or, when the weights are no average (raw, negative or not summing to 1), from any input.
+    pass over the ``pieces`` narrowed to a dtype of a smaller range (fp16) from inputs of a wider
+    one, or, when the weights are no average (raw, negative or not summing to 1), from any input.
     (An average of inputs already in the output dtype stays within their range.)"""
     average = all(w >= 0 for w in shares) and abs(math.fsum(shares) - 1.0) <= 1e-9
-    narrowed = [
-        i
-        for i, (planned, spec) in enumerate(zip(plan, specs))
-        if spec.dtype.is_floating_point
-        and any(
+
+    def narrowed(piece: Piece) -> bool:
+        planned, spec = plan[piece.index], specs[piece.index]
+        return spec.dtype.is_floating_point and any(
             torch.finfo(spec.dtype).max < torch.finfo(source.specs[name].dtype if average else accumulate).max
             for source, name in zip(sources, planned.held)
         )
-    ]
-    for _ in _merged(sources, shares, [plan[i] for i in narrowed], [specs[i] for i in narrowed], accumulate, False):
-        pass  # (each tensor is cast and checked in turn, then let go)
+
+    for _ in _merged(sources, shares, plan, specs, filter(narrowed, pieces), accumulate, False):
+        pass  # (each piece is cast and checked in turn, then let go)
 
 
 def _record(sources: list[Source], shares: list[float]) -> dict:

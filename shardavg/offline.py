@@ -26,11 +26,12 @@ import torch
 from .errors import CheckpointError
 from .format import decode_description, is_count, tensor_key
 from .ownership import MANIFEST
-from .parts import Box, Part, box_slices, tiles, within
+from .parts import Box, Part, tiles, within
 from .reading import STEP_DIR, open_checkpoint
 from .storage import DTYPES
 
-Chunk = tuple[list[Box], Callable[[torch.Tensor], None]]  # (the boxes it holds, fill(full tensor))
+Chunk = tuple[list[Box], Callable[[torch.Tensor, int], None]]  # (the boxes it holds, fill(slab, first row))
+Rows = tuple[int, int] | None  # rows [start, stop) of a tensor; None: all of it
 PLAIN_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]*$")  # a file inside the checkpoint, never a path
 
 _DCP_GLOBALS = {
@@ -139,19 +140,20 @@ class SavedAverage:
         if self._opened is not None:
             self._opened.close()
 
-    def read(self, name: str, average: str | None = None) -> torch.Tensor:
-        """The full tensor ``name`` (any of a tied tensor's names) of ``average`` in its original shape
-        (one tensor in memory at a time).
+    def read(self, name: str, average: str | None = None, rows: Rows = None) -> torch.Tensor:
+        """The full tensor ``name`` (any of a tied tensor's names) of ``average`` in its original shape,
+        or only its ``rows`` (one tensor in memory at a time; only the chunks across those rows read).
 
         Every stored chunk is checked (where it lies, that the chunks tile the tensor, dtype and
         size) before the tensor is allocated, so a damaged table never yields unwritten memory.
         """
         name = self.canonical.get(name, name)  # a tied tensor is stored under its first name
         key = self.key(name, self.average(average))
-        dtype, shape = DTYPES[self.tensors[name]["dtype"]], torch.Size(self.tensors[name]["shape"])
-        out = torch.empty(shape, dtype=dtype)
-        for _, fill in self._chunks(name, key):
-            fill(out)
+        dtype, shape = DTYPES[self.tensors[name]["dtype"]], tuple(self.tensors[name]["shape"])
+        chunks = self._chunks(name, key)
+        out = torch.empty(slab_shape(shape, rows), dtype=dtype)
+        for _, fill in chunks:
+            fill(out, rows[0] if rows else 0)
         return out
 
     def _chunks(self, name: str, key: str) -> list[Chunk]:
@@ -173,8 +175,12 @@ class SavedAverage:
             file.checked(key, entry["dtype"], part.numel)
             for block in part.packed().blocks:
 
-                def fill(full: torch.Tensor, file=file, at=block.at, offsets=block.offsets, sizes=block.sizes) -> None:
-                    file.read_box(full[box_slices(offsets, sizes)], key, at, sizes, (0,) * len(sizes))
+                def fill(
+                    slab: torch.Tensor, start: int, file=file, at=block.at, box=(block.offsets, block.sizes)
+                ) -> None:
+                    met = meet(box, slab, start)
+                    if met is not None:
+                        file.read_box(slab[met[0]], key, at, box[1], met[1])
 
                 chunks.append(([(block.offsets, block.sizes)], fill))
         return chunks
@@ -191,7 +197,7 @@ class SavedAverage:
                 start, end = offsets[0], offsets[0] + sizes[0]
                 found.append((Part.flat(shape, start, end).boxes, functools.partial(_fill_range, load, start, end)))
             else:
-                found.append(([(offsets, sizes)], functools.partial(_fill_box, load, box_slices(offsets, sizes))))
+                found.append(([(offsets, sizes)], functools.partial(_fill_box, load, (offsets, sizes))))
         return found
 
 
@@ -259,16 +265,17 @@ class DcpFolder:
             found.append((offsets, sizes, functools.partial(self._chunk, fqn, offsets, sizes, dtype, limit)))
         return found
 
-    def read(self, fqn: str) -> torch.Tensor:
-        """The whole tensor ``fqn`` in its stored shape and dtype, its chunks checked to tile it first."""
+    def read(self, fqn: str, rows: Rows = None) -> torch.Tensor:
+        """The whole tensor ``fqn`` in its stored shape and dtype, or only its ``rows`` (only the
+        chunks across them loaded), its chunks checked to tile it first."""
         stored = self.metadata.state_dict_metadata[fqn]
         shape, dtype = tuple(stored.size), stored.properties.dtype
         chunks = self.boxes(fqn, shape, dtype)
         if not tiles(shape, [(offsets, sizes) for offsets, sizes, _ in chunks]):
             raise CheckpointError(f"{self.path}: the chunks of {fqn!r} do not tile its shape {list(shape)}")
-        out = torch.empty(shape, dtype=dtype)
+        out = torch.empty(slab_shape(shape, rows), dtype=dtype)
         for offsets, sizes, load in chunks:
-            out[box_slices(offsets, sizes)].copy_(load())
+            _fill_box(load, (offsets, sizes), out, rows[0] if rows else 0)
         return out
 
     def _chunk(self, fqn: str, offsets: tuple, sizes: tuple, dtype: torch.dtype, limit: int) -> torch.Tensor:
@@ -291,12 +298,37 @@ def _load_failure(error: Exception) -> str:
     return lines[0] if lines else type(error).__name__
 
 
-def _fill_range(load: Callable[[], torch.Tensor], start: int, end: int, full: torch.Tensor) -> None:
-    full.view(-1)[start:end].copy_(load())
+def slab_shape(shape: tuple[int, ...], rows: Rows) -> tuple[int, ...]:
+    """The shape of rows ``[start, stop)`` of a tensor of ``shape`` (all of it without ``rows``)."""
+    return shape if rows is None else (rows[1] - rows[0], *shape[1:])
 
 
-def _fill_box(load: Callable[[], torch.Tensor], box: tuple[slice, ...], full: torch.Tensor) -> None:
-    full[box].copy_(load())
+def meet(box: Box, slab: torch.Tensor, start: int) -> tuple[tuple[slice, ...], tuple[int, ...]] | None:
+    """Where ``box`` of a tensor meets ``slab``, its rows from ``start`` on: the slab's slices that
+    take it, and where they begin within the box; None where they do not meet."""
+    offsets, sizes = box
+    if not offsets:  # a 0-d tensor: one element, all of it
+        return (), ()
+    low, high = max(start, offsets[0]), min(start + slab.shape[0], offsets[0] + sizes[0])
+    if high <= low:
+        return None
+    slices = (slice(low - start, high - start), *(slice(o, o + n) for o, n in zip(offsets[1:], sizes[1:])))
+    return slices, (low - offsets[0], *(0,) * (len(offsets) - 1))
+
+
+def _fill_range(load: Callable[[], torch.Tensor], first: int, end: int, slab: torch.Tensor, start: int) -> None:
+    """Elements ``[first, end)`` of the flattened tensor (``load()``), where they meet ``slab``."""
+    base = start * math.prod(slab.shape[1:])
+    low, high = max(first, base), min(end, base + slab.numel())
+    if high > low:
+        slab.view(-1)[low - base : high - base].copy_(load()[low - first : high - first])
+
+
+def _fill_box(load: Callable[[], torch.Tensor], box: Box, slab: torch.Tensor, start: int) -> None:
+    """The chunk ``box`` of the tensor (``load()``), where it meets ``slab``."""
+    met = meet(box, slab, start)
+    if met is not None:
+        slab[met[0]].copy_(load()[tuple(slice(o, o + n.stop - n.start) for o, n in zip(met[1], met[0]))])
 
 
 def _box(offsets: Any, sizes: Any, shape: tuple[int, ...]) -> tuple[Any, Any]:

@@ -33,6 +33,10 @@ class Options:
         on_nonfinite: ``"raise"`` (default) or ``"skip"`` (warn and leave the average
             untouched) when a live weight holds NaN or infinity; ``"off"`` skips the check
             (one read of every live shard less per update) and averages whatever is there.
+        background: run each update on a thread of its own (``background.py``): ``update()``
+            returns once it has copied the buffers; the next optimizer step, and every reader of
+            the averages, waits for it; an error it meets is raised at the next call. The
+            averages are bitwise those of the update in the loop.
     """
 
     every_n_steps: int = 1
@@ -42,6 +46,7 @@ class Options:
     device: torch.device | None = None  # where shadows live; None: next to each live shard
     include_frozen: bool = False
     on_nonfinite: NonfinitePolicy = "raise"
+    background: bool = False
 
     def __post_init__(self) -> None:
         validate.count("every_n_steps", self.every_n_steps, 1)
@@ -49,6 +54,8 @@ class Options:
         validate.floating_dtype("dtype", self.dtype)
         validate.choice("buffers policy", self.buffers, BufferPolicy)
         validate.choice("on_nonfinite policy", self.on_nonfinite, NonfinitePolicy)
+        if not isinstance(self.background, bool):
+            raise ValueError(f"background must be True or False, got {self.background!r}")
         if self.device is not None and not isinstance(self.device, torch.device):
             object.__setattr__(self, "device", torch.device(self.device))
 

@@ -168,6 +168,35 @@ class Part:
             at += block.numel
         return Part(self.shape, tuple(blocks), at)
 
+    def within_rows(self, start: int, stop: int) -> Part:
+        """What this part holds of rows ``[start, stop)`` of the tensor, as a part of that slab
+        (shape ``(stop - start, *shape[1:])``), its boxes back to back in this part's order: how
+        ``rows_of`` packs them."""
+        blocks, at = [], 0
+        for block, low, high in self._row_blocks(start, stop):
+            sizes = (high - low, *block.sizes[1:])
+            blocks.append(Block((low - start, *block.offsets[1:]), sizes, at, contiguous_strides(sizes)))
+            at += math.prod(sizes)
+        return Part((stop - start, *self.shape[1:]), tuple(blocks), at)
+
+    def rows_of(self, flat: torch.Tensor, start: int, stop: int) -> torch.Tensor:
+        """This part's elements within rows ``[start, stop)``, taken from its local view ``flat``,
+        flat and packed as ``within_rows`` lays them out (a view where they are one run)."""
+        views = [
+            block.view(flat).narrow(0, low - block.offsets[0], high - low).reshape(-1)
+            for block, low, high in self._row_blocks(start, stop)
+        ]
+        if not views:
+            return flat[:0]
+        return views[0] if len(views) == 1 else torch.cat(views)
+
+    def _row_blocks(self, start: int, stop: int) -> Iterator[tuple[Block, int, int]]:
+        """Each non-empty block across rows ``[start, stop)``, with the rows it holds of them."""
+        for block in self.blocks:
+            low, high = max(start, block.offsets[0]), min(stop, block.offsets[0] + block.sizes[0])
+            if high > low and all(block.sizes):
+                yield block, low, high
+
     def take(self, full: torch.Tensor) -> torch.Tensor:
         """This part's elements of the full tensor ``full``, flat, in local order (a copy)."""
         out = torch.empty(self.numel, dtype=full.dtype, device=full.device)

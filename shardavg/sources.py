@@ -15,6 +15,7 @@ checkpoint is refused: its states are pickled Python objects.
 from __future__ import annotations
 
 import json
+import math
 import re
 from abc import ABC, abstractmethod
 from collections import Counter
@@ -27,7 +28,7 @@ import torch
 from .errors import CheckpointError
 from .format import MANIFEST, STEP_DIR
 from .model_folder import weights_of
-from .offline import PLAIN_NAME, DcpFolder, SavedAverage, check_dcp_items
+from .offline import PLAIN_NAME, DcpFolder, Rows, SavedAverage, check_dcp_items, slab_shape
 from .storage import DTYPES, SafetensorsFile
 
 STEP_NAME = re.compile(r"^(?:step-|checkpoint-|global_step)(\d+)$")  # shardavg's, HF Trainer's, DeepSpeed's
@@ -70,8 +71,9 @@ class Source(ABC):
     described: dict[str, tuple[str, str]] = {}  # name: (kind, role), where the checkpoint says
 
     @abstractmethod
-    def read(self, name: str) -> torch.Tensor:
-        """The full tensor ``name`` on the CPU, in its saved dtype and shape."""
+    def read(self, name: str, rows: Rows = None) -> torch.Tensor:
+        """The full tensor ``name`` on the CPU, in its saved dtype and shape, or only its rows
+        ``[start, stop)`` (reading no more of the files than holds them)."""
 
     def check(self) -> None:
         """Every tensor's location checked against the files, reading no tensor data."""
@@ -103,8 +105,8 @@ class AverageSource(Source):
         self.ties = [(t["name"], *t["aliases"]) for t in tensors if t["aliases"]]
         self.described = {alias: (t["kind"], t["role"]) for t in tensors for alias in (t["name"], *t["aliases"])}
 
-    def read(self, name: str) -> torch.Tensor:
-        return self.saved.read(name, self.average)
+    def read(self, name: str, rows: Rows = None) -> torch.Tensor:
+        return self.saved.read(name, self.average, rows)
 
     def check(self) -> None:
         self.saved.verify()
@@ -124,8 +126,8 @@ class DcpSource(Source):
         }
         self.step = _step_of(path)
 
-    def read(self, name: str) -> torch.Tensor:
-        return self.folder.read(self.keys[name][0])
+    def read(self, name: str, rows: Rows = None) -> torch.Tensor:
+        return self.folder.read(self.keys[name][0], rows)
 
     def check(self) -> None:
         """Every item of the checkpoint in place (a truncated file is refused even where it holds no
@@ -243,9 +245,12 @@ class SafetensorsSource(Source):
             step = None
         return step if step is not None else _step_of(self.path if self.path.is_dir() else self.path.parent)
 
-    def read(self, name: str) -> torch.Tensor:
-        file = self.where[name]
-        return file.read(name).view(self.specs[name].shape)
+    def read(self, name: str, rows: Rows = None) -> torch.Tensor:
+        shape = self.specs[name].shape
+        if rows is None:
+            return self.where[name].read(name).view(shape)
+        row = math.prod(shape[1:])
+        return self.where[name].read(name, rows[0] * row, (rows[1] - rows[0]) * row).view(slab_shape(shape, rows))
 
     def close(self) -> None:
         for file in self.files:

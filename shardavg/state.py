@@ -29,7 +29,7 @@ from .dist import all_gathered, same_everywhere, world_size
 from .errors import ModelChangedError
 from .format import FORMAT, VERSION, tensor_key
 from .fused import gatherable
-from .layout import DEFAULT_BUCKET_BYTES, ShardLayout, gather_rounds, iter_gathered
+from .layout import DEFAULT_BUCKET_BYTES, ShardLayout, Wanted, gather_rounds, iter_gathered
 from .options import Options, Role
 from .rules import Rule
 from .storage import dtype_name
@@ -277,10 +277,10 @@ class AverageState:
         return named()
 
     def gathered_to(
-        self, rounds: Iterable[Sequence[tuple[int, int]]], average: str | None, live: bool = False
+        self, rounds: Iterable[Sequence[Wanted]], average: str | None, live: bool = False
     ) -> Iterator[tuple[int, int | None, torch.Tensor | None]]:
-        """Collective: check the state now, then gather each ``(index, dst)`` of ``rounds`` to its
-        rank as the iterator is consumed (``layout.gather_rounds``)."""
+        """Collective: check the state now, then gather each ``(index, dst, rows)`` of ``rounds`` to
+        its rank as the iterator is consumed (``layout.gather_rounds``)."""
         name = self._check_gathering(average, live)
         return gather_rounds(self.layout, self.infos, lambda index: self.piece(index, name, live), rounds)
 

@@ -155,6 +155,11 @@ class TensorLayout:
         """What the layout is, without the grid's ranks (its digest instead): compared across ranks."""
         raise NotImplementedError
 
+    def in_ranges(self) -> bool:
+        """Whether every rank's part is one range of the flattened tensor (rows along dim 0, a flat
+        partition, the whole): then each part's bytes lie back to back in a file of the tensor."""
+        return all(part.span() is not None for _, part in self.chunks)
+
     def to_json(self, grid_index: dict[str, int]) -> dict[str, Any]:
         """The layout as a manifest stores it, its grid by index (``grid_index``: by the grid's digest)."""
         raise NotImplementedError
@@ -246,6 +251,10 @@ class MeshLayout(GridLayout):
 
     def key(self) -> tuple:
         return ("mesh", self.shape, self.grid.digest, self.placements)
+
+    def in_ranges(self) -> bool:
+        """Rows: nothing but dim 0 is cut, by ``Shard`` (not strided), on any number of grid dims."""
+        return all(p[0] == "replicate" or (p[0] == "shard" and p[1] == 0) for p in self.placements)
 
     def to_json(self, grid_index: dict[str, int]) -> dict[str, Any]:
         return {"grid": grid_index[self.grid.digest], "placements": [list(p) for p in self.placements]}
@@ -350,6 +359,9 @@ class FlatLayout(GridLayout):
 
     def key(self) -> tuple:
         return ("flat", self.shape, self.grid.digest, self.dim, self.chunk, self.offset)
+
+    def in_ranges(self) -> bool:
+        return True
 
     def to_json(self, grid_index: dict[str, int]) -> dict[str, Any]:
         return {

@@ -17,6 +17,7 @@ from typing import Protocol
 
 import torch
 
+from .background import Background
 from .dist import rank
 from .errors import NonFiniteError
 from .fused import (
@@ -25,6 +26,7 @@ from .fused import (
     Verdict,
     apply,
     apply_masked,
+    data_ptr,
     group_tensors,
     groups_current,
     nonfinite,
@@ -64,6 +66,9 @@ class Updater:
 
     def __init__(self, state: Averaged) -> None:
         self.state = state
+        self.background = Background() if state.options.background else None
+        self.snapshots: dict[int, torch.Tensor] = {}  # in the background: the buffers as update() found them
+        self.snapshot_pointers: list[int] = []  # where the buffers copied into them were
         self.groups: list[UpdateGroup] = self._group()
         self.stager = Stager()  # staging buffers for offloaded shadows and casts, kept between updates
         self.on_device = False
@@ -77,13 +82,29 @@ class Updater:
 
     def update(self, step: int | None) -> bool:
         """Take ``step`` (one more than the last when None); average the live shards in when the
-        step is due. Returns whether an update was applied."""
+        step is due. Returns whether an update was applied (in the background: started)."""
+        self.wait()
         state = self.state
         state.step = self.next_step(step)
         if not state.options.due(state.step):
             return False
         with torch.no_grad():
             self.follow(state.current_views())
+            if self.background is None:
+                return self._average()
+            if self.snapshots:  # what the next forward may write before the update reads it
+                torch._foreach_copy_(list(self.snapshots.values()), [state.live[i] for i in self.snapshots])
+        self.background.start(state.step, self._average, (group.lives[0].device for group in self.groups))
+        return True
+
+    def wait(self) -> None:
+        """Collect the update running in the background, if any (raising what it raised)."""
+        if self.background is not None:
+            self.background.wait()
+
+    def _average(self) -> bool:
+        """The update of a due step, its groups current: checked, applied and counted."""
+        with torch.no_grad():  # (per thread: this may run on the background's)
             if self.check_on_device():
                 self._apply_on_device()
                 return True
@@ -248,10 +269,21 @@ class Updater:
 
     def follow(self, live: list[torch.Tensor]) -> None:
         """Regroup only when a view is a new object or its data moved (a cast, ``model.to``)."""
-        if not all(map(operator.is_, live, self.state.live)) or not groups_current(self.groups):
+        if (
+            not all(map(operator.is_, live, self.state.live))
+            or not groups_current(self.groups)
+            or [data_ptr(live[index]) for index in self.snapshots] != self.snapshot_pointers
+        ):
             self.state.adopt(live)
             self.groups = self._group()
 
     def _group(self) -> list[UpdateGroup]:
+        """The fused groups; in the background the stored buffers are read from their snapshots."""
         state = self.state
-        return group_tensors(state.roles, [a.shadows for a in state.averages.values()], state.live)
+        lives = state.live
+        if self.background is not None:
+            buffers = [i for i, info in enumerate(state.infos) if info.kind == "buffer" and state.roles[i] != "live"]
+            self.snapshots = {index: torch.empty_like(state.live[index]) for index in buffers}
+            self.snapshot_pointers = [data_ptr(state.live[index]) for index in buffers]
+            lives = [self.snapshots.get(index, live) for index, live in enumerate(state.live)]
+        return group_tensors(state.roles, [a.shadows for a in state.averages.values()], lives)

@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import json
+import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -154,16 +155,32 @@ class Slots:
         self.directory, self.plan = directory, plan
         self._fds: dict[int, int] = {}
 
-    def write(self, slot: Slot, tensor: torch.Tensor) -> None:
+    def write(self, slot: Slot, tensor: torch.Tensor, rows: tuple[int, int] | None = None) -> None:
+        """Write ``tensor`` at the slot: the entry's whole tensor, or its rows ``[start, stop)``."""
         entry = slot.entry
-        if tensor.dtype != entry.dtype or tuple(tensor.shape) != entry.shape:
-            got = f"{tensor.dtype} {tuple(tensor.shape)}"
+        start, stop = rows if rows is not None else (0, 0)
+        expected = entry.shape if rows is None else (stop - start, *entry.shape[1:])
+        outside = rows is not None and not (entry.shape and 0 <= start < stop <= entry.shape[0])
+        if tensor.dtype != entry.dtype or tuple(tensor.shape) != expected or outside:
+            got = f"{tensor.dtype} {tuple(tensor.shape)}" + (f" as rows {start}..{stop}" if rows else "")
             raise ValueError(f"{entry.key!r}: got {got}, planned {entry.dtype} {entry.shape}")
-        tensor = tensor.detach().to("cpu").contiguous()
-        if not tensor.numel():
+        self.write_elements(slot, tensor.reshape(-1), start * math.prod(entry.shape[1:]))
+
+    def write_elements(self, slot: Slot, flat: torch.Tensor, first: int) -> None:
+        """Write ``flat`` as elements ``[first, first + flat.numel())`` of the entry's tensor, flattened."""
+        entry = slot.entry
+        if (
+            flat.dtype != entry.dtype
+            or flat.dim() != 1
+            or not 0 <= first <= first + flat.numel() <= math.prod(entry.shape)
+        ):
+            got = f"{flat.dtype} {tuple(flat.shape)} from element {first}"
+            raise ValueError(f"{entry.key!r}: got {got}, planned {entry.dtype} {entry.shape}")
+        flat = flat.detach().to("cpu").contiguous()
+        if not flat.numel():
             return
-        data = memoryview((ctypes.c_ubyte * tensor.nbytes).from_address(tensor.data_ptr()))  # no copy
-        fd, offset = self._fd(slot.file), slot.offset
+        data = memoryview((ctypes.c_ubyte * flat.nbytes).from_address(flat.data_ptr()))  # no copy
+        fd, offset = self._fd(slot.file), slot.offset + first * flat.element_size()
         while data:
             written = os.pwrite(fd, data, offset)
             data, offset = data[written:], offset + written

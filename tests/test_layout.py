@@ -114,3 +114,29 @@ def test_a_part_its_layout_does_not_describe_is_gathered_and_tiled() -> None:
     layout = ShardLayout.build(infos)
     assert layout.gathered == (1, 2) and layout.layouts[0] is whole
     assert all(isinstance(layout.layouts[i], ListedLayout) for i in (1, 2)) and layout.owns(2, 0)
+
+
+def test_rows_of_every_kind_of_part_tile_the_slab_and_read_back() -> None:
+    """Rows [start, stop) of a tensor, gathered from the parts that tile it (flat ranges, columns,
+    strided runs, the whole): each part's ``rows_of`` placed by its ``within_rows`` rebuilds the
+    slab exactly, the boxes tile it, and a part holding none of those rows contributes nothing."""
+    shape = (7, 6, 5)
+    full = torch.arange(210, dtype=torch.float32).view(shape)
+    tilings = {
+        "flat ranges": [Part.flat(shape, a, b) for a, b in [(0, 37), (37, 100), (100, 101), (101, 210)]],
+        "columns": [Part.grid(shape, [range(7), cols, range(5)]) for cols in ([0, 1], [2, 3, 4], [5])],
+        "strided runs": [Part.grid(shape, [rows, range(6), range(5)]) for rows in ([0, 3, 4], [1, 2, 6], [5])],
+        "whole": [Part.whole(shape)],
+    }
+    for label, parts in tilings.items():
+        for start, stop in [(0, 7), (0, 1), (2, 5), (6, 7), (3, 4)]:
+            slab = torch.full((stop - start, 6, 5), -1.0)
+            boxes = []
+            for part in parts:
+                held = part.within_rows(start, stop)
+                packed = part.rows_of(part.take(full), start, stop)
+                assert packed.numel() == held.numel, (label, start, stop)
+                place(slab, held, packed)
+                boxes += held.boxes
+            assert torch.equal(slab, full[start:stop]), (label, start, stop)
+            assert tiles(slab.shape, boxes), (label, start, stop)

@@ -18,7 +18,7 @@ ORDER = [  # bottom first: a module may import only modules before it
     "strategies.dtensor", "strategies.base", "strategies.fsdp1", "strategies.fsdp2", "strategies.zero3",
     "strategies.zero12", "strategies.replicated", "strategies.pipeline", "strategies",
     "rules", "options", "format", "ownership", "weight_files", "reading", "layout", "staging", "fused", "watch",
-    "update",
+    "background", "update",
     "state", "swap", "export", "checkpoint", "stateful", "offline", "model_folder", "sources", "averager", "posthoc",
     "merge", "cli",
     "__init__", "__main__",

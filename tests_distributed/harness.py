@@ -431,7 +431,9 @@ def report(kind: str, payload: dict) -> None:
     """One machine-readable line the pytest driver collects, from rank 0 only."""
     if dist.is_initialized() and dist.get_rank() != 0:
         return
-    print(f"SHARDAVG_{kind} {json.dumps(payload, sort_keys=True)}", flush=True)
+    line = f"SHARDAVG_{kind} {json.dumps(payload, sort_keys=True)}\n"
+    sys.stdout.write(line)  # (one write: lines of ranks that all report do not interleave)
+    sys.stdout.flush()
 
 
 def die_while_writing_shards(rank: int) -> None:
@@ -489,7 +491,10 @@ def shared_folder() -> Path:
 def check_writers(averager, label: str, live: bool = False, average: str | None = None) -> None:
     """Collective: the export written by every rank (the default), by two and by rank 0 alone
     (``writers=1``, the single writer) holds the same files, byte for byte, whole and split in
-    several files; nothing temporary is left behind."""
+    several files; so does the export by two named writers with a gather bucket a third of the
+    largest tensor (``"pieces"``: large tensors gathered as pieces of rows, spread over the
+    writers). By default (every rank) parameters laid out in ranges are written where they lie;
+    named writers gather everything. Nothing temporary is left behind."""
     import shutil
 
     world = dist.get_world_size()
@@ -497,25 +502,30 @@ def check_writers(averager, label: str, live: bool = False, average: str | None 
         return
     root = shared_folder()
     model_bytes = sum(info.numel * 4 for info in averager.tensors)
-    counts = (None, 2, 1) if world > 2 else (None, 1)
+    bucket, piece = averager.gather_bucket_bytes, max(info.numel * 4 for info in averager.tensors) // 3
+    variants = {"all": (None, bucket), "two": (2, bucket), "one": (1, bucket), "pieces": (2, piece)}
+    if world == 2:
+        del variants["two"]  # (the same as "pieces" with whole tensors)
     for size in ("5GB", max(1, model_bytes // 5)):
         folders = {}
-        for writers in counts:
-            folder = root / f"{writers}-{size}"
-            folders[writers] = averager.export(folder, max_shard_size=size, writers=writers, live=live, average=average)
+        for variant, (writers, bucket_bytes) in variants.items():
+            averager.gather_bucket_bytes = bucket_bytes
+            folder = root / f"{variant}-{size}"
+            folders[variant] = averager.export(folder, max_shard_size=size, writers=writers, live=live, average=average)
+        averager.gather_bucket_bytes = bucket
         if dist.get_rank() == 0:
-            for writers, folder in folders.items():  # (what made it differs: the number of writers)
+            for variant, folder in folders.items():  # (what made it differs: the number of writers)
                 made = json.loads((folder / "provenance.json").read_text())
-                assert made["writers"] == min(writers or dist.get_world_size(), dist.get_world_size()), made
+                assert made["writers"] == min(variants[variant][0] or world, world), made
             weights = lambda folder: sorted(p.name for p in folder.iterdir() if p.name != "provenance.json")  # noqa: E731
-            listed = {w: weights(folder) for w, folder in folders.items()}
-            assert all(names == listed[1] for names in listed.values()), f"{label}: files differ: {listed}"
-            assert not [n for n in listed[1] if n.startswith(".")], f"{label}: left behind: {listed[1]}"
-            assert size == "5GB" or len(listed[1]) > 2, f"{label}: not split: {listed[1]}"
-            for name in listed[1]:
-                single = (folders[1] / name).read_bytes()
-                for writers in counts[:-1]:
-                    assert (folders[writers] / name).read_bytes() == single, f"{label}: {name} by {writers} writers"
+            listed = {variant: weights(folder) for variant, folder in folders.items()}
+            assert all(names == listed["one"] for names in listed.values()), f"{label}: files differ: {listed}"
+            assert not [n for n in listed["one"] if n.startswith(".")], f"{label}: left behind: {listed['one']}"
+            assert size == "5GB" or len(listed["one"]) > 2, f"{label}: not split: {listed['one']}"
+            for name in listed["one"]:
+                single = (folders["one"] / name).read_bytes()
+                for variant, folder in folders.items():
+                    assert (folder / name).read_bytes() == single, f"{label}: {name} written by {variant} differs"
     dist.barrier()
     if dist.get_rank() == 0:
         shutil.rmtree(root)

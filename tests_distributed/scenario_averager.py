@@ -103,6 +103,11 @@ def variants() -> dict[str, tuple[dict, object]]:
             PlainAverage(lambda n: 1 - 0.9, average_buffers=True, include_frozen=True),
         ),
         "ema_offloaded": ({"rule": EMA(decay=0.9), "device": "cpu"}, get_ema_multi_avg_fn(0.9)),
+        "ema_background": ({"rule": EMA(decay=0.9), "background": True}, get_ema_multi_avg_fn(0.9)),
+        "average_buffers_offloaded_in_background": (  # (the buffers a forward writes: copied by update())
+            {"rule": EMA(decay=0.9), "buffers": "average", "include_frozen": True, "device": "cpu", "background": True},
+            PlainAverage(lambda n: 1 - 0.9, average_buffers=True, include_frozen=True),
+        ),
     }
 
 
@@ -209,6 +214,37 @@ def check_nonfinite_on_one_rank(engine: Engine) -> None:
         assert averagers["skip"].update() is True
     with expect_raises(RuntimeError, "ranks disagree on the number of updates"):
         averagers["skip"].full_state_dict()
+    check_nonfinite_in_the_background(engine, rank=1)
+
+
+def check_nonfinite_in_the_background(engine: Engine, rank: int) -> None:
+    """In the background a NaN in rank ``rank``'s shard surfaces at the next call there, naming
+    the tensor and the step: raised once under 'raise' (the average untouched), warned and
+    counted under 'skip'."""
+    averagers = {
+        policy: WeightAverager(engine.model, EMA(decay=0.9), on_nonfinite=policy, background=True)
+        for policy in ("raise", "skip")
+    }
+    for averager in averagers.values():
+        averager.update(1)
+        averager.wait()  # (a write to the weights other than an optimizer step's waits by hand)
+    local = engine.model.block.up.weight.to_local()
+    saved = local.detach().clone()
+    if dist.get_rank() == rank:
+        with torch.no_grad():
+            local.view(-1)[0] = float("nan")
+        assert averagers["raise"].update(2) is True  # handed off: the verdict comes later
+        with expect_raises(shardavg.NonFiniteError, "block.up.weight", f"rank {rank}", "step 2"):
+            averagers["raise"].wait()
+        averagers["raise"].wait()  # raised once
+        assert averagers["raise"].num_updates == 1
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            averagers["skip"].update(2)
+            assert averagers["skip"].num_skipped == 1 and averagers["skip"].num_updates == 1
+        assert any("block.up.weight" in str(w.message) and "step 2" in str(w.message) for w in caught), caught
+        with torch.no_grad():
+            local.copy_(saved)
 
 
 def check_copy_to_gives_every_rank_the_same_average(averager: WeightAverager, full: dict) -> None:

@@ -14,7 +14,7 @@ pytestmark = pytest.mark.slow  # a torchrun launch: python -m pytest -m "not slo
 ROOT = Path(__file__).resolve().parents[1]
 TINY = [
     "shapes.transformer.layers=2", "shapes.transformer.dim=32", "shapes.many_small.blocks=6",
-    "shapes.many_small.width=16", "warmup=1", "repeats=2",
+    "shapes.many_small.width=16", "warmup=1", "repeats=2", "work_ms=2",
 ]  # fmt: skip
 
 
@@ -41,6 +41,10 @@ def test_a_tiny_bench_has_every_row_and_every_check_passes(tmp_path: Path) -> No
             assert ours["comm_bytes_per_update"] == 0, (case, ours)
             single = name.startswith("ours")  # (three averages keep three times the shadows)
             assert 0 < ours["extra_bytes_per_rank"] < peer["extra_bytes_per_rank"] or case[0] == "ddp" or not single
+        blocked = {name: r for name, r in methods.items() if r["role"] == "blocked"}
+        assert len(blocked) == 4, (case, sorted(blocked))
+        for name, row in blocked.items():  # in the background: bitwise the update in the loop (fp32 shadows)
+            assert row["check"] == ("bitwise" if "background" in name else "-"), (case, name, row["check"])
         if case[0] != "ddp":  # the gathering peers receive the model every update
             assert peer["comm_bytes_per_update"] > 0, (case, peer)
     assert "| ours |" in launch.output and "copy bandwidth" in launch.output

@@ -5,13 +5,15 @@
 DEVICE is ``cuda`` (one GPU per rank); ``cpu`` runs the same checks over gloo, which is how the
 scenario itself is checked on a machine without a GPU. ENGINE is ddp, fsdp2, fsdp1 or zero3
 (ZeRO-3 where DeepSpeed is installed). For each configuration (fp32 and bf16 live weights;
-FSDP1's ``use_orig_params``) the model trains for real on the device while four averagers run:
+FSDP1's ``use_orig_params``) the model trains for real on the device while these averagers run:
 
 - ``ema``: on the device, the non-finite check read on the host (one wait per update);
 - ``ema_deferred``: the check kept on the device, its verdict read later (``updater.on_device``);
 - ``ema_off``: the same with ``on_nonfinite="off"``;
 - ``ema_cpu``: ``device="cpu"``: pinned host shadows, the live shards staged on a side stream;
-- ``fn``: a ``multi_avg_fn`` (custom rules take the host path).
+- ``fn``: a ``multi_avg_fn`` (custom rules take the host path);
+- ``ema_background``, ``ema_cpu_background``: ``background=True``, the update on a thread of its
+  own and a side stream, collected by the next optimizer step.
 
 Each is checked against ``AveragedModel`` with ``get_ema_multi_avg_fn`` over the live weights the
 engine's own API gathers, kept where the averager keeps its shadows: bitwise for fp32 live
@@ -187,6 +189,11 @@ def averagers(engine: Engine, device: torch.device) -> dict[str, tuple[WeightAve
         "ema_deferred": (deferred(WeightAverager(engine.model, EMA(decay=DECAY))), Reference(DECAY, device)),
         "ema_off": (WeightAverager(engine.model, EMA(decay=DECAY), on_nonfinite="off"), Reference(DECAY, device)),
         "ema_cpu": (WeightAverager(engine.model, EMA(decay=DECAY), device="cpu"), Reference(DECAY, host)),
+        "ema_background": (WeightAverager(engine.model, EMA(decay=DECAY), background=True), Reference(DECAY, device)),
+        "ema_cpu_background": (
+            WeightAverager(engine.model, EMA(decay=DECAY), device="cpu", background=True),
+            Reference(DECAY, host),
+        ),
         "fn": (WeightAverager(engine.model, get_ema_multi_avg_fn(0.8)), Reference(0.8, device)),
     }
 
