@@ -50,11 +50,6 @@ class Background:
         handle = register_optimizer_step_pre_hook(before_optimizer_step)
         weakref.finalize(self, handle.remove)
 
-    @property
-    def busy(self) -> bool:
-        """Whether an update was started and not collected yet."""
-        return self._thread is not None
-
     def start(self, step: int, work: Callable[[], object], devices: Iterable[torch.device]) -> None:
         """Run ``work()`` (the update of ``step``) on a new thread; on each CUDA device in ``devices``
         on a side stream that first waits for what the current stream has issued."""
