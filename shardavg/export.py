@@ -34,7 +34,17 @@ from .ownership import TargetLock, target_path
 from .provenance import made_by
 from .state import AverageState
 from .storage import Entry, dtype_name
-from .weight_files import Slot, Slots, WeightPlan, assign, check_target, commit, create_staged, discard
+from .weight_files import (
+    Slot,
+    Slots,
+    WeightPlan,
+    assign,
+    check_target,
+    commit,
+    create_staged,
+    discard,
+    row_pieces,
+)
 
 _UNITS = {
     "": 1,
@@ -363,14 +373,9 @@ def _items(tensor_of_slot: list[int], plan: WeightPlan, largest: int) -> list[It
     items = []
     for index, slots in grouped:
         entry = plan.slots[slots[0]].entry
-        if entry.nbytes <= largest or not entry.shape or entry.shape[0] < 2:
-            items.append(Item(index, tuple(slots), None, entry.nbytes * len(slots)))
-            continue
-        row_bytes = entry.nbytes // entry.shape[0]
-        step = max(1, largest // max(1, row_bytes))
-        for start in range(0, entry.shape[0], step):
-            stop = min(start + step, entry.shape[0])
-            items.append(Item(index, tuple(slots), (start, stop), (stop - start) * row_bytes * len(slots)))
+        for rows in row_pieces(entry.shape, entry.nbytes, largest):
+            nbytes = entry.nbytes if rows is None else entry.nbytes * (rows[1] - rows[0]) // entry.shape[0]
+            items.append(Item(index, tuple(slots), rows, nbytes * len(slots)))
     return items
 
 

@@ -43,7 +43,7 @@ from .provenance import made_by, of_input
 from .rules import SWA
 from .sources import SafetensorsSource, Source, Spec, finished_checkpoints, open_source
 from .storage import Entry, atomic_file, dtype_name, safetensors_metadata
-from .weight_files import Slots, WeightPlan, assign
+from .weight_files import Slots, WeightPlan, assign, row_pieces
 
 Output = Literal["safetensors", "shardavg"]
 HF_CONFIGS = ("config.json", "generation_config.json")  # what merges before 0.4 carried, unrecorded
@@ -176,14 +176,8 @@ def _pieces(plan: list[Planned], specs: list[Spec], output: Output, workers: int
     largest = -(-sum(sizes) // workers) if output == "safetensors" else sum(sizes)
     pieces = []
     for index, (spec, size) in enumerate(zip(specs, sizes)):
-        if size <= largest or not spec.shape or spec.shape[0] < 2:
-            pieces.append(Piece(index, None, size))
-            continue
-        row_bytes = size // spec.shape[0]
-        step = max(1, largest // max(1, row_bytes))
-        for start in range(0, spec.shape[0], step):
-            stop = min(start + step, spec.shape[0])
-            pieces.append(Piece(index, (start, stop), (stop - start) * row_bytes))
+        for rows in row_pieces(spec.shape, size, largest):
+            pieces.append(Piece(index, rows, size if rows is None else size * (rows[1] - rows[0]) // spec.shape[0]))
     return pieces
 
 
@@ -235,7 +229,7 @@ def _write_checkpoint(
     if workers.rank == 0:
         try:
             whole = [Piece(index, None, 0) for index in range(len(plan))]
-            stream = _merged(sources, shares, plan, specs, whole, accumulate, per_name=False)
+            stream = _merged(sources, shares, plan, specs, whole, accumulate)
             description = _description(sources, shares, plan, specs) | {"provenance": record()}
             out = save_whole(out, description, stream)
         except Exception as caught:
@@ -276,7 +270,7 @@ class Folder:
 
         def write(slots: Slots) -> Exception | None:
             try:
-                merged = _merged(sources, shares, plan, specs, mine, accumulate, per_name=False)
+                merged = _merged(sources, shares, plan, specs, mine, accumulate)
                 pieces = iter(mine)
                 for tensor in merged:  # (not zip: its reused tuple would hold a tensor while the next is merged)
                     piece = next(pieces)
@@ -605,11 +599,9 @@ def _merged(
     specs: list[Spec],
     pieces: Iterable[Piece],
     accumulate: torch.dtype,
-    per_name: bool,
 ) -> Iterator[torch.Tensor]:
-    """Each piece merged in turn (once per name it is written under, with ``per_name``):
-    ``sum(w_i * x_i)`` accumulated in input order, then cast (an overflow of the output dtype
-    refused by name). Nothing is kept from one piece to the next."""
+    """Each piece merged in turn: ``sum(w_i * x_i)`` accumulated in input order, then cast (an
+    overflow of the output dtype refused by name). Nothing is kept from one piece to the next."""
     for piece in pieces:
         planned, spec = plan[piece.index], specs[piece.index]
         if spec.dtype.is_floating_point:
@@ -619,8 +611,7 @@ def _merged(
             merged = cast(merged, spec.dtype, planned.names[0])
         else:
             merged = sources[-1].read(planned.held[-1], piece.rows)
-        for _ in planned.names if per_name else planned.names[:1]:
-            yield merged
+        yield merged
         del merged
 
 
@@ -645,7 +636,7 @@ def _check_range(
             for source, name in zip(sources, planned.held)
         )
 
-    for _ in _merged(sources, shares, plan, specs, filter(narrowed, pieces), accumulate, False):
+    for _ in _merged(sources, shares, plan, specs, filter(narrowed, pieces), accumulate):
         pass  # (each piece is cast and checked in turn, then let go)
 
 

@@ -107,6 +107,16 @@ def assign(items_bytes: list[int], writers: int) -> list[int]:
     return owner
 
 
+def row_pieces(shape: tuple[int, ...], nbytes: int, largest: int) -> list[tuple[int, int] | None]:
+    """A tensor of ``shape`` and ``nbytes`` as the work it is split into: ``[None]`` (whole) when it
+    holds at most ``largest`` bytes (or has fewer than two rows), else ranges of consecutive rows
+    of at most ``largest`` bytes each (one row at least)."""
+    if nbytes <= largest or not shape or shape[0] < 2:
+        return [None]
+    step = max(1, largest // max(1, nbytes // shape[0]))
+    return [(start, min(start + step, shape[0])) for start in range(0, shape[0], step)]
+
+
 def check_target(directory: Path) -> dict[str, bool]:
     """Refuse a target that is a file, a checkpoint or inside one, or holds weight files shardavg
     did not write; return the weight files it holds, each with whether it is shardavg's own."""
