@@ -17,10 +17,8 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import re
 import shutil
-import signal
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
@@ -29,18 +27,17 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from engines import Wrapped
 from torch.distributed.checkpoint.api import CheckpointException  # (a BaseException, not an Exception)
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 import shardavg
+from launch.engines import Wrapped
 from shardavg import WeightAverager
 from shardavg.format import step_directory
 from shardavg.storage import commit_directory, staging_path
 
 MARKER = "train.json"
 STEP = re.compile(r"step-(\d{8,9})")  # (eight digits: checkpoints of runs before the library's naming)
-KILL_IN_FLIGHT = "SHARDAVG_TEST_KILL_IN_FLIGHT"  # tests only: at this step rank 1 is killed with its request in flight
 
 
 class Unreadable(RuntimeError):
@@ -81,8 +78,6 @@ def save_async(
     staging folder and target. Nothing is committed: ``commit`` follows once the future is done."""
     target, staging = _prepare(root, step)
     request = dcp.async_save(_dcp_state(wrapped, averages, step), checkpoint_id=str(staging), process_group=group)
-    if os.environ.get(KILL_IN_FLIGHT) == str(step) and dist.get_rank() == 1:
-        os.kill(os.getpid(), signal.SIGKILL)  # (tests: a crash with the request in flight)
     return request, staging, target
 
 

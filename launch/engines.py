@@ -302,9 +302,10 @@ class Pipeline:
 
 
 def _pipeline(full: nn.Module, optimizer: Callable, stages: int, microbatches: int, device: torch.device) -> Wrapped:
-    from model import Block, loss
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.pipelining import PipelineStage, ScheduleGPipe
+
+    from launch.model import Block, loss
 
     world = dist.get_world_size()
     mesh = init_device_mesh(device.type, (world // stages, stages), mesh_dim_names=("dp", "pp"))

@@ -17,13 +17,9 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-import checkpoints
-import config as configs
-import data
-import engines
-import rundir
-from config import ConfigError
-
+from launch import checkpoints, data, engines, rundir
+from launch import config as configs
+from launch.config import ConfigError
 from shardavg.posthoc import target_gamma
 from shardavg.rules import Rule, rule_from_config
 

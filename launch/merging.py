@@ -13,12 +13,12 @@ import logging
 from dataclasses import dataclass
 from pathlib import Path
 
-import checkpoints
 import torch
 import torch.distributed as dist
-from engines import Wrapped
 
 import shardavg
+from launch import checkpoints
+from launch.engines import Wrapped
 from shardavg import SWA, WeightAverager
 
 log = logging.getLogger("train")

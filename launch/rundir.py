@@ -20,9 +20,9 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import torch.distributed as dist
-from config import ConfigError
 
 import shardavg
+from launch.config import ConfigError
 
 MARKER = "run.json"
 LOCK = ".train.lock"

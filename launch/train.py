@@ -1,6 +1,6 @@
 """The main job: train a small byte-level GPT on real text under any engine, with shardavg averages.
 
-    torchrun --nproc_per_node 2 launch/train.py --config configs/fsdp2.yaml [--out runs/fsdp2]
+    torchrun --nproc_per_node 2 -m launch.train --config configs/fsdp2.yaml [--out runs/fsdp2]
 
 Every ``eval.every`` steps it evaluates the raw and every averaged model on held-out text (the
 averages through ``swapped()``, shard-local) and appends both to ``OUT/metrics.jsonl``; every
@@ -24,18 +24,11 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-import checkpoints  # noqa: E402
-import config as configs  # noqa: E402
-import data  # noqa: E402
-import engines  # noqa: E402
-import merging  # noqa: E402
-import rundir  # noqa: E402
-from job import Job, load_job  # noqa: E402
-from model import GPT, Block, GPTConfig  # noqa: E402
-
-from shardavg import PostHocEMA, WeightAverager  # noqa: E402
+from launch import checkpoints, data, engines, merging, rundir
+from launch import config as configs
+from launch.job import Job, load_job
+from launch.model import GPT, Block, GPTConfig
+from shardavg import PostHocEMA, WeightAverager
 
 log = logging.getLogger("train")
 

@@ -18,7 +18,7 @@ from .rules import (
 )
 from .strategies import detect
 
-__version__ = "0.7.0"
+__version__ = "0.7.1"
 
 __all__ = [
     "EMA",

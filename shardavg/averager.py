@@ -48,27 +48,58 @@ def _after_the_update(method: Method) -> Method:
 class WeightAverager:
     """Keeps an average (EMA, SWA, power EMA, any rule) of a model's weights, shard by shard.
 
+    Each rank keeps a shadow of the part of every tensor it holds and updates it in place with
+    no communication; full tensors are gathered only on request (``full_state_dict``,
+    ``copy_to``, ``export``). Building the averager is a collective.
+
     Args:
-        model: a ``DeepSpeedEngine``, an FSDP1 module, a module with DTensor parameters
+        model: A ``DeepSpeedEngine``, an FSDP1 module, a module with DTensor parameters
             (``fully_shard``, tensor or expert parallel, any mix), a DDP module or a plain
             ``nn.Module``; with ``pipeline``, this rank's stage (or a list of its stages).
-            Building the averager is a collective.
         rule: ``EMA(...)``, ``SWA()``, ``PowerEMA(...)``, a ``multi_avg_fn(shadows, lives,
             num_updates)`` such as ``get_ema_multi_avg_fn(0.999)``, or a dict of them to keep
             several named averages (``{"ema": EMA(decay=0.999), "swa": SWA()}``), which share one
             read of the live shards per update; methods that use one average then take its name.
-        strategy: ``"auto"`` (detect) or one of ``"replicated"``, ``"fsdp1"``, ``"fsdp2"``,
-            ``"zero3"``; a forced strategy that does not fit the model is refused.
+            Default ``EMA(decay=0.999)``.
+        strategy: ``"auto"`` (detect, see [`detect`][shardavg.detect]) or one of ``"replicated"``,
+            ``"fsdp1"``, ``"fsdp2"``, ``"zero3"``; a forced strategy that does not fit the model is
+            refused.
+        every_n_steps: Update cadence. This argument and the seven after it are
+            [`Options`][shardavg.options.Options] fields, documented there.
+        start_step: The first step that updates ([`Options`][shardavg.options.Options]).
+        dtype: The shadows' floating dtype ([`Options`][shardavg.options.Options]).
+        buffers: What is kept of buffers ([`Options`][shardavg.options.Options]).
+        device: Where the shadows live ([`Options`][shardavg.options.Options]).
+        include_frozen: Whether frozen parameters are averaged ([`Options`][shardavg.options.Options]).
+        on_nonfinite: What a NaN or infinity in the live weights does
+            ([`Options`][shardavg.options.Options]).
+        background: Whether updates run on a thread of their own ([`Options`][shardavg.options.Options]).
         source: ``"live"`` (the weights the model holds) or ``"master"`` (a DeepSpeed ZeRO-1/2/3
             engine's fp32 masters: this rank's part of them).
-        pipeline: the process group or mesh of this rank's pipeline, as ``PipelineStage`` gets it;
+        pipeline: The process group or mesh of this rank's pipeline, as ``PipelineStage`` gets it;
             every stage's tensors are then gathered, exported and saved, the stage's own updated.
+            None: a model not cut into stages.
 
-    The other arguments (``every_n_steps``, ``start_step``, ``dtype``, ``buffers``, ``device``,
-    ``include_frozen``, ``on_nonfinite``, ``background``) say how to average: see ``Options``
-    (``avg.options``).
+    Attributes:
+        rule: The rule of the only average.
+        rules: Each average's rule, by name (``None`` for a single unnamed average).
+        options: The settings ([`Options`][shardavg.options.Options]) it was built with.
+        strategy: The engine adapter in use.
+        layout: Which rank holds which part of every tensor.
+        step: The last step seen by ``update()`` (restored by ``load``).
+        tensors: Each tensor tracked (a ``TensorInfo``), with this rank's part.
+        updater: The update pipeline (``Updater``), for tests and tools.
 
-    Example (one process; under torchrun every rank runs the same lines)::
+    Raises:
+        StrategyError: An unknown ``strategy`` or ``source``, one that does not fit the model, a
+            list of parts without ``pipeline``, or tensors this rank's engine holds in a way
+            shardavg cannot read (a ``Partial`` DTensor, ZeRO++ or NVMe offload).
+        ValueError: An option out of its range, or a dict of rules with no or badly named averages.
+        TypeError: ``rule`` is neither a rule nor a callable.
+        LayoutError: The ranks track different tensors, or their parts do not tile a tensor.
+
+    Examples:
+        One process; under torchrun every rank runs the same lines.
 
         >>> import torch, shardavg
         >>> model = torch.nn.Linear(4, 2)
@@ -122,14 +153,29 @@ class WeightAverager:
 
     @_after_the_update
     def shadows(self, average: str | None = None) -> list[torch.Tensor | None]:
-        """This rank's shadow of each tensor of ``average`` (``None`` where not stored), for
-        inspection: write into them only to restore a state you read from them."""
+        """This rank's shadow of each tensor of an average, for inspection.
+
+        Write into them only to restore a state you read from them.
+
+        Args:
+            average: The average's name; None for the only one.
+
+        Returns:
+            One entry per tracked tensor (``tensors`` order): its shadow, or None where it is not
+                stored (frozen parameters, ignored buffers).
+
+        Raises:
+            ValueError: No average of that name, or None while several averages are kept.
+        """
         return list(self._state.average(average).shadows)
 
     @property
     def num_updates(self) -> int:
-        """Updates applied (restored by load). Waits for the update in the background, and reads the
-        pending verdicts of updates checked on an accelerator (raising or warning for a non-finite one)."""
+        """Updates applied (restored by ``load``).
+
+        Waits for the update in the background, and reads the pending verdicts of updates checked
+        on an accelerator (raising or warning for a non-finite one, as ``on_nonfinite`` says).
+        """
         self._state.updater.wait()
         self._state.updater.settle()
         return self._state.num_updates
@@ -143,8 +189,11 @@ class WeightAverager:
 
     @property
     def run_id(self) -> str | None:
-        """The run's identity (32 hex digits) written into every checkpoint saved and restored by
-        ``load``; None unless set (``PostHocEMA`` sets it to tell its snapshots from another run's)."""
+        """The run's identity (32 lower-case hex digits), written into every checkpoint saved.
+
+        Restored by ``load``; None unless set (``PostHocEMA`` sets it to tell its snapshots from
+        another run's). Setting anything else raises ``ValueError``.
+        """
         return self._state.run_id
 
     @run_id.setter
@@ -154,8 +203,11 @@ class WeightAverager:
 
     @property
     def gather_bucket_bytes(self) -> int:
-        """What a gather (``full_state_dict``, ``copy_to``, ``export``) holds at once on a receiving
-        rank, beyond the largest single tensor (64 MiB by default)."""
+        """What a gather holds at once on a receiving rank, beyond the largest single tensor.
+
+        Bounds ``full_state_dict``, ``copy_to`` and ``export``; 64 MiB by default. Setting
+        anything but an int >= 1 raises ``ValueError``.
+        """
         return self._state.gather_bucket_bytes
 
     @gather_bucket_bytes.setter
@@ -166,59 +218,146 @@ class WeightAverager:
     def update(self, step: int | None = None) -> bool:
         """Average the live shards in; call after ``optimizer.step()``. No communication.
 
-        ``step`` counts optimizer steps (by default one more than the last seen); the update runs
-        at ``start_step + k * every_n_steps``, the first one copying. Returns whether one was
-        applied; a refused call (inside ``swapped()``, a step not after the last) changes nothing.
+        The update runs at ``start_step + k * every_n_steps``, the first one copying. A refused
+        call changes nothing.
+
+        Args:
+            step: The optimizer step count; None (default): one more than the last seen.
+
+        Returns:
+            Whether an update was applied (with ``background=True``: started).
+
+        Raises:
+            RuntimeError: Called inside ``swapped()``.
+            ValueError: ``step`` is not after the last step seen.
+            NonFiniteError: A live weight holds NaN or infinity under ``on_nonfinite="raise"``
+                (in the background, raised at the next call instead).
         """
         if self._state.swapped:
             raise RuntimeError("update() inside swapped(): the live model holds averaged weights")
         return self._state.updater.update(step)
 
     def wait(self) -> None:
-        """Wait for the update running in the background (``background=True``), raising its error if
-        it met one. Every method here does this first, and so does every torch optimizer's
-        ``step()``; call it before writing the live weights any other way."""
+        """Wait for the update running in the background (``background=True``).
+
+        Every method here does this first, and so does every torch optimizer's ``step()``; call it
+        before writing the live weights any other way.
+
+        Raises:
+            Exception: What the background update raised (``NonFiniteError``, out of memory, ...),
+                once.
+        """
         self._state.updater.wait()
 
     @_after_the_update
     def restart(self, step: int) -> None:
-        """Restart every average from the live weights, as if its first update at ``step`` had copied
-        them: what a resume does when the checkpoint it loaded has no average (``strict=False``)."""
-        self._state.reseed(validate.step(f"restart(step={step})", step))
+        """Restart every average from the live weights, as if its first update at ``step`` had copied them.
+
+        This is what a resume does when the checkpoint it loaded has no average (``strict=False``).
+
+        Args:
+            step: The step of the copying update (the step the live weights are at).
+
+        Raises:
+            ValueError: ``step`` is negative.
+        """
+        self._state.restart(validate.step(f"restart(step={step})", step))
 
     @_after_the_update
     def combine(self, sources: Iterable[tuple[WeightAverager, str | None, float]], step: int, num_updates: int) -> None:
-        """Set the only average to the sum of ``weight`` times each source averager's average
-        ``name`` (same model, same parts), shard by shard, its copied tensors to the last source's
-        and its counts to ``step`` and ``num_updates``: post-hoc synthesis's result. Each source is
-        read when the iterable yields it, so one averager reloaded between terms serves."""
+        """Set the only average to a weighted sum of other averagers' averages: post-hoc synthesis's result.
+
+        Shard by shard; copied tensors are taken from the last source. Each source is read when the
+        iterable yields it, so one averager reloaded between terms serves.
+
+        Args:
+            sources: ``(averager, name, weight)`` terms, each averager of the same model with the
+                same parts; ``name`` picks its average (None: its only one).
+            step: The step count to set.
+            num_updates: The update count to set.
+
+        Raises:
+            ValueError: This averager keeps several averages, or a source has no average ``name``.
+        """
         terms = ((source.shadows(name), weight) for source, name, weight in sources)
         self._state.combine(terms, step, num_updates)
 
     @_after_the_update
     def swapped(self, average: str | None = None) -> AbstractContextManager[None]:
-        """Inside the block the live model holds ``average``; shard-local, no gather (but under
-        ZeRO-1/2 masters, where every rank holds the whole model: a collective there). The live
-        shards come back bit for bit on exit, also when the block raises."""
+        """A context in which the live model holds an average.
+
+        Shard-local, no gather (but under ZeRO-1/2 masters, where every rank holds the whole
+        model: a collective there). The live shards come back bit for bit on exit, also when the
+        block raises.
+
+        Args:
+            average: The average's name; None for the only one.
+
+        Returns:
+            A context manager; the errors below are raised on entering it.
+
+        Raises:
+            ValueError: No average of that name, or None while several averages are kept.
+            RuntimeError: No update applied yet, or already inside ``swapped()``.
+            ModelChangedError: The model's tensors are no longer those the averager was built on.
+        """
         return swap.swapped(self._state, average)
 
     @_after_the_update
     def copy_into_model(self, average: str | None = None) -> None:
-        """Write the average into the live model for good, as ``swapped()`` does on entry (to go on
-        from it, or save it with the engine's own checkpoints): the live weights are lost."""
+        """Write the average into the live model for good, as ``swapped()`` does on entry.
+
+        To go on training from it, or save it with the engine's own checkpoints: the live weights
+        are lost.
+
+        Args:
+            average: The average's name; None for the only one.
+
+        Raises:
+            ValueError: No average of that name, or None while several averages are kept.
+            RuntimeError: No update applied yet, or inside ``swapped()``.
+            ModelChangedError: The model's tensors are no longer those the averager was built on.
+        """
         swap.copy_into_model(self._state, average)
 
     @_after_the_update
     def full_state_dict(self, average: str | None = None, live: bool = False) -> dict[str, torch.Tensor]:
-        """Collective: on rank 0 ``{name: full tensor}`` on CPU, every name of the plain model; ``{}``
-        elsewhere. Frozen parameters and ignored buffers carry their live values; ``live=True``
-        gathers the live weights. One bounded bucket at a time."""
+        """Collective: the full average as a plain state dict on rank 0.
+
+        Frozen parameters and ignored buffers carry their live values. Gathered one bounded bucket
+        at a time (``gather_bucket_bytes``).
+
+        Args:
+            average: The average's name; None for the only one.
+            live: Gather the live weights instead of the average.
+
+        Returns:
+            On rank 0 ``{name: full tensor}`` on CPU, every name of the plain model (tied weights
+                under each name); ``{}`` on the other ranks.
+
+        Raises:
+            ValueError: No average of that name, or None while several averages are kept.
+            RuntimeError: No update applied yet (unless ``live``), or the ranks applied different
+                updates.
+            ModelChangedError: The model's tensors are no longer those the averager was built on.
+        """
         return export.full_state_dict(self._state, average, live)
 
     @_after_the_update
     def copy_to(self, module: nn.Module, average: str | None = None) -> None:
-        """Collective: write ``average`` into ``module`` (a plain model) on every rank, the same values
-        everywhere (where ranks hold their own copy of a buffer, its owner's)."""
+        """Collective: write an average into a plain model on every rank, the same values everywhere.
+
+        Where ranks hold their own copy of a buffer, its owner's value is written.
+
+        Args:
+            module: A plain (unsharded) model with the averaged model's names and shapes.
+            average: The average's name; None for the only one.
+
+        Raises:
+            ValueError: ``module`` does not match the averaged model, or no average of that name.
+            RuntimeError: No update applied yet, or the ranks applied different updates.
+            ModelChangedError: The model's tensors are no longer those the averager was built on.
+        """
         export.copy_to(self._state, module, average)
 
     @_after_the_update
@@ -231,51 +370,143 @@ class WeightAverager:
         live: bool = False,
         writers: int | None = None,
     ) -> Path:
-        """Collective: the full average as safetensors in the folder ``path`` (above ``max_shard_size``
-        the Hugging Face sharded layout with its index). Every rank writes: its own parts where
-        they lie in the files (parameters sharded in ranges: rows, flat shards), and about 1/W of
-        the rest, received a bounded bucket at a time (``writers=k``: k ranks spread over the world
-        receive everything; ``1``: rank 0 alone, for a file system that cannot take concurrent
-        writers); the files are the same whatever the number. ``path`` must be a folder every writer sees.
-        ``dtype`` casts floating tensors; ``live=True`` writes the live weights instead."""
+        """Collective: write the full average as safetensors into a model folder.
+
+        Every rank writes: its own parts where they lie in the files (parameters sharded in
+        ranges: rows, flat shards), and about 1/W of the rest, received a bounded bucket at a time.
+        The files are the same whatever the number of writers.
+
+        Args:
+            path: The folder; every writer must see it (a shared file system).
+            max_shard_size: Above this size (bytes, or a string such as ``"5GB"``, ``"500MiB"``)
+                the Hugging Face sharded layout with its index is written.
+            dtype: Cast floating tensors to this dtype; None keeps each tensor's own.
+            average: The average's name; None for the only one.
+            live: Write the live weights instead of the average.
+            writers: ``k`` ranks spread over the world receive and write everything; ``1``: rank 0
+                alone, for a file system that cannot take concurrent writers; None (default): every
+                rank.
+
+        Returns:
+            The folder written.
+
+        Raises:
+            ValueError: A bad ``max_shard_size``, ``dtype``, ``writers``, empty ``path`` or average name.
+            ExportError: The folder is not shardavg's to write, the ranks name different folders or
+                arguments, a tensor cannot be cast, or a rank failed to write.
+            RuntimeError: No update applied yet (unless ``live``), or the ranks applied different
+                updates.
+            ModelChangedError: The model's tensors are no longer those the averager was built on.
+        """
         return export.export(self._state, path, max_shard_size, dtype, average, live, writers)
 
     @_after_the_update
     def state_dict(self) -> dict[str, Any]:
-        """DCP Stateful: ``dcp.save({..., "ema": avg})`` (collective there). Each tensor in its own shape,
-        this rank holding the boxes it owns, so ``dcp.load`` reshards to any layout or world size."""
+        """DCP Stateful: ``dcp.save({..., "ema": avg})`` (collective there).
+
+        Each tensor in its own shape, this rank holding the boxes it owns, so ``dcp.load``
+        reshards to any layout or world size.
+
+        Returns:
+            ``{"meta": ..., "tensors": {key: tensor}}``, for DCP to save.
+
+        Raises:
+            ModelChangedError: The model's tensors are no longer those the averager was built on.
+        """
         return stateful.state_dict(self._state)
 
     @_after_the_update
     def load_state_dict(self, state_dict: dict[str, Any], strict: bool = True) -> None:
-        """Restore from ``state_dict()`` as ``dcp.load`` filled it: names and shapes must match; another
-        rule raises unless ``strict=False``, which warns. Checked on every rank before anything changes."""
+        """Restore from ``state_dict()`` as ``dcp.load`` filled it.
+
+        Checked on every rank before anything changes.
+
+        Args:
+            state_dict: What ``dcp.load`` filled in.
+            strict: Refuse missing or unexpected tensors, tensors stored differently, other averages
+                or another rule; with False, warn about them instead (what is missing is averaged
+                from the live weights on). Shapes must match either way.
+
+        Raises:
+            CheckpointError: Not a shardavg state dict, shapes or dtypes that do not match, or
+                (under ``strict``) any difference above.
+        """
         stateful.load_state_dict(self._state, state_dict, strict)
 
     @_after_the_update
     def save(
         self, directory: str | os.PathLike, keep_last: int | None = None, dtype: torch.dtype | None = None
     ) -> Path:
-        """Collective: an atomic sharded checkpoint of the averager alone (safetensors + JSON); with
-        ``keep_last=K`` into ``directory/step-NNNNNNNNN``, the K newest kept. ``dtype`` stores the
-        averaged tensors in that dtype."""
+        """Collective: an atomic sharded checkpoint of the averager alone (safetensors + JSON).
+
+        Args:
+            directory: The checkpoint folder, replaced whole; with ``keep_last``, the folder that
+                holds the step checkpoints.
+            keep_last: Save into ``directory/step-NNNNNNNNN`` and keep the ``keep_last`` newest of
+                shardavg's own there; None (default): save ``directory`` itself.
+            dtype: Store the averaged tensors in this dtype (loading casts them back); None keeps
+                the shadows' dtype.
+
+        Returns:
+            The committed checkpoint's path.
+
+        Raises:
+            ValueError: A bad ``keep_last`` or ``dtype``, or an empty ``directory``.
+            CheckpointError: Something not written by shardavg is in the way, the target lies inside
+                another checkpoint, or another process is writing there.
+            ModelChangedError: The model's tensors are no longer those the averager was built on.
+        """
         return checkpoint.save(self._state, directory, keep_last, dtype)
 
     @_after_the_update
     def load(self, directory: str | os.PathLike, strict: bool = True, verify: bool = False) -> Path:
-        """Collective: restore ``save``'s checkpoint (the newest of a ``keep_last`` directory) at any
-        layout, one save whole even while another process saves there; ``verify`` hashes every
-        file against its recorded SHA-256 first. Returns the checkpoint loaded."""
+        """Collective: restore a checkpoint written by ``save``, at any layout or world size.
+
+        One save is read whole, even while another process saves there. Everything is checked on
+        every rank before any shadow changes.
+
+        Args:
+            directory: A checkpoint, or a ``keep_last`` folder (its newest checkpoint is loaded).
+            strict: Refuse missing or unexpected tensors, tensors stored differently, other averages
+                or another rule; with False, warn about them instead (what is missing is averaged
+                from the live weights on). Shapes must match either way.
+            verify: Hash every file against its recorded SHA-256 first.
+
+        Returns:
+            The checkpoint loaded.
+
+        Raises:
+            CheckpointError: The checkpoint is missing, uncommitted, corrupt or not shardavg's, its
+                shapes do not match, or (under ``strict``) it differs as above.
+            ModelChangedError: The model's tensors are no longer those the averager was built on.
+        """
         return checkpoint.load(self._state, directory, strict, verify)
 
     def check_checkpoint(self, directory: str | os.PathLike, strict: bool = True, verify: bool = False) -> Path:
-        """Collective: what ``load(directory, strict, verify)`` would refuse, refused now, with nothing
-        changed: call it before an engine loads its own part of the same checkpoint, so that a
-        damaged average never leaves the weights of one step beside the average of another."""
+        """Collective: refuse now what ``load(directory, strict, verify)`` would refuse, changing nothing.
+
+        Call it before an engine loads its own part of the same checkpoint, so that a damaged
+        average never leaves the weights of one step beside the average of another.
+
+        Args:
+            directory: As for ``load``.
+            strict: As for ``load``.
+            verify: As for ``load``.
+
+        Returns:
+            The checkpoint ``load`` would read.
+
+        Raises:
+            CheckpointError: As ``load`` would raise it.
+        """
         return checkpoint.check(self._state, directory, strict, verify)
 
     def shadow_bytes(self) -> int:
-        """Bytes of shadow storage on this rank."""
+        """Bytes of shadow storage on this rank.
+
+        Returns:
+            The bytes every average's shadows take on this rank.
+        """
         return self._state.shadow_bytes()
 
     @_after_the_update

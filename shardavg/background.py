@@ -31,8 +31,14 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 
 class Background:
-    """One update at a time on a thread of its own: ``start`` it, ``wait`` for it (which raises
-    what it raised). Until collected, every torch optimizer waits for it before it steps."""
+    """One update at a time on a thread of its own: ``start`` it, ``wait`` for it.
+
+    Until an update is collected, every torch optimizer waits for it before it steps (a global
+    optimizer pre-hook, removed when this object is collected).
+
+    Attributes:
+        waited_seconds: How long callers were blocked collecting updates (what the loop paid).
+    """
 
     def __init__(self) -> None:
         self._thread: threading.Thread | None = None
@@ -51,8 +57,19 @@ class Background:
         weakref.finalize(self, handle.remove)
 
     def start(self, step: int, work: Callable[[], object], devices: Iterable[torch.device]) -> None:
-        """Run ``work()`` (the update of ``step``) on a new thread; on each CUDA device in ``devices``
-        on a side stream that first waits for what the current stream has issued."""
+        """Run ``work()`` (the update of ``step``) on a new thread, once the previous one is collected.
+
+        On each CUDA device in ``devices`` the work runs on a side stream that first waits for what
+        the current stream has issued.
+
+        Args:
+            step: The step of the update, named by the error it may raise.
+            work: The update.
+            devices: The devices it touches.
+
+        Raises:
+            Exception: What the previous update raised (see ``wait``).
+        """
         self.wait()
         ready = {d: torch.cuda.current_stream(d).record_event() for d in set(devices) if d.type == "cuda"}
         thread = threading.Thread(target=self._run, args=(step, work, ready), name=f"shardavg-update-{step}")
@@ -78,8 +95,11 @@ class Background:
         return self._streams[device]
 
     def wait(self) -> None:
-        """Collect the update in flight, if any: join its thread, order the loop's CUDA streams
-        after its work, and raise its error (once), naming its step."""
+        """Collect the update in flight, if any: join its thread and order the loop's CUDA streams after its work.
+
+        Raises:
+            Exception: What the update raised (once), with a note naming its step.
+        """
         thread, self._thread = self._thread, None
         if thread is None:
             return

@@ -20,12 +20,12 @@ from __future__ import annotations
 
 import contextlib
 import json
-import math
 import os
 import secrets
 import shutil
 import warnings
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -35,16 +35,16 @@ from . import validate
 from .dist import agree_or_raise, all_gathered, gather_or_raise, rank, world_size
 from .errors import CheckpointError
 from .format import (
-    DESCRIBED,
     MANIFEST,
     SAVE_ID_KEY,
     STEP_DIR,
-    chunk_table,
+    Description,
+    TensorEntry,
+    manifest_json,
     saved_length,
     shard_file,
     step_directory,
     tensor_key,
-    with_checksum,
 )
 from .ownership import (
     STAGING_MARKER,
@@ -60,16 +60,15 @@ from .reading import (
     ATTEMPTS,
     CheckpointReplaced,
     OpenCheckpoint,
-    busy,
+    busy_error,
     committed_steps,
     open_checkpoint,
     reserve_descriptors,
 )
 from .state import AverageState
 from .storage import (
-    DTYPES,
+    INCOMPLETE,
     Entry,
-    FileDigest,
     SafetensorsFile,
     atomic_file,
     commit_directory,
@@ -78,10 +77,10 @@ from .storage import (
     staging_path,
     write_safetensors,
 )
-from .tensor_layout import ListedLayout, MeshLayout, TensorLayout, world_grid
+from .tensor_layout import MeshLayout, world_grid
 
 
-def check_compatible(state: AverageState, meta: dict[str, Any], where: str, strict: bool) -> dict[str, dict]:
+def check_compatible(state: AverageState, saved_state: Description, where: str, strict: bool) -> dict[str, TensorEntry]:
     """Compare a checkpoint with the averager; return the saved tensors by this averager's names.
 
     Names and shapes must match (the error lists missing, unexpected and mis-shaped
@@ -90,7 +89,7 @@ def check_compatible(state: AverageState, meta: dict[str, Any], where: str, stri
     its first name the checkpoint holds (a checkpoint of an untied model, or a merge, holds each
     name apart), and a name tied in the checkpoint serves every tensor of this model it names.
     """
-    by_name = {name: entry for entry in meta["tensors"] for name in (entry["name"], *entry["aliases"])}
+    by_name = saved_state.by_name()
     mine = {info.name: info for info in state.infos}
     saved = {
         info.name: by_name[found]
@@ -99,11 +98,11 @@ def check_compatible(state: AverageState, meta: dict[str, Any], where: str, stri
     }
     names = {name for info in state.infos for name in info.names}
     missing = sorted(set(mine) - set(saved))
-    unexpected = sorted(e["name"] for e in meta["tensors"] if not names & {e["name"], *e["aliases"]})
+    unexpected = sorted(e.name for e in saved_state.tensors if not names & set(e.names))
     misshaped = sorted(
-        f"{name}: checkpoint {tuple(saved[name]['shape'])} vs model {tuple(mine[name].shape)}"
+        f"{name}: checkpoint {saved[name].shape} vs model {tuple(mine[name].shape)}"
         for name in saved
-        if tuple(saved[name]["shape"]) != tuple(mine[name].shape)
+        if saved[name].shape != tuple(mine[name].shape)
     )
     if misshaped or (strict and (missing or unexpected)):
         raise CheckpointError(
@@ -116,22 +115,22 @@ def check_compatible(state: AverageState, meta: dict[str, Any], where: str, stri
         )
     stored = {info.name: role != "live" for info, role in zip(state.infos, state.roles)}
     restored = sorted(
-        f"{name} ({'averaged' if stored[name] else 'live'} here, {saved[name]['role']} in the checkpoint)"
+        f"{name} ({'averaged' if stored[name] else 'live'} here, {saved[name].role} in the checkpoint)"
         for name in saved
-        if stored[name] != (saved[name]["role"] != "live")
+        if stored[name] != (saved[name].role != "live")
     )
     if restored:
         message = f"{where} stores tensors differently (frozen parameters or buffer policy changed?): {restored}"
         if strict:
             raise CheckpointError(message)
         warnings.warn(message, stacklevel=3)
-    _compare_averages(state, meta, where, strict)
+    _compare_averages(state, saved_state, where, strict)
     return saved
 
 
-def _compare_averages(state: AverageState, meta: dict[str, Any], where: str, strict: bool) -> None:
+def _compare_averages(state: AverageState, saved_state: Description, where: str, strict: bool) -> None:
     mine = {average.name: average.rule.to_config() for average in state.averages.values()}
-    theirs = {entry["name"]: entry["rule"] for entry in meta["averages"]}
+    theirs = {average.name: average.rule for average in saved_state.averages}
     messages = []
     if mine.keys() != theirs.keys():
         messages.append(
@@ -148,7 +147,7 @@ def _compare_averages(state: AverageState, meta: dict[str, Any], where: str, str
         warnings.warn(message, stacklevel=4)
 
 
-class Slot(NamedTuple):
+class ToLoad(NamedTuple):
     """A shadow to fill from a checkpoint: tensor ``index`` of ``average`` (``None`` for a copied
     tensor's shared shadow), saved here under ``key`` and in the checkpoint under ``saved_key``."""
 
@@ -158,21 +157,21 @@ class Slot(NamedTuple):
     saved_key: str
 
 
-def loadable(state: AverageState, saved: dict[str, dict], meta: dict[str, Any]) -> list[Slot]:
+def loadable(state: AverageState, saved: dict[str, TensorEntry], saved_state: Description) -> list[ToLoad]:
     """The shadows to fill from a checkpoint: stored by the averager, saved as such, and of an
     average the checkpoint holds."""
-    saved_averages = [entry["name"] for entry in meta["averages"]]
+    saved_averages = saved_state.average_names
     slots = []
     for index, info in enumerate(state.infos):
         entry = saved.get(info.name)
-        if not state.stored(index) or entry is None or entry["role"] == "live":
+        if not state.stored(index) or entry is None or entry.role == "live":
             continue
         for key, average in state.keys(index):
             source = average if average is not None else saved_averages[0]
             if source not in saved_averages:
                 continue
-            saved_key = tensor_key(source, entry["name"]) if entry["role"] == "average" else entry["name"]
-            slots.append(Slot(index, average, key, saved_key))
+            saved_key = tensor_key(source, entry.name) if entry.role == "average" else entry.name
+            slots.append(ToLoad(index, average, key, saved_key))
     return slots
 
 
@@ -221,7 +220,7 @@ def _prepare(directory: Path, target: Path, keep_last: int | None) -> int:
                 "earlier checkpoint?): they are kept, but this save is now the newest, the one load() returns",
                 stacklevel=4,
             )
-        for stale in directory.glob(".step-*.incomplete"):  # left by saves that crashed
+        for stale in directory.glob(f".step-*{INCOMPLETE}"):  # left by saves that crashed
             if is_own_staging(stale):
                 shutil.rmtree(stale)
     _check_not_a_file(target)
@@ -243,35 +242,6 @@ def _prepare(directory: Path, target: Path, keep_last: int | None) -> int:
     staging.mkdir(parents=True)
     (staging / STAGING_MARKER).touch()
     return sequence
-
-
-def _manifest(
-    description: dict[str, Any], layouts: Sequence[TensorLayout], digests: list[FileDigest],
-    identity: tuple[int, str],
-) -> dict[str, Any]:  # fmt: skip
-    """The manifest of a save: the description, each tensor's layout (its grid of ranks listed once)
-    or, where it was gathered, its chunk table, every file's size and hash, and the save's sequence
-    number and id. File ``r`` (``shard_file(r, len(digests))``) holds what rank ``r`` owns."""
-    sequence, save_id = identity
-    grids = {layout.grid.digest: layout.grid for layout in layouts if not isinstance(layout, ListedLayout)}
-    index = {digest: position for position, digest in enumerate(grids)}
-    manifest = description | {
-        "files": len(digests),
-        "digests": [[d.bytes, d.sha256] for d in digests],
-        "save_id": save_id,
-        "sequence": sequence,
-        "grids": [grid.to_json() for grid in grids.values()],
-    }
-    manifest["tensors"] = [
-        {key: entry[key] for key in DESCRIBED}
-        | (
-            {"chunks": chunk_table(layout.chunks)}
-            if isinstance(layout, ListedLayout)
-            else {"layout": layout.to_json(index)}
-        )
-        for entry, layout in zip(description["tensors"], layouts)
-    ]
-    return with_checksum(manifest)
 
 
 def _commit(manifest: dict[str, Any], target: Path) -> None:
@@ -311,8 +281,8 @@ def save(
         return dtype is not None and state.roles[index] == "average"
 
     def stored(index: int, average: str | None) -> torch.Tensor:
-        piece = packed(state.infos[index].part, state.piece(index, average))
-        return piece.to(dtype) if cast(index) else piece
+        local = packed(state.infos[index].part, state.flat_part(index, average))
+        return local.to(dtype) if cast(index) else local
 
     state.check_current()
     directory = target_path(directory, "save", replaced_whole=not keep_last)
@@ -339,7 +309,7 @@ def save(
         digest = None
         try:
             entries = [
-                Entry(key, dtype if cast(i) else state.piece(i, a).dtype, (state.infos[i].local_numel,))
+                Entry(key, dtype if cast(i) else state.flat_part(i, a).dtype, (state.infos[i].local_numel,))
                 for i, key, a in chunks
             ]
             stream = (stored(i, a) for i, _, a in chunks)
@@ -351,10 +321,12 @@ def save(
         if me == 0:
             try:
                 description = state.describe()
-                if dtype is not None:
-                    for entry, role in zip(description["tensors"], state.roles):
-                        entry["dtype"] = dtype_name(dtype) if role == "average" else entry["dtype"]
-                _commit(_manifest(description, state.layout.layouts, digests, (sequence, save_id)), target)
+                if dtype is not None:  # the averaged tensors as stored
+                    description.tensors = tuple(
+                        replace(entry, dtype=dtype_name(dtype)) if entry.role == "average" else entry
+                        for entry in description.tensors
+                    )
+                _commit(manifest_json(description, state.layout.layouts, digests, sequence, save_id), target)
             except Exception as caught:
                 error = caught
         agree_or_raise(error, f"committing {target}")
@@ -366,30 +338,30 @@ def save(
     return target
 
 
-def save_whole(directory: str | os.PathLike, description: dict[str, Any], tensors: Iterable[torch.Tensor]) -> Path:
+def save_whole(directory: str | os.PathLike, description: Description, tensors: Iterable[torch.Tensor]) -> Path:
     """One process, no process group: save ``tensors`` (whole, one per entry of ``description``,
     in order, produced lazily) as the checkpoint a one-rank ``save`` writes, under the same rules
     (its own target only, locked, staged and committed atomically). ``avg.load`` reads it at any
     world size. Returns ``directory``."""
     directory = target_path(directory, "save", replaced_whole=True)
     _check_outside_checkpoints(directory, directory)
-    entries = description["tensors"]
+    entries = description.tensors
     with TargetLock.beside(directory):
         sequence, save_id = _prepare(directory, directory, None), secrets.token_hex(16)
         files = [shard_file(0, 1)]
-        planned = [Entry(e["name"], DTYPES[e["dtype"]], (math.prod(e["shape"]),)) for e in entries]
+        planned = [Entry(e.name, e.torch_dtype, (e.numel,)) for e in entries]
         flat = (tensor.reshape(-1) for tensor in tensors)
         digest = write_safetensors(staging_path(directory) / files[0], planned, flat, {SAVE_ID_KEY: save_id})
-        whole = [MeshLayout(tuple(e["shape"]), world_grid(1), (("replicate",),)) for e in entries]
-        _commit(_manifest(description, whole, [digest], (sequence, save_id)), directory)
+        whole = [MeshLayout(e.shape, world_grid(1), (("replicate",),)) for e in entries]
+        _commit(manifest_json(description, whole, [digest], sequence, save_id), directory)
     return directory
 
 
-def packed(part: Part, piece: torch.Tensor) -> torch.Tensor:
-    """A local ``piece`` as it is saved: its boxes back to back (the piece itself when they are)."""
+def packed(part: Part, local: torch.Tensor) -> torch.Tensor:
+    """A local part ``local`` as it is saved: its boxes back to back (itself when they are)."""
     if part.dense:
-        return piece
-    return torch.cat([block.view(piece).reshape(-1) for block in part.blocks])
+        return local
+    return torch.cat([block.view(local).reshape(-1) for block in part.blocks])
 
 
 class _Read(NamedTuple):
@@ -404,25 +376,24 @@ class _Read(NamedTuple):
     offsets: tuple[int, ...]
 
 
-def _plan_reads(state: AverageState, opened: OpenCheckpoint, slots: list[Slot]) -> list[_Read]:
+def _plan_reads(state: AverageState, opened: OpenCheckpoint, slots: list[ToLoad]) -> list[_Read]:
     """Every read this rank needs, each checked against the file it comes from (opened here, so
     what is read later is this save's whatever happens to the folder)."""
-    meta = opened.meta
-    saved = {entry["name"]: entry for entry in meta["tensors"]}
-    reserve_descriptors(len(meta["files"]))
+    saved = {entry.name: entry for entry in opened.description.tensors}
+    reserve_descriptors(len(opened.description.files))
     reads = []
     for slot in slots:
         info = state.infos[slot.index]
-        entry, piece = saved[info.name], state.piece(slot.index, slot.average)
-        layout = entry["layout"]
+        entry, local = saved[info.name], state.flat_part(slot.index, slot.average)
+        layout = entry.layout
         for block in info.part.blocks:
             for owner, stored in layout.candidates((block.offsets, block.sizes)):
                 common = intersect((block.offsets, block.sizes), (stored.offsets, stored.sizes))
                 if common is None:
                     continue
                 file = opened.shard(owner)
-                file.checked(slot.saved_key, entry["dtype"], saved_length(layout, owner))
-                target = block.view(piece)[box_slices(_minus(common[0], block.offsets), common[1])]
+                file.checked(slot.saved_key, entry.dtype, saved_length(layout, owner))
+                target = block.view(local)[box_slices(_minus(common[0], block.offsets), common[1])]
                 reads.append(
                     _Read(target, file, slot.saved_key, stored.at, stored.sizes, _minus(common[0], stored.offsets))
                 )
@@ -435,7 +406,7 @@ def _minus(a: tuple[int, ...], b: tuple[int, ...]) -> tuple[int, ...]:
 
 def _open_for_load(
     state: AverageState, directory: str | os.PathLike, strict: bool, verify: bool
-) -> tuple[OpenCheckpoint, list[Slot], list[_Read]]:
+) -> tuple[OpenCheckpoint, list[ToLoad], list[_Read]]:
     """Collective: the checkpoint opened on every rank, the same save on all of them (a save
     committed while the ranks open it makes them all open the newer one), checked whole, with
     every read planned. With ``verify`` the ranks share the hashing of its files."""
@@ -444,13 +415,13 @@ def _open_for_load(
         opened, slots, reads, replaced = None, [], [], False
         try:
             opened = open_checkpoint(directory)
-            meta = opened.meta
-            slots = loadable(state, check_compatible(state, meta, str(opened.path), strict), meta)
+            saved = opened.description
+            slots = loadable(state, check_compatible(state, saved, str(opened.path), strict), saved)
             reads = _plan_reads(state, opened, slots)
-            for index in range(rank(), len(meta["files"]), world_size()):  # every file, the ranks sharing them:
+            for index in range(rank(), len(saved.files), world_size()):  # every file, the ranks sharing them:
                 opened.shard(index)  # one that holds no tensor this averager reads must be there all the same
             if verify:
-                opened.verify(list(range(len(meta["files"])))[rank() :: world_size()])
+                opened.verify(list(range(len(saved.files)))[rank() :: world_size()])
         except CheckpointReplaced:
             replaced = True
         except Exception as caught:
@@ -466,7 +437,7 @@ def _open_for_load(
             return opened, slots, reads  # type: ignore[return-value]
         if opened is not None:  # some rank saw another save: all open again
             opened.close()
-    raise busy(directory)
+    raise busy_error(directory)
 
 
 def check(state: AverageState, directory: str | os.PathLike, strict: bool = True, verify: bool = False) -> Path:
@@ -486,5 +457,5 @@ def load(state: AverageState, directory: str | os.PathLike, strict: bool = True,
     with opened, torch.no_grad():
         for read in reads:
             read.file.read_box(read.target, read.key, read.at, read.sizes, read.offsets)
-    state.restore(opened.meta, {slot.key for slot in slots})
+    state.resume(opened.description, {slot.key for slot in slots})
     return opened.path

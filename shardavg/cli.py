@@ -15,19 +15,20 @@ import logging
 import os
 import sys
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, NoReturn
 
 from . import provenance
 from .errors import CheckpointError
-from .export import cast, export_entries, export_metadata, parse_size, write_model
-from .format import numel
+from .export import export_metadata, write_model
+from .format import DCP_METADATA, MANIFEST, Description, TensorEntry
 from .logs import log
 from .offline import SavedAverage
-from .ownership import enclosing_checkpoint
 from .provenance import made_by, of_input
-from .storage import DTYPES
+from .storage import DTYPES, dtype_name
+from .weight_files import check_output_folder
 
 EXPORT_DTYPES = ("float32", "bfloat16", "float16")
 
@@ -209,51 +210,33 @@ def _posthoc(args: argparse.Namespace) -> str:
         return "\n".join([*rows, synthesizable(found)])
     if args.out is None or args.sigma_rel is None:
         raise ValueError("posthoc needs OUT and --sigma-rel (or --list)")
-    _check_out(args.out)
+    check_output_folder(args.out)
     gamma = target_gamma(sigma_rel=args.sigma_rel)
     description, tensors = synthesized_tensors(args.snapshots, gamma, args.step)
     dtype = None if args.dtype is None else DTYPES[args.dtype]
-    entries = export_entries(
-        (([e["name"], *e["aliases"]], synthesized_dtype(e), tuple(e["shape"])) for e in description["tensors"]), dtype
-    )
-
-    def stream():
-        for entry, full in tensors:
-            full = cast(full, dtype, entry["name"])
-            for _ in (entry["name"], *entry["aliases"]):
-                yield full
-            del full
-
+    entries = [replace(e, dtype=dtype_name(synthesized_dtype(e))) for e in description.tensors]
+    values = (full for _, full in tensors)
     metadata = {"format": "pt", "shardavg": json.dumps({"posthoc": {"sigma_rel": args.sigma_rel, "step": args.step}})}
-    path = write_model(args.out, entries, stream(), metadata, parse_size(args.max_shard_size))
-    return f"wrote the post-hoc EMA of sigma_rel {args.sigma_rel} ({len(entries)} tensors) to {path}"
-
-
-def _check_out(out: str) -> None:
-    """OUT must name a folder (an empty argument would mean the current directory) outside every
-    checkpoint and snapshot; checked before any work is done."""
-    if not out:
-        raise ValueError("OUT is empty: name the folder to write the model into (use . for the current directory)")
-    enclosing = enclosing_checkpoint(Path(out))
-    if enclosing is not None:
-        raise CheckpointError(f"OUT {out} is inside the checkpoint {enclosing}: write to a folder of its own")
+    path = write_model(args.out, entries, values, metadata, args.max_shard_size, dtype, description.provenance)
+    written = sum(len(entry.names) for entry in entries)
+    return f"wrote the post-hoc EMA of sigma_rel {args.sigma_rel} ({written} tensors) to {path}"
 
 
 def _inspect(saved: SavedAverage, verify: bool) -> str:
-    meta = saved.description
-    tensors = meta["tensors"]
-    size = sum(DTYPES[t["dtype"]].itemsize * numel(t["shape"]) for t in tensors)
-    roles = Counter(t["role"] for t in tensors)
+    description = saved.description
+    tensors = description.tensors
+    size = sum(t.nbytes for t in tensors)
+    roles = Counter(t.role for t in tensors)
     where = f"{saved.path}" + (" (torch.distributed.checkpoint)" if saved.kind == "dcp" else "")
     rows = [
         ("checkpoint", where),
-        ("step", meta["step"]),
-        ("num_updates", _updates(meta)),
+        ("step", description.step),
+        ("num_updates", _updates(description)),
         *(
-            ("rule" if entry["name"] is None else f"average {entry['name']}", json.dumps(entry["rule"]))
-            for entry in meta["averages"]
+            ("rule" if average.name is None else f"average {average.name}", json.dumps(average.rule))
+            for average in description.averages
         ),
-        ("strategy", f"{meta.get('strategy')} on {meta.get('world_size')} rank(s)"),
+        ("strategy", f"{description.strategy} on {description.world_size} rank(s)"),
         ("tensors", f"{len(tensors)}: " + ", ".join(f"{n} {role}" for role, n in sorted(roles.items()))),
         ("bytes", f"{size} ({size / 2**20:.1f} MiB)"),
         *(("layout", line) for line in _layouts(tensors)),
@@ -261,15 +244,15 @@ def _inspect(saved: SavedAverage, verify: bool) -> str:
     if verify:
         files, checked = saved.verify_contents()
         rows.append(("verified", f"{files} file(s), {checked} bytes: every SHA-256 matches the manifest"))
-    if isinstance(meta.get("provenance"), dict):
-        rows += [("provenance", line) for line in provenance.shown(meta["provenance"])]
+    if description.provenance is not None:
+        rows += [("provenance", line) for line in provenance.shown(description.provenance)]
     return "\n".join(f"{label:<12} {value}" for label, value in rows)
 
 
 def _model_folder(path: Path) -> bool:
     """A folder of safetensors weights (an export, a merge), not a checkpoint."""
     has_weights = (path / "model.safetensors").is_file() or (path / "model.safetensors.index.json").is_file()
-    return path.is_dir() and has_weights and not (path / "shardavg.json").exists() and not (path / ".metadata").exists()
+    return path.is_dir() and has_weights and not (path / MANIFEST).exists() and not (path / DCP_METADATA).exists()
 
 
 def _inspect_folder(path: Path) -> str:
@@ -283,57 +266,43 @@ def _inspect_folder(path: Path) -> str:
     return "\n".join(f"{label:<12} {value}" for label, value in rows)
 
 
-def _layouts(tensors: list[dict]) -> list[str]:
+def _layouts(tensors: Sequence[TensorEntry]) -> list[str]:
     """How the saving ranks held the tensors, in words, the commonest first (a checkpoint of
     ``avg.save``; DCP's chunks are its own)."""
-    shown = Counter(entry["layout"].shown() for entry in tensors if "layout" in entry)
+    shown = Counter(entry.layout.shown() for entry in tensors if entry.layout is not None)
     return [f"{count} tensor{'s' if count > 1 else ''}: {words}" for words, count in shown.most_common()]
 
 
-def _updates(meta: dict) -> str:
-    if meta["num_updates"] == 0:
+def _updates(description: Description) -> str:
+    if description.num_updates == 0:
         return "0 (saved before the first update: no average yet, nothing to export)"
-    return f"{meta['num_updates']} ({meta.get('num_skipped', 0)} skipped for non-finite weights)"
+    return f"{description.num_updates} ({description.num_skipped} skipped for non-finite weights)"
 
 
 def _export(saved: SavedAverage, args: argparse.Namespace) -> str:
-    out, max_shard_size, dtype_name, average = args.out, args.max_shard_size, args.dtype, args.average
-    _check_out(out)
+    out, average = args.out, args.average
+    check_output_folder(out, inputs=[saved.path], beside=True)
     average = saved.average(average)
-    if saved.description["num_updates"] == 0:
+    description = saved.description
+    if description.num_updates == 0:
         raise CheckpointError(f"{saved.path} was saved before any update was applied: it holds no average to export")
-    checkpoint, target = saved.path.resolve(), Path(out).resolve()
-    if target == checkpoint or checkpoint in target.parents:
-        raise CheckpointError(f"OUT {out} is inside the checkpoint {saved.path}: export to a directory of its own")
     saved.verify()  # a damaged chunk table is refused before anything is written
     if args.verify:
         saved.verify_contents()
-    dtype = None if dtype_name is None else DTYPES[dtype_name]
-    tensors = saved.description["tensors"]
-    entries = export_entries(
-        (([t["name"], *t["aliases"]], DTYPES[t["dtype"]], tuple(t["shape"])) for t in tensors), dtype
-    )
-
-    def stream():
-        for t in tensors:
-            full = cast(saved.read(t["name"], average), dtype, t["name"])
-            for _ in (t["name"], *t["aliases"]):
-                yield full
-            del full  # before the next tensor is read
-
-    metadata = export_metadata(saved.description, average)
-    path = write_model(out, entries, stream(), metadata, parse_size(max_shard_size))
+    dtype = None if args.dtype is None else DTYPES[args.dtype]
+    values = (saved.read(entry.name, average) for entry in description.tensors)
+    metadata = export_metadata(description, average)
     record = made_by(
         "export",
         1,
         average=average,
-        step=saved.description["step"],
-        dtype=dtype_name,
-        inputs=[of_input(saved.path, saved.description["step"], 1.0, saved.description.get("run"))],
+        step=description.step,
+        dtype=args.dtype,
+        inputs=[of_input(saved.path, description.step, 1.0, description.run)],
     )
-    provenance.write(path, record)  # fmt: skip
+    path = write_model(out, description.tensors, values, metadata, args.max_shard_size, dtype, record)
     which = "" if average is None else f" of average {average!r}"
-    return f"wrote {len(entries)} tensors{which} to {path}"
+    return f"wrote {sum(len(e.names) for e in description.tensors)} tensors{which} to {path}"
 
 
 def _out_of_memory(error: BaseException) -> bool:

@@ -4,24 +4,45 @@ from __future__ import annotations
 
 
 class StrategyError(ValueError):
-    """An unknown strategy name, or a strategy forced on a model it does not fit."""
+    """An unknown strategy or source, or a strategy forced on a model it does not fit.
+
+    Also raised for tensors an engine holds in a way shardavg cannot read (a ``Partial`` DTensor,
+    ZeRO++ or NVMe offload). A ``ValueError``: raised when a ``WeightAverager`` is built.
+    """
 
 
 class ModelChangedError(RuntimeError):
-    """The model's tensors no longer match the ones the averager was built on."""
+    """The model's tensors no longer match the ones the averager was built on.
+
+    Raised before the averager swaps, gathers, saves or loads; build a new averager for the new model.
+    """
 
 
 class NonFiniteError(FloatingPointError):
-    """Live weights hold NaN or infinity; the average was left untouched."""
+    """Live weights hold NaN or infinity; the average was left untouched.
+
+    Raised by ``update()`` (or at the next call, for an update in the background) under
+    ``on_nonfinite="raise"``; the message names the tensors.
+    """
 
 
 class LayoutError(RuntimeError):
-    """Ranks disagree on the tracked tensors, or their shards do not tile a tensor."""
+    """Ranks disagree on the tracked tensors, or their shards do not tile a tensor.
+
+    Raised when a ``WeightAverager`` is built (a collective, so on every rank).
+    """
 
 
 class CheckpointError(ValueError):
-    """A checkpoint is missing, never committed, corrupt, not ours or of another model; the message names it."""
+    """A checkpoint is missing, never committed, corrupt, not ours or of another model; the message names it.
+
+    Also raised when a write is refused (something not shardavg's in the way, another process
+    writing there). A ``ValueError``.
+    """
 
 
 class ExportError(CheckpointError):
-    """An export refused (its target is not a model folder of its own) or failed on a rank."""
+    """An export refused (its target is not a model folder of its own) or failed on a rank.
+
+    A ``CheckpointError``, so ``except CheckpointError`` catches it too.
+    """

@@ -9,8 +9,8 @@ bucket as pieces of its rows, which may go to different writers), a bounded buck
 in rounds in which every writer receives its own bucket at once, and writes them at their
 offsets into files rank 0 created; rank 0 commits once every writer has finished. So W ranks
 write about 1/W of the model each, and the folder holds the previous export or the new one,
-whole. The offline CLI and ``merge`` write through ``write_model``, the same files from one
-process.
+whole. The offline CLI writes through ``write_model``, the same files from one process; ``merge``
+through ``write_spread`` as its workers share the tensors.
 """
 
 from __future__ import annotations
@@ -20,9 +20,10 @@ import hashlib
 import json
 import os
 import re
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
@@ -30,6 +31,7 @@ from torch import nn
 from . import provenance, validate
 from .dist import agree_or_raise, distributed, rank, same_everywhere, world_size
 from .errors import ExportError
+from .format import Description, TensorEntry
 from .ownership import TargetLock, target_path
 from .provenance import made_by
 from .state import AverageState
@@ -62,7 +64,7 @@ _UNITS = {
 
 def parse_size(size: int | str) -> int:
     """Bytes in ``5GB`` (10**9, as Hugging Face counts), ``500MiB`` (2**20) or a plain int."""
-    if isinstance(size, int) and not isinstance(size, bool) and 0 < size <= 2**62:
+    if validate.is_count(size, 1) and size <= 2**62:
         return size
     match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B|B)?\s*", str(size)[:100], flags=re.IGNORECASE)
     value = float(match.group(1)) * _UNITS[(match.group(2) or "").upper()] if match else 0.0
@@ -140,40 +142,58 @@ def write_spread(
 
 def write_model(
     directory: str | os.PathLike,
-    entries: list[Entry],
+    entries: Sequence[TensorEntry],
     tensors: Iterable[torch.Tensor],
     metadata: dict[str, str],
     max_shard_size: int | str = "5GB",
+    dtype: torch.dtype | None = None,
+    record: dict[str, Any] | None = None,
 ) -> Path:
-    """Write ``tensors`` (one per entry, in order) as safetensors weight files into ``directory``,
-    from this process alone (``write_spread``). A failure while writing (an fp16 overflow found on
-    the way) leaves the previous export whole."""
+    """Write ``tensors`` (one full tensor per entry, in order, produced lazily) as safetensors
+    weight files into ``directory`` from this process alone (``write_spread``): a tied tensor
+    under each of its names, floating tensors cast to ``dtype``, ``record`` written beside as
+    its provenance. One tensor is held at a time; a failure while writing (an fp16 overflow
+    found on the way) leaves the previous export whole. The offline CLI's one output path
+    (export, posthoc)."""
     directory = target_path(directory, "export", replaced_whole=False)
-    plan = WeightPlan(entries, parse_size(max_shard_size), metadata)
+    planned = export_entries(((entry.names, entry.torch_dtype, entry.shape) for entry in entries), dtype)
+    plan = WeightPlan(planned, parse_size(max_shard_size), metadata)
 
     def write(slots: Slots) -> None:
         try:
-            stream = iter(tensors)
-            for slot in plan.slots:
-                slots.write(slot, next(stream))
+            places = iter(plan.slots)
+            described = iter(entries)
+            for full in tensors:  # (not zip: its reused tuple would hold a tensor while the next is read)
+                entry = next(described)
+                full = cast(full, dtype, entry.name)
+                for _ in entry.names:
+                    slots.write(next(places), full)
+                del full  # before the next tensor is read
         finally:
             slots.close()
 
-    return write_spread(directory, plan, write, f"writing {directory}", together=False)
+    def finish() -> None:
+        if record is not None:
+            provenance.write(directory, record)
+
+    return write_spread(directory, plan, write, f"writing {directory}", finish, together=False)
 
 
-def export_metadata(description: dict, average: str | None, live: bool = False) -> dict[str, str]:
+def export_metadata(description: Description, average: str | None, live: bool = False) -> dict[str, str]:
     """What goes into every file's ``__metadata__`` (safetensors wants strings): which average
     (its name and rule; or the live weights), after how many steps and updates, from which engine."""
-    rules = {entry["name"]: entry["rule"] for entry in description["averages"]}
-    keep = ("step", "num_updates", "strategy", "world_size")
-    which = {"weights": "live"} if live else {"average": average, "rule": rules[average]}
-    content = which | {key: description.get(key) for key in keep}
+    which = {"weights": "live"} if live else {"average": average, "rule": description.rule(average)}
+    content = which | {
+        "step": description.step,
+        "num_updates": description.num_updates,
+        "strategy": description.strategy,
+        "world_size": description.world_size,
+    }
     return {"format": "pt", "shardavg": json.dumps(content)}
 
 
 def export_entries(
-    tensors: Iterable[tuple[list[str], torch.dtype, tuple[int, ...]]], dtype: torch.dtype | None
+    tensors: Iterable[tuple[Sequence[str], torch.dtype, tuple[int, ...]]], dtype: torch.dtype | None
 ) -> list[Entry]:
     """One entry per name (tied weights are written under each of their names), cast to ``dtype``."""
     return [Entry(name, cast_dtype(saved, dtype), shape) for names, saved, shape in tensors for name in names]
@@ -221,9 +241,9 @@ def export(
     validate.count("writers", writers, 1, optional=True)
     name = None if live else state.average(average).name
     description = state.describe()
-    pieces = (state.piece(i, name, live) for i in range(len(state.infos)))
+    local = (state.flat_part(i, name, live) for i in range(len(state.infos)))
     entries = export_entries(
-        ((list(info.names), piece.dtype, tuple(info.shape)) for info, piece in zip(state.infos, pieces)), dtype
+        ((info.names, part.dtype, tuple(info.shape)) for info, part in zip(state.infos, local)), dtype
     )
     plan = WeightPlan(entries, max_bytes, export_metadata(description, name, live))
     if not same_everywhere([_digest(str(path.resolve())), writers or 0, _digest(json.dumps(plan.sizes))]):
@@ -252,8 +272,8 @@ def export(
         return _write_received(gathered, iter(order), slots, plan, dtype, state, error)
 
     record = made_by(
-        "export", world_size(), average="live weights" if live else name, step=description["step"],
-        num_updates=description["num_updates"], run_id=description.get("run"), strategy=description["strategy"],
+        "export", world_size(), average="live weights" if live else name, step=description.step,
+        num_updates=description.num_updates, run_id=description.run, strategy=description.strategy,
         dtype=None if dtype is None else dtype_name(dtype), writers=len(ranks),
     )  # fmt: skip
     return write_spread(path, plan, write, f"exporting to {path}", lambda: provenance.write(path, record))
@@ -305,8 +325,8 @@ def _write_held(
     at a time; return the first error."""
     try:
         for index in own:
-            local = state.piece(index, average, live)
-            start = state.layout.part(index, rank()).span()[0]  # type: ignore[index]
+            local = state.flat_part(index, average, live)
+            start = state.layout.part(index, rank()).flat_range()[0]  # type: ignore[index]
             step = max(state.gather_bucket_bytes, 2**20) // local.element_size()  # (a copy only to cast or move)
             for first in range(0, local.numel(), step):
                 piece = cast(local[first : first + step], dtype, state.infos[index].names[0])

@@ -29,16 +29,19 @@ import json
 import math
 import re
 from collections.abc import Sequence
-from typing import Any, get_args
+from dataclasses import dataclass, replace
+from typing import Any, Literal, get_args
+
+import torch
 
 from .errors import CheckpointError, LayoutError
 from .options import BufferPolicy
 from .parts import Block, Part, contiguous_strides, tiles
 from .rules import rule_from_config
-from .storage import DTYPES
+from .storage import DTYPES, FileDigest
 from .strategies import ADAPTERS
-from .tensor_layout import Grid, ListedLayout, TensorLayout, grid_from_json, layout_from_json
-from .validate import AVERAGE_NAME, RUN_ID
+from .tensor_layout import Grid, ListedLayout, Owned, TensorLayout, grid_from_json, layout_from_json
+from .validate import AVERAGE_NAME, RUN_ID, is_count
 
 FORMAT, VERSION = "shardavg", 6  # the description's format, shared by checkpoints, DCP and exports
 # (2: checksummed; 3: "averages", several named averages, in place of one "rule"; 4: a checkpoint's
@@ -49,6 +52,9 @@ FORMAT, VERSION = "shardavg", 6  # the description's format, shared by checkpoin
 MANIFEST = "shardavg.json"  # a checkpoint's description, chunk tables and files; written last
 CHECKPOINT_FILE = re.compile(r"^(shardavg\.json|rank-\d{5}-of-\d{5}\.safetensors)$")
 STEP_DIR = re.compile(r"^step-(\d+)$")  # a keep_last directory's checkpoints
+SNAPSHOT_DIR = re.compile(r"^snapshot-(\d+)$")  # a PostHocEMA's snapshots, by update count
+STEP_NAME = re.compile(r"^(?:step-|checkpoint-|global_step)(\d+)$")  # a checkpoint of shardavg, HF Trainer, DeepSpeed
+DCP_METADATA = ".metadata"  # a torch.distributed.checkpoint folder's index
 SAVE_ID_KEY = "shardavg_save"  # in each shard's safetensors metadata: the save it belongs to
 SAVE_ID = RUN_ID
 SHA256 = re.compile(r"^[0-9a-f]{64}$")
@@ -64,33 +70,174 @@ def step_directory(step: int) -> str:
     return f"step-{step:09d}"
 
 
+def snapshot_directory(updates: int) -> str:
+    """The name of a ``PostHocEMA`` snapshot taken after ``updates`` updates."""
+    return f"snapshot-{updates:09d}"
+
+
 def tensor_key(average: str | None, name: str) -> str:
     """The key a tensor of an average is saved under: its name, prefixed by the average's name for
     averaged tensors of a named average (``"slow/fc.weight"``)."""
     return name if average is None else f"{average}/{name}"
 
 
-# ------------------------------------------------------------------------- the description
+# ------------------------------------------------------------------------- the description, typed
 
-
-DESCRIBED = ("name", "aliases", "kind", "role", "shape", "dtype")  # a tensor entry's fields besides where it lies
-KINDS = ("param", "buffer")
-ROLES = ("average", "copy", "live")
+Kind = Literal["param", "buffer"]
+Role = Literal["average", "copy", "live"]  # averaged; copied from the live weights; the live weights themselves
+KINDS, ROLES = get_args(Kind), get_args(Role)
 CHECKSUM = "checksum"
 REQUIRED = ("step", "num_updates", "num_skipped", "averages", "strategy", "world_size", "options", "tensors")
 REQUIRED_V2 = tuple("rule" if key == "averages" else key for key in REQUIRED)
+REQUIRED_V1 = ("step", "num_updates", "rule", "tensors")
 
 
-def fail(where: str, what: str) -> CheckpointError:
+@dataclass(frozen=True)
+class Chunk:
+    """A box of a tensor (``offsets`` and ``sizes`` in the tensor) that file ``file`` holds from its
+    element ``at``, row-major: one row of a manifest's chunk table."""
+
+    file: int
+    offsets: tuple[int, ...]
+    sizes: tuple[int, ...]
+    at: int
+
+    def to_json(self) -> dict[str, Any]:
+        return {"file": self.file, "offsets": list(self.offsets), "sizes": list(self.sizes), "at": self.at}
+
+
+@dataclass(frozen=True)
+class TensorEntry:
+    """One tensor of a description: its name and tied aliases, parameter or buffer, its role, its
+    shape and stored dtype; in a manifest also where it lies across the files (``layout``)."""
+
+    name: str
+    aliases: tuple[str, ...]
+    kind: Kind
+    role: Role
+    shape: tuple[int, ...]
+    dtype: str
+    layout: TensorLayout | None = None
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return (self.name, *self.aliases)
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return DTYPES[self.dtype]
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * self.torch_dtype.itemsize
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "aliases": list(self.aliases),
+            "kind": self.kind,
+            "role": self.role,
+            "shape": list(self.shape),
+            "dtype": self.dtype,
+        }
+
+
+@dataclass(frozen=True)
+class DescribedAverage:
+    """One average of a description: its name (``None`` for an averager's one unnamed average) and
+    its rule's ``to_config()`` (a custom rule: ``{"kind": "custom", "name": ...}``)."""
+
+    name: str | None
+    rule: dict[str, Any]
+
+
+@dataclass
+class Description:
+    """What a saved averager is, everything but the tensors' values: counters, averages, options
+    and one entry per tensor. A manifest (``avg.save``) adds its files, their digests, its save's
+    id and sequence number, and each entry's layout. ``from_json`` checks it whole; ``to_json``
+    writes it in this version's format, checksummed."""
+
+    step: int
+    num_updates: int
+    num_skipped: int
+    averages: tuple[DescribedAverage, ...]
+    tensors: tuple[TensorEntry, ...]
+    strategy: str | None = None  # None: written before version 2 recorded it
+    world_size: int | None = None
+    options: dict[str, Any] | None = None
+    run: str | None = None  # the run that wrote it (a PostHocEMA's run id), when it had one
+    provenance: dict[str, Any] | None = None  # what a merge records of its inputs
+    version: int = VERSION
+    checksum: str | None = None
+    sequence: int | None = None  # a manifest's, from here on
+    save_id: str | None = None
+    files: tuple[str, ...] = ()
+    digests: tuple[FileDigest, ...] = ()
+
+    @property
+    def average_names(self) -> list[str | None]:
+        return [average.name for average in self.averages]
+
+    def rule(self, average: str | None) -> dict[str, Any]:
+        """The rule config of ``average`` (one of ``average_names``)."""
+        return next(a.rule for a in self.averages if a.name == average)
+
+    def by_name(self) -> dict[str, TensorEntry]:
+        """Every tensor under each of its names (a tied tensor's aliases too)."""
+        return {name: entry for entry in self.tensors for name in entry.names}
+
+    def to_json(self) -> dict[str, Any]:
+        """The description as JSON-able data with its checksum (the manifest's fields left out:
+        ``manifest_json`` adds them)."""
+        meta = {
+            "format": FORMAT,
+            "version": VERSION,
+            "step": self.step,
+            "num_updates": self.num_updates,
+            "num_skipped": self.num_skipped,
+            "averages": [{"name": a.name, "rule": a.rule} for a in self.averages],
+            "strategy": self.strategy,
+            "world_size": self.world_size,
+            "options": self.options,
+            **({} if self.run is None else {"run": self.run}),
+            **({} if self.provenance is None else {"provenance": self.provenance}),
+            "tensors": [entry.to_json() for entry in self.tensors],
+        }
+        return with_checksum(meta)
+
+    @classmethod
+    def from_json(cls, meta: Any, where: str) -> Description:
+        """Refuse anything that is not a complete, well-typed description written by a shardavg
+        (``where`` names its origin in the message); older versions' one ``"rule"`` becomes one
+        unnamed average."""
+        meta = _checked_description(meta, where)
+        return cls(
+            step=meta["step"],
+            num_updates=meta["num_updates"],
+            num_skipped=meta.get("num_skipped", 0),
+            averages=tuple(DescribedAverage(a["name"], a["rule"]) for a in meta["averages"]),
+            tensors=tuple(
+                TensorEntry(t["name"], tuple(t["aliases"]), t["kind"], t["role"], tuple(t["shape"]), t["dtype"])
+                for t in meta["tensors"]
+            ),
+            strategy=meta.get("strategy"),
+            world_size=meta.get("world_size"),
+            options=meta.get("options"),
+            run=meta.get("run"),
+            provenance=meta["provenance"] if isinstance(meta.get("provenance"), dict) else None,
+            version=meta["version"],
+            checksum=meta.get(CHECKSUM),
+        )
+
+
+def invalid(where: str, what: str) -> CheckpointError:
+    """The error for a description that ``where`` holds and that is wrong in ``what``."""
     return CheckpointError(f"{where}: {what}")
-
-
-def is_count(value: Any, minimum: int = 0) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value >= minimum
-
-
-def numel(shape: list[int]) -> int:
-    return math.prod(shape)
 
 
 def checksum(meta: dict[str, Any]) -> str:
@@ -108,30 +255,30 @@ def _check_rule(config: Any, where: str) -> None:
     """A built-in rule's exact ``to_config()``, or a custom rule's name."""
     if isinstance(config, dict) and config.get("kind") == "custom":
         if set(config) != {"kind", "name"} or not isinstance(config["name"], str):
-            raise fail(where, f"'rule' is not a custom rule's config: {str(config)[:200]}")
+            raise invalid(where, f"'rule' is not a custom rule's config: {str(config)[:200]}")
         return
     try:
         canonical = rule_from_config(config).to_config() if isinstance(config, dict) else None
     except (ValueError, TypeError, KeyError) as error:
-        raise fail(where, f"'rule' {str(config)[:200]} is not a rule: {error!r}") from None
+        raise invalid(where, f"'rule' {str(config)[:200]} is not a rule: {error!r}") from None
     if canonical != config:
-        raise fail(where, f"'rule' {str(config)[:200]} is not a rule's config")
+        raise invalid(where, f"'rule' {str(config)[:200]} is not a rule's config")
 
 
 def _check_averages(averages: Any, where: str) -> None:
     """A non-empty list of ``{"name", "rule"}``: plain, distinct names, or one unnamed average."""
     if not isinstance(averages, list) or not averages:
-        raise fail(where, f"'averages' must be a non-empty list, got {str(averages)[:200]}")
+        raise invalid(where, f"'averages' must be a non-empty list, got {str(averages)[:200]}")
     for entry in averages:
         if not isinstance(entry, dict) or set(entry) != {"name", "rule"}:
-            raise fail(where, f"an 'averages' entry must hold 'name' and 'rule', got {str(entry)[:200]}")
+            raise invalid(where, f"an 'averages' entry must hold 'name' and 'rule', got {str(entry)[:200]}")
         _check_rule(entry["rule"], where)
     names = [entry["name"] for entry in averages]
     unnamed = names == [None]
     if not unnamed and not all(isinstance(n, str) and AVERAGE_NAME.match(n) for n in names):
-        raise fail(where, f"average names {names} must be plain names, or one average with name null")
+        raise invalid(where, f"average names {names} must be plain names, or one average with name null")
     if len(set(names)) != len(names):
-        raise fail(where, f"average names {names} repeat")
+        raise invalid(where, f"average names {names} repeat")
 
 
 def _check_options(options: Any, where: str) -> None:
@@ -143,18 +290,18 @@ def _check_options(options: Any, where: str) -> None:
         "include_frozen": lambda value: isinstance(value, bool),
     }
     if not isinstance(options, dict) or set(options) != set(checks):
-        raise fail(where, f"'options' must hold {sorted(checks)}, got {str(options)[:200]}")
+        raise invalid(where, f"'options' must hold {sorted(checks)}, got {str(options)[:200]}")
     wrong = [f"{key}={options[key]!r}" for key, valid in checks.items() if not valid(options[key])]
     if wrong:
-        raise fail(where, f"'options' has invalid values: {', '.join(wrong)}")
+        raise invalid(where, f"'options' has invalid values: {', '.join(wrong)}")
 
 
 def _check_tensor(entry: Any, where: str) -> None:
     if not isinstance(entry, dict):
-        raise fail(where, f"a tensor entry is {type(entry).__name__}, not an object")
+        raise invalid(where, f"a tensor entry is {type(entry).__name__}, not an object")
     name = entry.get("name")
     if not isinstance(name, str) or not name:
-        raise fail(where, f"a tensor entry has no name: {str(entry)[:200]}")
+        raise invalid(where, f"a tensor entry has no name: {str(entry)[:200]}")
     aliases = entry.get("aliases")
     problems = []
     if not isinstance(aliases, list) or not all(isinstance(alias, str) and alias for alias in aliases):
@@ -169,13 +316,12 @@ def _check_tensor(entry: Any, where: str) -> None:
     if not isinstance(entry.get("dtype"), str) or entry["dtype"] not in DTYPES:
         problems.append(f"dtype {entry.get('dtype')!r} is not one of {sorted(DTYPES)}")
     if problems:
-        raise fail(where, f"tensor {name!r}: " + "; ".join(problems))
+        raise invalid(where, f"tensor {name!r}: " + "; ".join(problems))
 
 
-def check_description(meta: Any, where: str) -> dict[str, Any]:
-    """Refuse anything that is not a complete, well-typed description written by a shardavg.
-
-    Returns it with older versions' one ``"rule"`` given as ``"averages"``, as version 3 writes."""
+def _checked_description(meta: Any, where: str) -> dict[str, Any]:
+    """The raw JSON of a description, checked whole; older versions' one ``"rule"`` given as
+    ``"averages"``, as version 3 writes."""
     if not isinstance(meta, dict) or meta.get("format") != FORMAT:
         raise CheckpointError(f"{where} is not a shardavg checkpoint description")
     version = meta.get("version")
@@ -183,14 +329,14 @@ def check_description(meta: Any, where: str) -> dict[str, Any]:
         raise CheckpointError(f"{where} has format version {version!r}; this shardavg reads up to {VERSION}")
     if CHECKSUM in meta or version >= 2:
         if meta.get(CHECKSUM) != checksum(meta):
-            raise fail(where, "the checksum does not match the content: the file was edited or damaged")
-    required = ("step", "num_updates", "rule", "tensors") if version == 1 else REQUIRED_V2 if version == 2 else REQUIRED
+            raise invalid(where, "the checksum does not match the content: the file was edited or damaged")
+    required = REQUIRED_V1 if version == 1 else REQUIRED_V2 if version == 2 else REQUIRED
     missing = [key for key in required if key not in meta]
     if missing:
         raise CheckpointError(f"{where} lacks {missing}")
     for key, minimum in (("step", 0), ("num_updates", 0), ("num_skipped", 0), ("world_size", 1)):
         if key in meta and not is_count(meta[key], minimum):
-            raise fail(where, f"{key!r} must be an integer >= {minimum}, got {meta[key]!r}")
+            raise invalid(where, f"{key!r} must be an integer >= {minimum}, got {meta[key]!r}")
     if version < 3:  # one unnamed average, described by "rule"
         rule = meta["rule"]
         meta = {key: value for key, value in meta.items() if key != "rule"} | {
@@ -198,50 +344,77 @@ def check_description(meta: Any, where: str) -> dict[str, Any]:
         }
     _check_averages(meta["averages"], where)
     if "strategy" in meta and not (isinstance(meta["strategy"], str) and meta["strategy"] in ADAPTERS):
-        raise fail(where, f"'strategy' must be one of {sorted(ADAPTERS)}, got {meta['strategy']!r}")
+        raise invalid(where, f"'strategy' must be one of {sorted(ADAPTERS)}, got {meta['strategy']!r}")
     if "options" in meta:
         _check_options(meta["options"], where)
     if "run" in meta and not (isinstance(meta["run"], str) and RUN_ID.match(meta["run"])):
-        raise fail(where, f"'run' must be 32 hex digits, got {str(meta['run'])[:80]!r}")
+        raise invalid(where, f"'run' must be 32 hex digits, got {str(meta['run'])[:80]!r}")
     if "sequence" in meta and not is_count(meta["sequence"]):
-        raise fail(where, f"'sequence' must be an integer >= 0, got {meta['sequence']!r}")
+        raise invalid(where, f"'sequence' must be an integer >= 0, got {meta['sequence']!r}")
     if not isinstance(meta["tensors"], list):
-        raise fail(where, "'tensors' must be a list")
+        raise invalid(where, "'tensors' must be a list")
     names: set[str] = set()
     for entry in meta["tensors"]:
         _check_tensor(entry, where)
         for name in (entry["name"], *entry["aliases"]):
             if name in names:
-                raise fail(where, f"the name {name!r} appears twice")
+                raise invalid(where, f"the name {name!r} appears twice")
             names.add(name)
     return meta
 
 
-def encode_description(meta: dict[str, Any]) -> str:
+def encode_description(description: Description) -> str:
     """The description as a JSON string, as DCP stores it: a plain ``str`` through ``torch.save``,
     which the offline reader loads back with ``weights_only=True`` (no Python objects)."""
-    return json.dumps(with_checksum(meta))
+    return json.dumps(description.to_json())
 
 
-def decode_description(value: Any, where: str) -> dict[str, Any]:
+def decode_description(value: Any, where: str) -> Description:
+    """A description DCP stored (``encode_description``), checked whole."""
     if not isinstance(value, str):
         raise CheckpointError(f"{where}: 'meta' is {type(value).__name__}, not a shardavg description")
     try:
         meta = json.loads(value)
     except json.JSONDecodeError as error:
         raise CheckpointError(f"{where}: 'meta' is not valid JSON: {error}") from error
-    return check_description(meta, where)
+    return Description.from_json(meta, where)
 
 
 # ------------------------------------------------------------------------- the manifest and chunk tables
 
 
-def chunk_table(chunks: Sequence[tuple[int, Part]]) -> list[dict[str, Any]]:
-    """A tensor's chunks as a chunk table records them: each owner's boxes, back to back in its file."""
+def manifest_json(
+    description: Description, layouts: Sequence[TensorLayout], digests: Sequence[FileDigest], sequence: int,
+    save_id: str,
+) -> dict[str, Any]:  # fmt: skip
+    """The manifest of a save: the description, each tensor's layout (its grid of ranks listed once)
+    or, where it was gathered, its chunk table, every file's size and hash, and the save's sequence
+    number and id. File ``r`` (``shard_file(r, len(digests))``) holds what rank ``r`` owns."""
+    grids = {layout.grid.digest: layout.grid for layout in layouts if not isinstance(layout, ListedLayout)}
+    index = {digest: position for position, digest in enumerate(grids)}
+    manifest = description.to_json() | {
+        "files": len(digests),
+        "digests": [[d.bytes, d.sha256] for d in digests],
+        "save_id": save_id,
+        "sequence": sequence,
+        "grids": [grid.to_json() for grid in grids.values()],
+    }
+    manifest["tensors"] = [
+        entry.to_json()
+        | (
+            {"chunks": [chunk.to_json() for chunk in chunk_table(layout.owned)]}
+            if isinstance(layout, ListedLayout)
+            else {"layout": layout.to_json(index)}
+        )
+        for entry, layout in zip(description.tensors, layouts)
+    ]
+    return with_checksum(manifest)
+
+
+def chunk_table(owned: Sequence[Owned]) -> list[Chunk]:
+    """A tensor's owned parts as a chunk table records them: each owner's boxes, back to back in its file."""
     return [
-        {"file": owner, "offsets": list(block.offsets), "sizes": list(block.sizes), "at": block.at}
-        for owner, part in chunks
-        for block in part.packed().blocks
+        Chunk(owner, block.offsets, block.sizes, block.at) for owner, part in owned for block in part.packed().blocks
     ]
 
 
@@ -250,36 +423,77 @@ def saved_length(layout: TensorLayout, file: int) -> int:
     return layout.part(file).numel
 
 
-def check_chunk_table(meta: dict[str, Any], where: str) -> None:
-    """The manifest's files are shardavg's own names (with their sizes, hashes and save id since
-    version 4), and each tensor's layout (or chunk table) tiles it exactly; each entry's
-    ``"layout"`` becomes its ``TensorLayout``."""
-    if meta["version"] >= 2 and "sequence" not in meta:
-        raise fail(where, "lacks 'sequence'")
-    if meta["version"] >= 6:  # a count of the standard names, and each file's [bytes, sha256]
-        _expand_files(meta, where)
-    files = meta.get("files")
+def parse_manifest(raw: bytes, where: str) -> Description:
+    """A manifest's bytes, checked whole: the description, then the files (shardavg's own names,
+    with their sizes, hashes and save id since version 4), and each tensor's layout (or chunk
+    table) tiling it exactly."""
+    try:
+        meta = json.loads(raw)
+    except (UnicodeDecodeError, ValueError, RecursionError) as error:
+        raise CheckpointError(f"cannot read {where}: {error}") from error
+    description = Description.from_json(meta, where)
+    version = description.version
+    if version >= 2 and "sequence" not in meta:
+        raise invalid(where, "lacks 'sequence'")
+    files, digests = _files(meta, where) if version >= 6 else (meta.get("files"), meta.get("digests"))
     if not isinstance(files, list) or not all(isinstance(f, str) and CHECKPOINT_FILE.match(f) for f in files):
-        raise fail(where, f"'files' must list rank-NNNNN-of-NNNNN.safetensors names, got {str(files)[:200]}")
+        raise invalid(where, f"'files' must list rank-NNNNN-of-NNNNN.safetensors names, got {str(files)[:200]}")
     if not files or MANIFEST in files or len(set(files)) != len(files):
-        raise fail(where, f"'files' must list the shard files, each once, got {str(files)[:200]}")
-    if meta["version"] >= 4:
-        _check_digests(meta, files, where)
-    grids = _grids(meta, len(files), where) if meta["version"] >= 6 else []
-    for entry in meta["tensors"]:
-        if meta["version"] >= 6 and "layout" in entry:
-            entry["layout"] = _layout(entry, grids, where)
+        raise invalid(where, f"'files' must list the shard files, each once, got {str(files)[:200]}")
+    if version >= 4:
+        _check_digests(meta.get("save_id"), digests, len(files), where)
+    grids = _grids(meta, len(files), where) if version >= 6 else []
+    layouts = []
+    for raw_entry, entry in zip(meta["tensors"], description.tensors):
+        if version >= 6 and "layout" in raw_entry:
+            layouts.append(_layout(raw_entry["layout"], entry, grids, where))
         else:
-            chunks = _boxes(entry, len(files), meta["version"], where)
-            entry["layout"] = _listed(entry["shape"], chunks, len(files))
-            entry.pop("chunks")
+            chunks = _chunks(raw_entry.get("chunks"), entry, len(files), version, where)
+            layouts.append(_listed(entry.shape, chunks, len(files)))
+    description.tensors = tuple(replace(entry, layout=layout) for entry, layout in zip(description.tensors, layouts))
+    description.files = tuple(files)
+    description.sequence = meta.get("sequence")
+    if version >= 4:
+        description.save_id = meta["save_id"]
+        description.digests = tuple(FileDigest(d["bytes"], d["sha256"]) for d in digests)
+    return description
+
+
+def _files(meta: dict[str, Any], where: str) -> tuple[list[str], list[dict[str, Any]]]:
+    """Version 6 spells the files as their count (file ``r`` is rank ``r``'s, named by
+    ``shard_file``) and each digest as ``[bytes, sha256]``, so the per-rank part of a manifest is
+    its smallest; read back as earlier versions spell them."""
+    count, digests = meta.get("files"), meta.get("digests")
+    if not is_count(count, 1):
+        raise invalid(where, f"'files' must be the number of shard files, got {str(count)[:200]}")
+    if not (isinstance(digests, list) and all(isinstance(d, list) and len(d) == 2 for d in digests)):
+        raise invalid(where, f"'digests' must give each file's [bytes, sha256], got {str(digests)[:200]}")
+    return [shard_file(rank, count) for rank in range(count)], [{"bytes": size, "sha256": sha} for size, sha in digests]
+
+
+def _check_digests(save_id: Any, digests: Any, files: int, where: str) -> None:
+    if not (isinstance(save_id, str) and SAVE_ID.match(save_id)):
+        raise invalid(where, f"'save_id' must be 32 hex digits, got {str(save_id)[:80]!r}")
+    if not (
+        isinstance(digests, list)
+        and len(digests) == files
+        and all(
+            isinstance(d, dict)
+            and set(d) == {"bytes", "sha256"}
+            and is_count(d["bytes"])
+            and isinstance(d["sha256"], str)
+            and SHA256.match(d["sha256"])
+            for d in digests
+        )
+    ):
+        raise invalid(where, f"'digests' must give each file's bytes and sha256, got {str(digests)[:200]}")
 
 
 def _grids(meta: dict[str, Any], files: int, where: str) -> list[Grid]:
     """The manifest's grids of ranks: a shape, and the ranks (files) row-major, 0 .. n-1 when left out."""
     grids = meta.get("grids")
     if not isinstance(grids, list):
-        raise fail(where, f"'grids' must be a list, got {str(grids)[:200]}")
+        raise invalid(where, f"'grids' must be a list, got {str(grids)[:200]}")
     parsed = []
     for grid in grids:
         shape = grid.get("shape") if isinstance(grid, dict) else None
@@ -289,41 +503,41 @@ def _grids(meta: dict[str, Any], files: int, where: str) -> list[Grid]:
             and all(is_count(size, 1) for size in shape)
             and set(grid) <= {"shape", "ranks"}
         )
-        ranks = grid.get("ranks", range(numel(shape))) if good else None
+        ranks = grid.get("ranks", range(math.prod(shape))) if good else None
         if not (
-            good and isinstance(ranks, (list, range)) and len(ranks) == numel(shape)
+            good and isinstance(ranks, (list, range)) and len(ranks) == math.prod(shape)
             and all(is_count(r) and r < files for r in ranks) and len(set(ranks)) == len(ranks)
         ):  # fmt: skip
-            raise fail(where, f"a grid must give a shape and as many distinct ranks below {files}: {str(grid)[:200]}")
+            raise invalid(where, f"a grid must give a shape and as many distinct ranks below {files}: {grid!s:.200}")
         parsed.append(grid_from_json(grid))
     return parsed
 
 
-def _layout(entry: dict[str, Any], grids: list[Grid], where: str) -> TensorLayout:
+def _layout(value: Any, entry: TensorEntry, grids: list[Grid], where: str) -> TensorLayout:
     """A tensor's layout from its JSON form, checked: a known grid, a placement per grid dim (or a
     flat partition along one), and owned parts that tile the tensor."""
-    value, ndim, name = entry["layout"], len(entry["shape"]), entry["name"]
+    ndim, name = len(entry.shape), entry.name
     grid = value.get("grid") if isinstance(value, dict) else None
     if not (is_count(grid) and grid < len(grids)) or set(value) - {"grid", "placements", "flat"}:
-        raise fail(where, f"tensor {name!r} has a malformed layout: {str(value)[:200]}")
+        raise invalid(where, f"tensor {name!r} has a malformed layout: {str(value)[:200]}")
     dims = len(grids[grid].shape)
     flat, placements = value.get("flat"), value.get("placements")
     if (flat is None) == (placements is None):
-        raise fail(where, f"tensor {name!r}: a layout has placements or a flat partition: {str(value)[:200]}")
+        raise invalid(where, f"tensor {name!r}: a layout has placements or a flat partition: {str(value)[:200]}")
     if flat is not None and not (
         isinstance(flat, dict) and set(flat) == {"dim", "chunk", "offset"}
         and is_count(flat["dim"]) and flat["dim"] < dims and is_count(flat["chunk"]) and is_count(flat["offset"])
     ):  # fmt: skip
-        raise fail(where, f"tensor {name!r} has a malformed flat partition: {str(flat)[:200]}")
+        raise invalid(where, f"tensor {name!r} has a malformed flat partition: {str(flat)[:200]}")
     if placements is not None and not (
         isinstance(placements, list) and len(placements) == dims and all(_placement(p, ndim) for p in placements)
     ):
-        raise fail(where, f"tensor {name!r} has malformed placements for a {dims}-d grid: {str(placements)[:200]}")
-    layout = layout_from_json(value, entry["shape"], grids)
+        raise invalid(where, f"tensor {name!r} has malformed placements for a {dims}-d grid: {str(placements)[:200]}")
+    layout = layout_from_json(value, list(entry.shape), grids)
     try:
         layout.check(name)
     except LayoutError as error:
-        raise fail(where, str(error)) from None
+        raise invalid(where, str(error)) from None
     return layout
 
 
@@ -338,94 +552,50 @@ def _placement(value: Any, ndim: int) -> bool:
     )  # fmt: skip
 
 
-def _listed(shape: list[int], chunks: list[dict[str, Any]], files: int) -> ListedLayout:
+def _listed(shape: tuple[int, ...], chunks: list[Chunk], files: int) -> ListedLayout:
     """A checked chunk table as the layout it describes: file ``f``'s part is its boxes, back to back."""
     blocks: list[list[Block]] = [[] for _ in range(files)]
     for c in chunks:
-        blocks[c["file"]].append(Block(tuple(c["offsets"]), tuple(c["sizes"]), c["at"], contiguous_strides(c["sizes"])))
-    parts = [Part(tuple(shape), tuple(held), sum(block.numel for block in held)) for held in blocks]
-    return ListedLayout(tuple(shape), tuple(parts))
+        blocks[c.file].append(Block(c.offsets, c.sizes, c.at, contiguous_strides(c.sizes)))
+    parts = [Part(shape, tuple(held), sum(block.numel for block in held)) for held in blocks]
+    return ListedLayout(shape, tuple(parts))
 
 
-def _well_formed(chunk: Any, shape: list[int], files: int, version: int) -> bool:
+def _well_formed(chunk: Any, shape: tuple[int, ...], files: int, version: int) -> bool:
     """A chunk names one of the files, and a flat range (before version 5) or a box and its place."""
     if not (isinstance(chunk, dict) and is_count(chunk.get("file")) and chunk["file"] < files):
         return False
     if version < 5:
         start, end = chunk.get("start"), chunk.get("end")
-        return is_count(start) and is_count(end) and start <= end <= numel(shape)
+        return is_count(start) and is_count(end) and start <= end <= math.prod(shape)
     return is_count(chunk.get("at")) and all(
         isinstance(chunk.get(key), list) and len(chunk[key]) == len(shape) and all(map(is_count, chunk[key]))
         for key in ("offsets", "sizes")
     )
 
 
-def _boxes(entry: dict[str, Any], files: int, version: int, where: str) -> list[dict[str, Any]]:
-    """A tensor's chunk table as boxes ``{file, offsets, sizes, at}`` (the part of the tensor a file's
-    entry holds from its element ``at``, row-major), checked: within the tensor, tiling it exactly,
-    and each file's boxes back to back from its element 0. Before version 5 a chunk was a flat
-    range ``{file, start, end}``: it is read as the boxes of that range."""
-    shape, chunks = entry["shape"], entry.get("chunks")
-    if not isinstance(chunks, list) or not all(_well_formed(c, shape, files, version) for c in chunks):
-        raise fail(where, f"tensor {entry['name']!r} has a malformed chunk table: {str(chunks)[:200]}")
+def _chunks(table: Any, entry: TensorEntry, files: int, version: int, where: str) -> list[Chunk]:
+    """A tensor's chunk table, checked: each chunk within the tensor, tiling it exactly, and each
+    file's boxes back to back from its element 0. Before version 5 a chunk was a flat range
+    ``{file, start, end}``: it is read as the boxes of that range."""
+    shape, name = entry.shape, entry.name
+    if not isinstance(table, list) or not all(_well_formed(c, shape, files, version) for c in table):
+        raise invalid(where, f"tensor {name!r} has a malformed chunk table: {str(table)[:200]}")
     if version < 5:
         chunks = [
-            {"file": c["file"], "offsets": list(block.offsets), "sizes": list(block.sizes), "at": block.at}
-            for c in chunks
+            Chunk(c["file"], block.offsets, block.sizes, block.at)
+            for c in table
             for block in Part.flat(shape, c["start"], c["end"]).blocks
         ]
-    boxes = [(tuple(c["offsets"]), tuple(c["sizes"])) for c in chunks]
+    else:
+        chunks = [Chunk(c["file"], tuple(c["offsets"]), tuple(c["sizes"]), c["at"]) for c in table]
+    boxes = [(c.offsets, c.sizes) for c in chunks]
     if not tiles(shape, boxes):
-        raise fail(
-            where,
-            f"the chunks of {entry['name']!r} {boxes[:8]} do not cover its shape {shape} exactly once",
-        )
+        raise invalid(where, f"the chunks of {name!r} {boxes[:8]} do not cover its shape {list(shape)} exactly once")
     packed: dict[int, int] = {}  # each file's entry holds its boxes back to back, in the table's order
     for c in chunks:
-        if c["at"] != packed.get(c["file"], 0):
-            raise fail(where, f"tensor {entry['name']!r}: a chunk of file {c['file']} starts at {c['at']}, "
-                              f"expected {packed.get(c['file'], 0)}")  # fmt: skip
-        packed[c["file"]] = c["at"] + numel(c["sizes"])
+        if c.at != packed.get(c.file, 0):
+            raise invalid(where, f"tensor {name!r}: a chunk of file {c.file} starts at {c.at}, "
+                                 f"expected {packed.get(c.file, 0)}")  # fmt: skip
+        packed[c.file] = c.at + math.prod(c.sizes)
     return chunks
-
-
-def _expand_files(meta: dict[str, Any], where: str) -> None:
-    """Version 6 spells the files as their count (file ``r`` is rank ``r``'s, named by
-    ``shard_file``) and each digest as ``[bytes, sha256]``, so the per-rank part of a manifest is
-    its smallest; read back as earlier versions spell them."""
-    count, digests = meta.get("files"), meta.get("digests")
-    if not is_count(count, 1):
-        raise fail(where, f"'files' must be the number of shard files, got {str(count)[:200]}")
-    if not (isinstance(digests, list) and all(isinstance(d, list) and len(d) == 2 for d in digests)):
-        raise fail(where, f"'digests' must give each file's [bytes, sha256], got {str(digests)[:200]}")
-    meta["files"] = [shard_file(rank, count) for rank in range(count)]
-    meta["digests"] = [{"bytes": size, "sha256": sha} for size, sha in digests]
-
-
-def _check_digests(meta: dict[str, Any], files: list[str], where: str) -> None:
-    if not (isinstance(meta.get("save_id"), str) and SAVE_ID.match(meta["save_id"])):
-        raise fail(where, f"'save_id' must be 32 hex digits, got {str(meta.get('save_id'))[:80]!r}")
-    digests = meta.get("digests")
-    if not (
-        isinstance(digests, list)
-        and len(digests) == len(files)
-        and all(
-            isinstance(d, dict)
-            and set(d) == {"bytes", "sha256"}
-            and is_count(d["bytes"])
-            and isinstance(d["sha256"], str)
-            and SHA256.match(d["sha256"])
-            for d in digests
-        )
-    ):
-        raise fail(where, f"'digests' must give each file's bytes and sha256, got {str(digests)[:200]}")
-
-
-def parse_manifest(raw: bytes, where: str) -> dict[str, Any]:
-    try:
-        meta = json.loads(raw)
-    except (UnicodeDecodeError, ValueError, RecursionError) as error:
-        raise CheckpointError(f"cannot read {where}: {error}") from error
-    meta = check_description(meta, where)
-    check_chunk_table(meta, where)
-    return meta

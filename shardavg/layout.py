@@ -11,12 +11,12 @@ does not know), the parts of those tensors alone are gathered from every rank
 (``ListedLayout``), and tiled the same way. Identical parts on several ranks are replicas (DDP,
 HSDP, tensor parallel's replicated dims, every buffer); the lowest such rank *owns* the part.
 
-``iter_gathered`` then rebuilds full tensors from the owners' pieces with point-to-point
+``iter_gathered`` then rebuilds full tensors from the owners' parts with point-to-point
 sends, a bounded bucket of tensors at a time: the receiving rank holds at most one bucket
 (or one tensor, if larger) beyond what it already had; ``gather_rounds`` also gathers rows of
-a tensor, so an export sends a tensor larger than a bucket in pieces. A piece that is one range of the
+a tensor, so an export sends a tensor larger than a bucket in pieces. A part that is one range of the
 flattened tensor is received in place; any other (columns, strided runs) is received into a
-buffer of its own and its boxes copied into place, so such pieces can double what a bucket
+buffer of its own and its boxes copied into place, so such parts can double what a bucket
 holds while they are in flight. This one mechanism serves every engine and layout, for averaged and live values alike.
 """
 
@@ -34,18 +34,18 @@ from .dist import all_gathered, comm_device, distributed, rank, same_everywhere
 from .errors import LayoutError
 from .parts import Part, place
 from .strategies.base import TensorInfo
-from .tensor_layout import Chunk, ListedLayout, TensorLayout
+from .tensor_layout import ListedLayout, Owned, TensorLayout
 
 DEFAULT_BUCKET_BYTES = 64 * 2**20
 
 Wanted = tuple[int, int | None, tuple[int, int] | None]  # (tensor index, receiving rank, rows or None: all)
 
 
-def tiling(info: TensorInfo, parts: Sequence[Part]) -> tuple[Chunk, ...]:
-    """Owned chunks of one tensor from every rank's part, checked to tile it."""
+def tiling(info: TensorInfo, parts: Sequence[Part]) -> tuple[Owned, ...]:
+    """The owned parts of one tensor from every rank's part, checked to tile it."""
     layout = ListedLayout(tuple(info.shape), tuple(parts))
     layout.check(info.name)
-    return layout.chunks
+    return layout.owned
 
 
 def _digest(items: Sequence[Any]) -> list[int]:
@@ -97,13 +97,13 @@ class ShardLayout:
     def part(self, index: int, holder: int) -> Part:
         return self.layouts[index].part(holder)
 
-    def chunks(self, index: int) -> tuple[Chunk, ...]:
-        return self.layouts[index].chunks
+    def owned(self, index: int) -> tuple[Owned, ...]:
+        return self.layouts[index].owned
 
     def holds_whole(self, index: int, holder: int) -> bool:
         """Whether rank ``holder`` has all of tensor ``index`` locally, in its own order."""
         part = self.part(index, holder)
-        return part.span() == (0, int(torch.Size(part.shape).numel()))
+        return part.flat_range() == (0, int(torch.Size(part.shape).numel()))
 
     def owns(self, index: int, holder: int) -> bool:
         return self.layouts[index].owner_of(holder) == holder
@@ -167,12 +167,12 @@ def _gather_one(
     numel = int(torch.Size(shape).numel())
     if dst is None:  # each owner broadcasts its chunk to all
         out = torch.empty(numel, dtype=local.dtype, device=device)
-        for owner, part in layout.chunks(index):
-            span = part.span()
-            if span is not None:
+        for owner, part in layout.owned(index):
+            flat = part.flat_range()
+            if flat is not None:
                 if owner == me:
-                    out[span[0] : span[1]].copy_(local)
-                dist.broadcast(out[span[0] : span[1]], src=owner)
+                    out[flat[0] : flat[1]].copy_(local)
+                dist.broadcast(out[flat[0] : flat[1]], src=owner)
             else:
                 buffer = local.to(device) if owner == me else torch.empty(part.numel, dtype=local.dtype, device=device)
                 dist.broadcast(buffer, src=owner)
@@ -184,12 +184,12 @@ def _gather_one(
             pending.append((dist.isend(buffer, dst=dst), buffer, None))
         return None
     out = torch.empty(numel, dtype=local.dtype, device=device)
-    for owner, part in layout.chunks(index):
-        span = part.span()
+    for owner, part in layout.owned(index):
+        flat = part.flat_range()
         if owner == me:
             place(out.view(shape), part, local)
-        elif span is not None:  # straight into its place
-            pending.append((dist.irecv(out[span[0] : span[1]], src=owner), out, None))
+        elif flat is not None:  # straight into its place
+            pending.append((dist.irecv(out[flat[0] : flat[1]], src=owner), out, None))
         else:
             buffer = torch.empty(part.numel, dtype=local.dtype, device=device)
             pending.append((dist.irecv(buffer, src=owner), buffer, (out, part)))
@@ -217,15 +217,15 @@ def _gather_rows(
         return None
     slab = (stop - start, *shape[1:])
     out = torch.empty(int(torch.Size(slab).numel()), dtype=local.dtype, device=device)
-    for owner, part in layout.chunks(index):
+    for owner, part in layout.owned(index):
         held = part.within_rows(start, stop)
         if not held.numel:
             continue
-        span = held.span()
+        flat = held.flat_range()
         if owner == me:
             place(out.view(slab), held, part.rows_of(local, start, stop))
-        elif span is not None:
-            pending.append((dist.irecv(out[span[0] : span[1]], src=owner), out, None))
+        elif flat is not None:
+            pending.append((dist.irecv(out[flat[0] : flat[1]], src=owner), out, None))
         else:
             buffer = torch.empty(held.numel, dtype=local.dtype, device=device)
             pending.append((dist.irecv(buffer, src=owner), buffer, (out, held)))
@@ -235,7 +235,7 @@ def _gather_rows(
 def iter_gathered(
     layout: ShardLayout,
     infos: Sequence[TensorInfo],
-    piece: Callable[[int], torch.Tensor],
+    local_part: Callable[[int], torch.Tensor],
     indices: Sequence[int],
     *,
     dst: int | None = 0,
@@ -243,21 +243,21 @@ def iter_gathered(
 ) -> Iterator[tuple[int, torch.Tensor | None]]:
     """Collective: yield ``(index, full tensor)`` for each of ``indices``, in order.
 
-    ``piece(i)`` is this rank's part of tensor ``i`` (flat, contiguous, ``part.numel`` elements); every
+    ``local_part(i)`` is this rank's part of tensor ``i`` (flat, contiguous, ``part.numel`` elements); every
     rank passes the same ``indices``. With ``dst`` set only that rank receives tensors (the
     others get ``None``); with ``dst=None`` every rank does. Tensors come back in their
-    global shape, on the device of the pieces, never aliasing them.
+    global shape, on the device of the local parts, never aliasing them.
     """
     nbytes = lambda i: infos[i].numel * infos[i].dtype.itemsize  # noqa: E731
     rounds = ([(index, dst, None) for index in bucket] for bucket in _buckets(indices, nbytes, bucket_bytes))
-    for index, _, full in gather_rounds(layout, infos, piece, rounds):
+    for index, _, full in gather_rounds(layout, infos, local_part, rounds):
         yield index, full
 
 
 def gather_rounds(
     layout: ShardLayout,
     infos: Sequence[TensorInfo],
-    piece: Callable[[int], torch.Tensor],
+    local_part: Callable[[int], torch.Tensor],
     rounds: Iterable[Sequence[Wanted]],
 ) -> Iterator[tuple[int, int | None, torch.Tensor | None]]:
     """Collective: for each round, gather each ``(index, dst, rows)`` of it to rank ``dst`` (every
@@ -269,11 +269,11 @@ def gather_rounds(
     at most one round's tensors."""
     for round_ in rounds:
         pending: list = []
-        pieces = {index: piece(index) for index, _, _ in round_}
+        local = {index: local_part(index) for index, _, _ in round_}
         outputs = [
-            _gather_one(layout, index, pieces[index], dst, pending)
+            _gather_one(layout, index, local[index], dst, pending)
             if rows is None
-            else _gather_rows(layout, index, pieces[index], dst, rows, pending)  # type: ignore[arg-type]
+            else _gather_rows(layout, index, local[index], dst, rows, pending)  # type: ignore[arg-type]
             for index, dst, rows in round_
         ]
         while pending:  # (no loop variable may keep the last buffer alive)
@@ -286,5 +286,5 @@ def gather_rounds(
         for index, dst, rows in round_:
             out = outputs.pop()  # released here, so at most one round is held at a time
             shape = infos[index].shape if rows is None else (rows[1] - rows[0], *infos[index].shape[1:])
-            yield index, dst, None if out is None else out.to(pieces[index].device).view(shape)
+            yield index, dst, None if out is None else out.to(local[index].device).view(shape)
             del out

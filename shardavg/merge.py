@@ -33,17 +33,18 @@ from .checkpoint import save_whole
 from .dist import agree_or_raise, all_gathered, distributed, rank, same_everywhere, world_size
 from .errors import CheckpointError
 from .export import cast, cast_dtype, parse_size, write_spread
-from .format import FORMAT, VERSION
+from .format import DescribedAverage, Description, TensorEntry
 from .logs import log
 from .model_folder import CONFIG, NOT_CARRIED, carried_files, check_tokenizers, files_dtype, write_config
 from .offline import PLAIN_NAME, Rows, slab_shape
-from .ownership import INDEX_FILE, LOCK_FILE, enclosing_checkpoint, export_files, target_path
+from .options import Options
+from .ownership import INDEX_FILE, LOCK_FILE, export_files, target_path
 from .provenance import FILE as PROVENANCE
 from .provenance import made_by, of_input
 from .rules import SWA
 from .sources import SafetensorsSource, Source, Spec, finished_checkpoints, open_source
 from .storage import Entry, atomic_file, dtype_name, safetensors_metadata
-from .weight_files import Slots, WeightPlan, assign, row_pieces
+from .weight_files import Slots, WeightPlan, assign, check_output_folder, row_pieces
 
 Output = Literal["safetensors", "shardavg"]
 HF_CONFIGS = ("config.json", "generation_config.json")  # what merges before 0.4 carried, unrecorded
@@ -73,6 +74,7 @@ def merge(
 
     Args:
         inputs: checkpoints (see ``sources.open_source``), or with ``last`` one run folder.
+        out: the folder to write: a model folder, or with ``output="shardavg"`` an averager's checkpoint.
         weights: one per input, normalised to sum to 1 (default: uniform).
         last: take the newest ``last`` finished checkpoints of the run folder ``inputs``, by step.
         ema: weight the checkpoint of step ``s`` by ``ema ** (s_newest - s)``, normalised: what an
@@ -103,6 +105,14 @@ def merge(
     input's other files (config, generation config, tokenizer; the inputs' tokenizers must agree),
     its ``config.json`` declaring the dtype written. A floating tensor that overflows ``dtype``
     (an fp16 output beyond 65,504) is refused by name.
+
+    Returns:
+        The folder (or checkpoint) written.
+
+    Raises:
+        CheckpointError: an input that cannot be read or does not match the others, or an ``out``
+            inside a checkpoint or an input; nothing is written then.
+        ValueError: weights, schedule or patterns that make no merge.
     """
     validate.floating_dtype("dtype", dtype)
     validate.choice("accumulate", accumulate, (torch.float32, torch.float64))
@@ -230,7 +240,7 @@ def _write_checkpoint(
         try:
             whole = [Piece(index, None, 0) for index in range(len(plan))]
             stream = _merged(sources, shares, plan, specs, whole, accumulate)
-            description = _description(sources, shares, plan, specs) | {"provenance": record()}
+            description = replace(_description(sources, shares, plan, specs), provenance=record())
             out = save_whole(out, description, stream)
         except Exception as caught:
             error = caught
@@ -323,18 +333,7 @@ def _check_out(out: str | os.PathLike, inputs: list[Path], output: Output) -> No
     """OUT names a folder of its own: not an input, inside one, or holding one (which its writing
     could replace), nor inside any checkpoint; new, empty, or holding nothing but an earlier
     merge (or export) of shardavg's in the same format, which it replaces."""
-    if not os.fspath(out):
-        raise ValueError("OUT is empty: name the folder to write the merged model into")
-    target = Path(out).resolve()
-    for path in inputs:
-        source = path.resolve()
-        if target == source or source in target.parents or target in source.parents:
-            raise CheckpointError(f"OUT {out} and the input {path} lie one inside the other: write to a folder apart")
-    enclosing = enclosing_checkpoint(Path(out).parent)
-    if enclosing is not None:
-        raise CheckpointError(f"OUT {out} is inside the checkpoint {enclosing}: write to a folder of its own")
-    if output == "safetensors" and enclosing_checkpoint(Path(out)) is not None:  # (an averager checkpoint is
-        raise CheckpointError(f"OUT {out} is a checkpoint: name a model folder of its own")  # replaced only by one)
+    check_output_folder(out, inputs, replaces_checkpoint=output == "shardavg")  # (a checkpoint replaced only by one)
     if output == "safetensors" and Path(out).is_dir() and not Path(out).is_symlink():
         own = {name for name, ours in export_files(Path(out)).items() if ours} | carried_before(Path(out))
         others = sorted(p.name for p in Path(out).iterdir() if p.name not in own | {*HF_CONFIGS, LOCK_FILE, PROVENANCE})
@@ -647,7 +646,7 @@ def _record(sources: list[Source], shares: list[float]) -> dict:
     return {"merge": [{"input": str(s), "step": s.step, "weight": w} for s, w in zip(sources, shares)], "step": newest}
 
 
-def _description(sources: list[Source], shares: list[float], plan: list[Planned], specs: list[Spec]) -> dict:
+def _description(sources: list[Source], shares: list[float], plan: list[Planned], specs: list[Spec]) -> Description:
     """The merge as an averager's description: one average of ``len(sources)`` updates, by SWA's
     rule when the weights are equal (it is then their SWA), else a custom rule named ``merge``;
     each tensor's kind and role as an averager's input records them (else a floating tensor is
@@ -659,28 +658,21 @@ def _description(sources: list[Source], shares: list[float], plan: list[Planned]
     def kind_and_role(name: str, spec: Spec) -> tuple[str, str]:
         return described.get(name, ("param", "average" if spec.dtype.is_floating_point else "copy"))
 
-    return {
-        "format": FORMAT,
-        "version": VERSION,
-        "step": record["step"] or 0,
-        "num_updates": len(sources),
-        "num_skipped": 0,
-        "averages": [{"name": None, "rule": SWA().to_config() if uniform else {"kind": "custom", "name": "merge"}}],
-        "strategy": "replicated",
-        "world_size": 1,
-        "options": {"every_n_steps": 1, "start_step": 0, "dtype": None, "buffers": "copy", "include_frozen": False},
-        "tensors": [
-            {
-                "name": planned.names[0],
-                "aliases": list(planned.names[1:]),
-                "kind": kind_and_role(planned.names[0], spec)[0],
-                "role": kind_and_role(planned.names[0], spec)[1],
-                "shape": list(spec.shape),
-                "dtype": dtype_name(spec.dtype),
-            }
+    rule = SWA().to_config() if uniform else {"kind": "custom", "name": "merge"}
+    return Description(
+        step=record["step"] or 0,
+        num_updates=len(sources),
+        num_skipped=0,
+        averages=(DescribedAverage(None, rule),),
+        tensors=tuple(
+            TensorEntry(planned.names[0], planned.names[1:], *kind_and_role(planned.names[0], spec), spec.shape,
+                        dtype_name(spec.dtype))
             for planned, spec in zip(plan, specs)
-        ],
-    }
+        ),
+        strategy="replicated",
+        world_size=1,
+        options=Options(dtype=None).describe(),  # each tensor kept in its own dtype
+    )  # fmt: skip
 
 
 def _carry(

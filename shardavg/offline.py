@@ -24,13 +24,12 @@ from typing import Any
 import torch
 
 from .errors import CheckpointError
-from .format import decode_description, is_count, tensor_key
-from .ownership import MANIFEST
+from .format import DCP_METADATA, MANIFEST, STEP_DIR, TensorEntry, decode_description, tensor_key
 from .parts import Box, Part, tiles, within
-from .reading import STEP_DIR, open_checkpoint
-from .storage import DTYPES
+from .reading import open_checkpoint
+from .validate import is_count
 
-Chunk = tuple[list[Box], Callable[[torch.Tensor, int], None]]  # (the boxes it holds, fill(slab, first row))
+StoredChunk = tuple[list[Box], Callable[[torch.Tensor, int], None]]  # a chunk on disk: its boxes, fill(slab, first row)
 Rows = tuple[int, int] | None  # rows [start, stop) of a tensor; None: all of it
 PLAIN_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]*$")  # a file inside the checkpoint, never a path
 
@@ -77,18 +76,18 @@ class SavedAverage:
             raise CheckpointError("the checkpoint path is empty: name a checkpoint directory")
         path = Path(path)
         self._opened = None
-        if _regular(path / ".metadata"):
+        if _regular(path / DCP_METADATA):
             self._open_dcp(path, key)
         elif not path.exists() or (path / MANIFEST).is_file() or any(STEP_DIR.match(p.name) for p in path.iterdir()):
             self._opened = open_checkpoint(path, every_file=True)  # one save, whatever is saved there meanwhile
-            self.path, self.description, self.kind = self._opened.path, self._opened.meta, "shardavg"
+            self.path, self.description, self.kind = self._opened.path, self._opened.description, "shardavg"
         else:
             raise CheckpointError(
                 f"{path} is neither a shardavg checkpoint ({MANIFEST}) nor a DCP checkpoint (.metadata)"
             )
-        self.tensors = {entry["name"]: entry for entry in self.description["tensors"]}
-        self.canonical = {alias: e["name"] for e in self.description["tensors"] for alias in (e["name"], *e["aliases"])}
-        self.averages: list[str | None] = [entry["name"] for entry in self.description["averages"]]
+        self.tensors = {entry.name: entry for entry in self.description.tensors}
+        self.canonical = {alias: entry.name for alias, entry in self.description.by_name().items()}
+        self.averages: list[str | None] = self.description.average_names
 
     def average(self, name: str | None) -> str | None:
         """The average called ``name``; ``None`` picks the only one, when there is one."""
@@ -106,7 +105,7 @@ class SavedAverage:
 
     def key(self, name: str, average: str | None) -> str:
         """The key tensor ``name`` of ``average`` is stored under."""
-        return tensor_key(average, name) if self.tensors[name]["role"] == "average" else name
+        return tensor_key(average, name) if self.tensors[name].role == "average" else name
 
     # --------------------------------------------------------------- DCP
 
@@ -133,7 +132,7 @@ class SavedAverage:
         (files, bytes) checked. A DCP checkpoint records none: refused."""
         if self._opened is None:
             raise CheckpointError(f"{self.path} is a DCP checkpoint, which records no checksums: nothing to verify")
-        return len(self.description["files"]), self._opened.verify()
+        return len(self.description.files), self._opened.verify()
 
     def close(self) -> None:
         """Let go of the open files (they are closed when this object is collected, too)."""
@@ -149,30 +148,30 @@ class SavedAverage:
         """
         name = self.canonical.get(name, name)  # a tied tensor is stored under its first name
         key = self.key(name, self.average(average))
-        dtype, shape = DTYPES[self.tensors[name]["dtype"]], tuple(self.tensors[name]["shape"])
+        dtype, shape = self.tensors[name].torch_dtype, self.tensors[name].shape
         chunks = self._chunks(name, key)
         out = torch.empty(slab_shape(shape, rows), dtype=dtype)
         for _, fill in chunks:
             fill(out, rows[0] if rows else 0)
         return out
 
-    def _chunks(self, name: str, key: str) -> list[Chunk]:
+    def _chunks(self, name: str, key: str) -> list[StoredChunk]:
         """``(boxes, fill)`` for each chunk stored under ``key`` of tensor ``name``, the boxes checked
         to tile it; ``fill(full)`` reads the chunk into its place in the full tensor ``full``."""
         entry = self.tensors[name]
         chunks = self._dcp_chunks(key, entry) if self.kind == "dcp" else self._shard_chunks(name, key)
         boxes = [box for held, _ in chunks for box in held]
-        if not tiles(entry["shape"], boxes):
+        if not tiles(entry.shape, boxes):
             raise CheckpointError(
-                f"{self.path}: the chunks of {key!r} {boxes[:8]} do not tile its shape {entry['shape']}"
+                f"{self.path}: the chunks of {key!r} {boxes[:8]} do not tile its shape {list(entry.shape)}"
             )
         return chunks
 
-    def _shard_chunks(self, name: str, key: str) -> list[Chunk]:
+    def _shard_chunks(self, name: str, key: str) -> list[StoredChunk]:
         entry, chunks = self.tensors[name], []
-        for owner, part in entry["layout"].chunks:
+        for owner, part in entry.layout.owned:  # type: ignore[union-attr]
             file = self._opened.shard(owner)  # type: ignore[union-attr]
-            file.checked(key, entry["dtype"], part.numel)
+            file.checked(key, entry.dtype, part.numel)
             for block in part.packed().blocks:
 
                 def fill(
@@ -185,11 +184,11 @@ class SavedAverage:
                 chunks.append(([(block.offsets, block.sizes)], fill))
         return chunks
 
-    def _dcp_chunks(self, key: str, entry: dict[str, Any]) -> list[Chunk]:
+    def _dcp_chunks(self, key: str, entry: TensorEntry) -> list[StoredChunk]:
         """Each chunk DCP stored: since format version 5 DCP holds every tensor in its own shape (a
         0-d one as one element), each chunk a box; before, flattened, each chunk a range."""
-        shape, dtype = tuple(entry["shape"]), DTYPES[entry["dtype"]]
-        flattened = self.description["version"] < 5 or not shape
+        shape, dtype = entry.shape, entry.torch_dtype
+        flattened = self.description.version < 5 or not shape
         stored_shape = (math.prod(shape),) if flattened else shape
         found = []
         for offsets, sizes, load in self._dcp.boxes(f"{self._prefix}tensors.{key}", stored_shape, dtype):
@@ -343,7 +342,7 @@ def _box(offsets: Any, sizes: Any, shape: tuple[int, ...]) -> tuple[Any, Any]:
 def read_dcp_metadata(path: str | os.PathLike) -> Any:
     """The ``.metadata`` of the DCP checkpoint at ``path``, unpickled with an unpickler that builds
     nothing but DCP's metadata classes (``dcp.load`` would unpickle anything in it)."""
-    where = Path(path) / ".metadata"
+    where = Path(path) / DCP_METADATA
     if not _regular(where):
         raise CheckpointError(f"{where} is missing or not a regular file: not a DCP checkpoint")
     try:
@@ -366,7 +365,17 @@ def check_dcp(path: str | os.PathLike) -> Any:
     ``.metadata`` is read with the restricted unpickler, and every item it lists must lie in a
     regular file of the folder (a plain name, never a path), within that file's size: a missing
     or truncated ``.distcp`` file, or garbage metadata, is refused with one message naming it.
-    The items' bytes are not read (DCP records no checksum of them)."""
+    The items' bytes are not read (DCP records no checksum of them).
+
+    Args:
+        path: the DCP checkpoint folder.
+
+    Returns:
+        Its metadata (``torch.distributed.checkpoint.metadata.Metadata``).
+
+    Raises:
+        CheckpointError: naming the file or item at fault.
+    """
     path = Path(path)
     metadata = read_dcp_metadata(path)
     check_dcp_items(path, metadata)

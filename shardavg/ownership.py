@@ -31,7 +31,7 @@ from typing import Any
 
 from .errors import CheckpointError
 from .format import CHECKPOINT_FILE, MANIFEST
-from .storage import safetensors_metadata
+from .storage import INCOMPLETE, safetensors_metadata
 
 STAGING_MARKER = ".shardavg-staging"
 EXPORT_FILE = re.compile(r"^(model\.safetensors|model-\d{5}-of-\d{5}\.safetensors|model\.safetensors\.index\.json)$")
@@ -41,7 +41,7 @@ LOCK_FILE = ".shardavg.lock"  # a writer's lock inside the folder it writes
 
 def _temporary_of(name: str, pattern: re.Pattern) -> bool:
     """Whether ``name`` is ``.<own file>.incomplete``: a file an atomic write left behind."""
-    return name.startswith(".") and name.endswith(".incomplete") and bool(pattern.match(name[1 : -len(".incomplete")]))
+    return name.startswith(".") and name.endswith(INCOMPLETE) and bool(pattern.match(name[1 : -len(INCOMPLETE)]))
 
 
 def _entries(path: Path) -> dict[str, os.stat_result] | None:
@@ -143,12 +143,22 @@ LOCK_WAIT = 2.0  # seconds a fresh lock file may stay empty while its creator ta
 
 
 class TargetLock:
-    """Exclusive, non-blocking: refuses at once when another process is writing ``target``.
+    """An exclusive, non-blocking lock on a target shardavg writes: a second writer is refused at once.
 
-    ``inside(directory)`` locks ``directory/.shardavg.lock`` (a ``keep_last`` directory, an
-    export folder: places shardavg writes into); ``beside(target)`` locks ``.NAME.lock`` next to
-    a single checkpoint, which is swapped whole and so cannot hold its own lock. Any other
-    ``path`` works the same (the main job locks its run folder for its lifetime).
+    Use it as a context manager: entering takes the lock, leaving releases it and removes the
+    lock file. ``inside(directory)`` locks ``directory/.shardavg.lock`` (a ``keep_last``
+    directory, an export folder: places shardavg writes into); ``beside(target)`` locks
+    ``.NAME.lock`` next to a single checkpoint, which is swapped whole and so cannot hold its own
+    lock. Any other ``path`` works the same (the main job locks its run folder for its lifetime).
+    Where the platform or file system has no ``flock``, entering warns and locks nothing.
+
+    Args:
+        path: The lock file (created, with its parent folders, on entering).
+        target: What the lock protects, named in messages.
+
+    Raises:
+        CheckpointError: On entering: another process holds the lock, or something shardavg did
+            not write (a link, another file, a folder) is at ``path``.
     """
 
     def __init__(self, path: Path, target: Path) -> None:
@@ -157,10 +167,26 @@ class TargetLock:
 
     @classmethod
     def inside(cls, directory: Path) -> TargetLock:
+        """The lock of a folder shardavg writes into, kept inside it.
+
+        Args:
+            directory: The folder.
+
+        Returns:
+            A lock on ``directory/.shardavg.lock`` (not taken yet).
+        """
         return cls(directory / LOCK_FILE, directory)
 
     @classmethod
     def beside(cls, target: Path) -> TargetLock:
+        """The lock of a target replaced whole (a single checkpoint), kept next to it.
+
+        Args:
+            target: The target.
+
+        Returns:
+            A lock on ``.NAME.lock`` beside ``target`` (not taken yet).
+        """
         return cls(target.with_name(f".{target.name}.lock"), target)
 
     def __enter__(self) -> TargetLock:

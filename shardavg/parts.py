@@ -136,27 +136,27 @@ class Part:
             at += block.numel
         return at == self.numel
 
-    def span(self) -> tuple[int, int] | None:
+    def flat_range(self) -> tuple[int, int] | None:
         """``(start, end)`` when the local view is exactly that range of the flattened tensor, in
         order (a flat range, rows of ``Shard(0)``, the whole tensor); otherwise None."""
         if not self.dense:
             return None
         start = position = None
         for block in self.blocks:
-            span = box_span(self.shape, block.offsets, block.sizes)
-            if span is None or (position is not None and span[0] != position):
+            flat = box_range(self.shape, block.offsets, block.sizes)
+            if flat is None or (position is not None and flat[0] != position):
                 return None
-            start = span[0] if start is None else start
-            position = span[1]
+            start = flat[0] if start is None else start
+            position = flat[1]
         if start is None:
             return (0, 0) if self.numel == 0 else None
         return start, position
 
     def shown(self) -> str:
         """The part in a message: its range of the flattened tensor, or its boxes."""
-        span = self.span()
-        if span is not None:
-            return f"[{span[0]}, {span[1]})"
+        flat = self.flat_range()
+        if flat is not None:
+            return f"[{flat[0]}, {flat[1]})"
         boxes = [f"{list(offsets)}+{list(sizes)}" for offsets, sizes in self.boxes]
         return "boxes " + (", ".join(boxes[:4]) + (", ..." if len(boxes) > 4 else "") if boxes else "none")
 
@@ -223,7 +223,7 @@ def box_slices(offsets: Sequence[int], sizes: Sequence[int]) -> tuple[slice, ...
     return tuple(slice(o, o + s) for o, s in zip(offsets, sizes))
 
 
-def box_span(shape: Sequence[int], offsets: Sequence[int], sizes: Sequence[int]) -> tuple[int, int] | None:
+def box_range(shape: Sequence[int], offsets: Sequence[int], sizes: Sequence[int]) -> tuple[int, int] | None:
     """The range of the flattened tensor a box covers, when its elements are back to back there."""
     if not all(sizes):
         return None

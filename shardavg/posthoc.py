@@ -16,9 +16,9 @@ from __future__ import annotations
 
 import math
 import os
-import re
 import secrets
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -29,12 +29,12 @@ from . import validate
 from .averager import WeightAverager
 from .dist import agree_or_raise, all_gathered, rank
 from .errors import CheckpointError
+from .format import MANIFEST, SNAPSHOT_DIR, Description, TensorEntry, snapshot_directory
 from .logs import internal
+from .provenance import made_by, of_input
 from .reading import read_manifest
 from .rules import PowerEMA, gamma_to_sigma_rel, rule_from_config, shown, sigma_rel_to_gamma
-from .storage import DTYPES
 
-SNAPSHOT = re.compile(r"^snapshot-(\d+)$")
 FIT_TOLERANCE = 0.05  # the largest relative least-squares residual a synthesis may have
 MAX_T = 2**53  # updates a snapshot may record: exact in the float64 the coefficients are solved in
 
@@ -130,32 +130,32 @@ class Snapshot:
 
     def __init__(self, path: Path) -> None:
         self.path = path
-        meta = read_manifest(path)
-        self.t = int(meta["num_updates"])
+        saved = read_manifest(path)
+        self.t = saved.num_updates
         if not 1 <= self.t <= MAX_T:
             raise CheckpointError(
                 f"{path} was written after {self.t} updates: a snapshot holds at least one and at most 2**53 (its "
                 "profiles' inner products exist for t >= 1)"
             )
-        self.step = int(meta["step"])
-        self.world_size = int(meta.get("world_size", 1))
-        self.run: str | None = meta.get("run")  # the PostHocEMA run that wrote it (None: before runs had one)
+        self.step = saved.step
+        self.world_size = saved.world_size or 1
+        self.run: str | None = saved.run  # the PostHocEMA run that wrote it (None: before runs had one)
         self.rules: dict[str, PowerEMA] = {}
-        for entry in meta["averages"]:
-            rule = rule_from_config(entry["rule"]) if entry["rule"].get("kind") != "custom" else None
-            if not isinstance(rule, PowerEMA) or entry["name"] is None:
-                raise CheckpointError(f"{path}: average {entry['name']!r} is not a named power-function EMA profile")
+        for average in saved.averages:
+            rule = rule_from_config(average.rule) if average.rule.get("kind") != "custom" else None
+            if not isinstance(rule, PowerEMA) or average.name is None:
+                raise CheckpointError(f"{path}: average {average.name!r} is not a named power-function EMA profile")
             try:
                 target_gamma(gamma=rule.exponent)
             except ValueError as error:
-                raise CheckpointError(f"{path}: profile {entry['name']!r}: {error}") from None
-            self.rules[entry["name"]] = rule
+                raise CheckpointError(f"{path}: profile {average.name!r}: {error}") from None
+            self.rules[average.name] = rule
         self.gammas = {name: rule.exponent for name, rule in self.rules.items()}
-        self.tensors = {entry["name"]: entry for entry in meta["tensors"]}
-        missing = [name for name in meta["files"] if not (path / name).is_file()]
+        self.tensors = {entry.name: entry for entry in saved.tensors}
+        missing = [name for name in saved.files if not (path / name).is_file()]
         if missing:
             raise CheckpointError(f"{path} lacks {missing}: a truncated or partly deleted snapshot")
-        self.bytes = sum((path / name).stat().st_size for name in meta["files"])
+        self.bytes = sum((path / name).stat().st_size for name in saved.files)
 
 
 def snapshots(directory: str | os.PathLike) -> list[Snapshot]:
@@ -165,7 +165,7 @@ def snapshots(directory: str | os.PathLike) -> list[Snapshot]:
     if not directory.is_dir():
         raise CheckpointError(f"no snapshot directory at {directory}")
     found = [
-        Snapshot(p) for p in sorted(directory.iterdir()) if SNAPSHOT.match(p.name) and (p / "shardavg.json").is_file()
+        Snapshot(p) for p in sorted(directory.iterdir()) if SNAPSHOT_DIR.match(p.name) and (p / MANIFEST).is_file()
     ]
     if not found:
         raise CheckpointError(f"{directory} holds no committed snapshot-<t> directory")
@@ -179,8 +179,8 @@ def snapshots(directory: str | os.PathLike) -> list[Snapshot]:
             f"{other.path.name} run {other.run}): synthesize from one run's snapshots, one directory per run"
         )
     for other in found[1:]:
-        shapes = {n: e["shape"] for n, e in other.tensors.items()}
-        if shapes != {n: e["shape"] for n, e in first.tensors.items()} or other.gammas != first.gammas:
+        shapes = {n: e.shape for n, e in other.tensors.items()}
+        if shapes != {n: e.shape for n, e in first.tensors.items()} or other.gammas != first.gammas:
             raise CheckpointError(
                 f"{other.path} and {first.path} are snapshots of different models or profiles: one directory per run"
             )
@@ -299,14 +299,24 @@ class PostHocEMA:
 
     def update(self, step: int | None = None) -> bool:
         """``averager.update(step)``, then a snapshot after every ``snapshot_every``-th applied update
-        (counted here, so that an update checked on an accelerator is not waited for)."""
+        (counted here, so that an update checked on an accelerator is not waited for).
+
+        Args:
+            step: the training step, as for ``WeightAverager.update`` (default: one more than the last).
+
+        Returns:
+            Whether the profiles were updated at this step.
+
+        Raises:
+            CheckpointError: at the first update, when ``directory`` holds another run's snapshots.
+        """
         if not self._directory_checked:
             self._check_directory()
         applied = self.averager.update(step)
         if applied:
             self._issued += 1
             if self._issued % self.snapshot_every == 0:  # the name takes the settled count
-                path = self.directory / f"snapshot-{self.averager.num_updates:09d}"
+                path = self.directory / snapshot_directory(self.averager.num_updates)
                 self.averager.save(path, dtype=self.snapshot_dtype)
         return applied
 
@@ -318,8 +328,8 @@ class PostHocEMA:
         if rank() == 0:
             try:
                 for path in sorted(self.directory.glob("snapshot-*")) if self.directory.is_dir() else []:
-                    if SNAPSHOT.match(path.name) and (path / "shardavg.json").is_file():
-                        theirs = read_manifest(path).get("run")
+                    if SNAPSHOT_DIR.match(path.name) and (path / MANIFEST).is_file():
+                        theirs = read_manifest(path).run
                         if theirs != self.averager.run_id:
                             raise CheckpointError(
                                 f"{self.directory} holds snapshots of another run ({path.name}, run {theirs}; this "
@@ -333,17 +343,46 @@ class PostHocEMA:
 
     # checkpoints of the running profiles: as a WeightAverager's (snapshots are already on disk)
     def state_dict(self) -> dict[str, Any]:
+        """The running profiles as a ``torch.distributed.checkpoint`` Stateful (``WeightAverager.state_dict``).
+
+        Returns:
+            The averager's state dict: its description and every profile's shards.
+        """
         return self.averager.state_dict()
 
     def load_state_dict(self, state_dict: dict[str, Any], strict: bool = True) -> None:
+        """Restore the running profiles (and the run's identity) from ``state_dict``.
+
+        Args:
+            state_dict: what ``state_dict()`` gave, as DCP loaded it.
+            strict: refuse missing or unexpected tensors and other rules (``False``: warn).
+        """
         self.averager.load_state_dict(state_dict, strict)  # (the run's identity too)
         self._issued = self.averager.num_updates
         self._directory_checked = False
 
     def save(self, directory: str | os.PathLike, keep_last: int | None = None) -> Path:
+        """Collective: save the running profiles, as ``WeightAverager.save`` does.
+
+        Args:
+            directory: the checkpoint directory (with ``keep_last``, the folder of ``step-*`` checkpoints).
+            keep_last: keep the newest ``keep_last`` checkpoints in ``directory``.
+
+        Returns:
+            The checkpoint written.
+        """
         return self.averager.save(directory, keep_last)
 
     def load(self, directory: str | os.PathLike, strict: bool = True) -> Path:
+        """Collective: restore the running profiles (and the run's identity) from ``save``'s checkpoint.
+
+        Args:
+            directory: a checkpoint, or a folder of ``step-*`` checkpoints (the newest is read).
+            strict: refuse missing or unexpected tensors and other rules (``False``: warn).
+
+        Returns:
+            The checkpoint read.
+        """
         path = self.averager.load(directory, strict)  # (the run's identity too)
         self._issued = self.averager.num_updates
         self._directory_checked = False
@@ -354,8 +393,19 @@ class PostHocEMA:
     ) -> WeightAverager:
         """Collective: the average of profile ``sigma_rel`` (or ``gamma``) at ``step`` (the last
         snapshot's by default), combined on each rank from its parts of the snapshots, which are
-        read at this world size whatever the one they were written at. The result is an averager
-        of its own (``swapped()``, ``export``, ``save``), holding only the synthesized average."""
+        read at this world size whatever the one they were written at.
+
+        Args:
+            sigma_rel: the relative width of the profile to synthesize (0.01 to 0.29 fit well).
+            gamma: the profile's exponent instead of ``sigma_rel``.
+            step: synthesize from the snapshots up to this training step (default: all of them).
+
+        Returns:
+            An averager of its own (``swapped()``, ``export``, ``save``), holding only the synthesized average.
+
+        Raises:
+            CheckpointError: when the snapshots are missing, mixed or cannot express the profile.
+        """
         return synthesize(self.model, self.directory, sigma_rel, gamma=gamma, step=step, **self.averager_options)
 
 
@@ -368,7 +418,19 @@ def synthesize(
     step: int | None = None,
     **averager_options: Any,
 ) -> WeightAverager:
-    """``PostHocEMA.synthesize`` for any model and snapshot directory (collective)."""
+    """``PostHocEMA.synthesize`` for any model and snapshot directory (collective).
+
+    Args:
+        model: the model the snapshots were taken of (any engine, any world size).
+        directory: the snapshots' folder.
+        sigma_rel: the relative width of the profile to synthesize.
+        gamma: the profile's exponent instead of ``sigma_rel``.
+        step: synthesize from the snapshots up to this training step (default: all of them).
+        **averager_options: passed to ``WeightAverager``.
+
+    Returns:
+        An averager holding only the synthesized average.
+    """
     target = PowerEMA(gamma=target_gamma(sigma_rel, gamma))
     found = snapshots(directory)
     terms, t_target = plan(found, target.exponent, step)
@@ -393,11 +455,12 @@ def synthesize(
 
 def synthesized_tensors(
     directory: str | os.PathLike, gamma: float, step: int | None = None
-) -> tuple[dict, Iterator[tuple[dict, torch.Tensor]]]:
-    """One process, no process group: the snapshots' description (the last used one's) and
-    ``(tensor entry, full synthesized tensor)`` one tensor at a time, accumulated in the order
-    and dtype of the in-process synthesis (so both give the same bits). Averaged tensors are
-    the combination; copied and live ones the last snapshot's."""
+) -> tuple[Description, Iterator[tuple[TensorEntry, torch.Tensor]]]:
+    """One process, no process group: the snapshots' description (the last used one's, its
+    provenance the snapshots combined and their coefficients) and ``(tensor entry, full
+    synthesized tensor)`` one tensor at a time, accumulated in the order and dtype of the
+    in-process synthesis (so both give the same bits). Averaged tensors are the combination;
+    copied and live ones the last snapshot's."""
     from .offline import SavedAverage
 
     terms, _ = plan(snapshots(directory), target_gamma(gamma=gamma), step)
@@ -406,12 +469,12 @@ def synthesized_tensors(
         reader.verify()  # every chunk table checked before anything is written
     last = readers[terms[-1][0].path]
 
-    def tensors() -> Iterator[tuple[dict, torch.Tensor]]:
+    def tensors() -> Iterator[tuple[TensorEntry, torch.Tensor]]:
         for name, entry in last.tensors.items():
-            if entry["role"] != "average":
+            if entry.role != "average":
                 yield entry, last.read(name, next(iter(last.averages)))
                 continue
-            total = torch.zeros(entry["shape"], dtype=synthesized_dtype(entry))
+            total = torch.zeros(entry.shape, dtype=synthesized_dtype(entry))
             for snapshot, profile, coefficient in terms:
                 total.add_(
                     readers[snapshot.path].read(name, profile), alpha=coefficient
@@ -419,11 +482,16 @@ def synthesized_tensors(
             yield entry, total
             del total
 
-    return last.description, tensors()
+    inputs = [
+        of_input(snapshot.path, snapshot.step, coefficient, snapshot.run) | {"profile": profile}
+        for snapshot, profile, coefficient in terms
+    ]
+    record = made_by("posthoc", 1, sigma_rel=gamma_to_sigma_rel(gamma), step=terms[-1][0].step, inputs=inputs)
+    return replace(last.description, provenance=record), tensors()
 
 
-def synthesized_dtype(entry: dict) -> torch.dtype:
+def synthesized_dtype(entry: TensorEntry) -> torch.dtype:
     """The dtype a tensor is synthesized in: averaged ones summed in fp32 at least (as the
     in-process shadows are), whatever the snapshots were stored in; others as stored."""
-    saved = DTYPES[entry["dtype"]]
-    return torch.promote_types(saved, torch.float32) if entry["role"] == "average" else saved
+    saved = entry.torch_dtype
+    return torch.promote_types(saved, torch.float32) if entry.role == "average" else saved

@@ -23,14 +23,15 @@ from typing import Any
 import torch
 
 from .errors import ExportError
+from .format import DCP_METADATA, MANIFEST
 from .storage import atomic_file
 
 FILE = "provenance.json"
-MANIFESTS = ("shardavg.json", ".metadata", "model.safetensors.index.json")
+MANIFESTS = (MANIFEST, DCP_METADATA, "model.safetensors.index.json")
 
 
 def made_by(what: str, world: int, **details: Any) -> dict[str, Any]:
-    """The record of one export or merge: ``what``, its details, and the software and command."""
+    """The record of one export, post-hoc synthesis or merge: ``what``, its details, and the software and command."""
     return {
         "made": what,
         **details,
@@ -103,7 +104,7 @@ def read(folder: Path) -> dict[str, Any] | None:
     if own is not None:
         return own
     try:
-        found = json.loads((folder / "shardavg.json").read_text()).get("provenance")
+        found = json.loads((folder / MANIFEST).read_text()).get("provenance")
     except (OSError, ValueError, AttributeError):
         return None
     return found if isinstance(found, dict) else None
@@ -112,13 +113,16 @@ def read(folder: Path) -> dict[str, Any] | None:
 def shown(record: dict[str, Any], depth: int = 0) -> list[str]:
     """The record in lines for ``shardavg inspect``, nested inputs indented."""
     pad = "  " * depth
-    head = ", ".join(f"{k} {record[k]}" for k in ("made", "average", "schedule", "dtype", "step") if record.get(k))
+    keys = ("made", "average", "sigma_rel", "schedule", "dtype", "step")
+    head = ", ".join(f"{k} {record[k]}" for k in keys if record.get(k))
     lines = [f"{pad}{head}" if head else f"{pad}{record.get('made', '?')}"]
     lines.append(f"{pad}by shardavg {record.get('shardavg')} on torch {record.get('torch')}, "
                  f"{record.get('world_size')} process(es): {' '.join(record.get('command', []))}")  # fmt: skip
     for entry in record.get("inputs", []):
         run = f", run {entry['run_id']}" if entry.get("run_id") else ""
-        lines.append(f"{pad}- {entry['path']} (step {entry.get('step')}{run}, weight {entry.get('weight'):.6g})")
+        profile = f", profile {entry['profile']}" if entry.get("profile") else ""
+        weight = f"weight {entry.get('weight'):.6g}"
+        lines.append(f"{pad}- {entry['path']} (step {entry.get('step')}{run}{profile}, {weight})")
         if isinstance(entry.get("provenance"), dict):
             lines += shown(entry["provenance"], depth + 1)
     return lines

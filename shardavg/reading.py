@@ -19,12 +19,12 @@ import json
 import os
 import warnings
 from pathlib import Path
-from typing import Any
 
 from .errors import CheckpointError
-from .format import MANIFEST, SAVE_ID_KEY, STEP_DIR, is_count, parse_manifest
+from .format import MANIFEST, SAVE_ID_KEY, STEP_DIR, Description, parse_manifest
 from .ownership import is_own_checkpoint
 from .storage import SafetensorsFile, open_regular, replaced_path
+from .validate import is_count
 
 ATTEMPTS = 10  # newer saves a reader follows before it gives up
 
@@ -125,8 +125,8 @@ class OpenCheckpoint:
             raise CheckpointError(f"cannot open {path}: {error.strerror}") from None
         try:
             raw = self._read_manifest()
-            self.meta = parse_manifest(raw, str(path / MANIFEST))
-            self.identity = self.meta.get("checksum") or "sha256:" + hashlib.sha256(raw).hexdigest()
+            self.description = parse_manifest(raw, str(path / MANIFEST))
+            self.identity = self.description.checksum or "sha256:" + hashlib.sha256(raw).hexdigest()
         except BaseException:
             self.close()
             raise
@@ -158,12 +158,12 @@ class OpenCheckpoint:
 
     @property
     def version(self) -> int:
-        return self.meta["version"]
+        return self.description.version
 
     def shard(self, index: int) -> SafetensorsFile:
         """The ``index``-th file of the manifest, opened (once) and checked to be this save's."""
         if index not in self._shards:
-            name = self.meta["files"][index]
+            name = self.description.files[index]
             try:
                 file = SafetensorsFile.open(name, self._dir, self.path / name)
             except FileNotFoundError:
@@ -179,21 +179,21 @@ class OpenCheckpoint:
     def _check_belongs(self, index: int, file: SafetensorsFile) -> None:
         if self.version < 4:  # saved before files carried their save's id and size
             return
-        expected = self.meta["digests"][index]["bytes"]
+        expected = self.description.digests[index].bytes
         if file.size != expected:
             raise CheckpointError(
                 f"{file.where} has {file.size} bytes, the manifest says {expected}: truncated, or not this save's file"
             )
-        if file.metadata.get(SAVE_ID_KEY) != self.meta["save_id"]:
+        if file.metadata.get(SAVE_ID_KEY) != self.description.save_id:
             raise CheckpointError(
                 f"{file.where} belongs to save {str(file.metadata.get(SAVE_ID_KEY))[:40]!r}, the manifest to "
-                f"{self.meta['save_id']!r}: files of two saves are mixed in {self.path}"
+                f"{self.description.save_id!r}: files of two saves are mixed in {self.path}"
             )
 
     def open_all(self) -> None:
         """Open every file now, so that nothing read later depends on the folder staying as it is."""
-        reserve_descriptors(len(self.meta["files"]))
-        for index in range(len(self.meta["files"])):
+        reserve_descriptors(len(self.description.files))
+        for index in range(len(self.description.files)):
             self.shard(index)
 
     def verify(self, indices: list[int] | None = None) -> int:
@@ -205,9 +205,9 @@ class OpenCheckpoint:
                 "checksums: there is nothing to verify it against"
             )
         checked = 0
-        for index in range(len(self.meta["files"])) if indices is None else indices:
+        for index in range(len(self.description.files)) if indices is None else indices:
             file = self.shard(index)
-            if file.sha256() != self.meta["digests"][index]["sha256"]:
+            if file.sha256() != self.description.digests[index].sha256:
                 raise CheckpointError(
                     f"{file.where}: its content does not match the SHA-256 the manifest recorded when it was "
                     "written: the file was damaged or changed since"
@@ -251,20 +251,20 @@ def open_checkpoint(directory: str | os.PathLike, every_file: bool = False) -> O
             if opened is not None:
                 opened.close()
             raise
-    raise busy(directory)
+    raise busy_error(directory)
 
 
-def busy(directory: str | os.PathLike) -> CheckpointError:
+def busy_error(directory: str | os.PathLike) -> CheckpointError:
     return CheckpointError(
         f"{directory} was replaced by newer saves {ATTEMPTS} times while it was being read: read it when the "
         "job writing it pauses, or from a copy"
     )
 
 
-def read_manifest(path: Path) -> dict[str, Any]:
+def read_manifest(path: Path) -> Description:
     """The manifest of the checkpoint at ``path``, checked whole (description, checksum, chunk table)."""
     with OpenCheckpoint(path) as opened:
-        return opened.meta
+        return opened.description
 
 
 def reserve_descriptors(count: int) -> None:

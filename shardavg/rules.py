@@ -37,7 +37,14 @@ MAX_SIGMA_REL = 0.3003  # the widest profile (gamma -> -1)
 
 
 def shown(value: Any) -> str:
-    """A value as an error message shows it: one short line, whatever it is."""
+    """A value as an error message shows it: one short line, whatever it is.
+
+    Args:
+        value: Anything.
+
+    Returns:
+        Its ``repr``, cut to 40 characters (ending in ``...`` when cut).
+    """
     text = repr(value)
     return text if len(text) <= 40 else f"{text[:37]}..."
 
@@ -72,17 +79,35 @@ class Warmup(ABC):
 
     @abstractmethod
     def decay(self, num_updates: int) -> float:
-        """Uncapped decay after ``num_updates`` earlier updates."""
+        """The decay of the update that follows ``num_updates`` earlier ones, before the rule caps it.
+
+        Args:
+            num_updates: Updates applied before this one (``>= 1``).
+
+        Returns:
+            The uncapped decay, in [0, 1).
+        """
 
     @abstractmethod
-    def to_config(self) -> dict[str, Any]: ...
+    def to_config(self) -> dict[str, Any]:
+        """Plain-data description, saved inside the rule's (``warmup_from_config`` builds it back).
+
+        Returns:
+            A dict with the warm-up's ``kind`` and its fields.
+        """
 
 
 @dataclass(frozen=True)
 class InverseGammaWarmup(Warmup):
     """``1 - (1 + t / inv_gamma) ** -power``: the ramp of timm's ModelEmaV3 and diffusers' EMAModel.
 
-    ``power=2/3`` suits runs of up to about a million steps, ``power=3/4`` shorter ones.
+    Args:
+        inv_gamma: Scale of the ramp in updates (> 0): larger ramps up more slowly. Default 1.0.
+        power: Exponent (> 0): ``2/3`` (default) suits runs of up to about a million steps,
+            ``3/4`` shorter ones.
+
+    Raises:
+        ValueError: ``inv_gamma`` or ``power`` is not a finite number > 0.
     """
 
     inv_gamma: float = 1.0
@@ -94,9 +119,22 @@ class InverseGammaWarmup(Warmup):
                 raise ValueError(f"InverseGammaWarmup: {name} must be > 0, got {shown(getattr(self, name))}")
 
     def decay(self, num_updates: int) -> float:
+        """The ramp's decay after ``num_updates`` updates (see ``Warmup.decay``).
+
+        Args:
+            num_updates: Updates applied before this one.
+
+        Returns:
+            ``1 - (1 + num_updates / inv_gamma) ** -power``.
+        """
         return 1.0 - (1.0 + num_updates / self.inv_gamma) ** -self.power
 
     def to_config(self) -> dict[str, Any]:
+        """Plain-data description.
+
+        Returns:
+            ``{"kind": "inverse_gamma", "inv_gamma": ..., "power": ...}``.
+        """
         return {"kind": "inverse_gamma", "inv_gamma": float(self.inv_gamma), "power": float(self.power)}
 
 
@@ -105,13 +143,38 @@ class RatioWarmup(Warmup):
     """``(1 + t) / (10 + t)``: the ramp of TensorFlow's ExponentialMovingAverage ``num_updates``."""
 
     def decay(self, num_updates: int) -> float:
+        """The ramp's decay after ``num_updates`` updates (see ``Warmup.decay``).
+
+        Args:
+            num_updates: Updates applied before this one.
+
+        Returns:
+            ``(1 + num_updates) / (10 + num_updates)``.
+        """
         return (1.0 + num_updates) / (10.0 + num_updates)
 
     def to_config(self) -> dict[str, Any]:
+        """Plain-data description.
+
+        Returns:
+            ``{"kind": "ratio"}``.
+        """
         return {"kind": "ratio"}
 
 
 def warmup_from_config(config: Mapping[str, Any]) -> Warmup:
+    """Build a warm-up from ``Warmup.to_config()`` output (or the same dict from YAML).
+
+    Args:
+        config: A mapping with ``kind`` ``"inverse_gamma"`` (and its fields) or ``"ratio"``.
+
+    Returns:
+        The warm-up.
+
+    Raises:
+        TypeError: ``config`` is not a mapping.
+        ValueError: An unknown ``kind``, or a field missing or out of range.
+    """
     if not isinstance(config, Mapping):
         raise TypeError(f"a warm-up config must be a mapping with a 'kind', got {config!r}")
     kind = config.get("kind")
@@ -126,11 +189,19 @@ def warmup_from_config(config: Mapping[str, Any]) -> Warmup:
 
 
 class Rule(ABC):
-    """Base of every rule the averager accepts."""
+    """Base of every rule the averager accepts: the built-in ones and ``CustomRule``.
+
+    A rule is plain data; ``to_config`` describes it, and ``rule_from_config`` builds a built-in
+    one back from that description.
+    """
 
     @abstractmethod
     def to_config(self) -> dict[str, Any]:
-        """Plain-data description, saved with the averager's state."""
+        """Plain-data description, saved with the averager's state and compared on load.
+
+        Returns:
+            A dict with the rule's ``kind`` and its fields.
+        """
 
 
 class LerpRule(Rule):
@@ -138,18 +209,34 @@ class LerpRule(Rule):
 
     @abstractmethod
     def weight(self, num_updates: int) -> float:
-        """Weight of the live weights in the update that follows ``num_updates >= 1`` updates."""
+        """Weight of the live weights in the update that follows ``num_updates`` earlier ones.
+
+        Args:
+            num_updates: Updates applied before this one (``>= 1``; the first update copies).
+
+        Returns:
+            The lerp weight, in (0, 1].
+        """
 
 
 @dataclass(frozen=True)
 class EMA(LerpRule):
     """Exponential moving average: ``shadow <- decay * shadow + (1 - decay) * live``.
 
-    Give exactly one of ``decay`` (in (0, 1)) or ``half_life`` (in updates: after that many
-    updates an old weight counts half). ``warmup`` ramps the decay up from 0 and caps it at
-    ``decay``; the update after ``n`` earlier ones uses ``min(decay, warmup.decay(n))``.
     Without a warm-up the result is bitwise that of ``AveragedModel`` with
     ``get_ema_multi_avg_fn(decay)``.
+
+    Args:
+        decay: The decay, in (0, 1). Give exactly one of ``decay`` and ``half_life``.
+        half_life: The decay as a half-life in updates (after that many updates an old weight
+            counts half), in (0, 1e16].
+        warmup: ``InverseGammaWarmup(...)`` or ``RatioWarmup()`` to ramp the decay up from 0: the
+            update after ``n`` earlier ones uses ``min(decay, warmup.decay(n))``. None (default):
+            no warm-up.
+
+    Raises:
+        ValueError: Both or neither of ``decay`` and ``half_life``, or one out of its range.
+        TypeError: ``warmup`` is not a warm-up.
     """
 
     decay: float | None = None
@@ -176,18 +263,31 @@ class EMA(LerpRule):
 
     @property
     def target_decay(self) -> float:
-        """The decay reached after the warm-up (``decay``, or derived from ``half_life``)."""
+        """The decay reached after the warm-up: ``decay``, or ``0.5 ** (1 / half_life)``."""
         if self.decay is not None:
             return float(self.decay)
         return 0.5 ** (1.0 / float(self.half_life))  # type: ignore[arg-type]
 
     def weight(self, num_updates: int) -> float:
+        """Weight of the live weights in the update that follows ``num_updates`` earlier ones.
+
+        Args:
+            num_updates: Updates applied before this one.
+
+        Returns:
+            ``1 - decay``, the decay capped by the warm-up's, if any.
+        """
         decay = self.target_decay
         if self.warmup is not None:
             decay = min(decay, self.warmup.decay(num_updates))
         return 1.0 - decay
 
     def to_config(self) -> dict[str, Any]:
+        """Plain-data description.
+
+        Returns:
+            ``{"kind": "ema", "decay" or "half_life": ..., "warmup": its config or None}``.
+        """
         config: dict[str, Any] = {"kind": "ema"}
         if self.decay is not None:
             config["decay"] = float(self.decay)
@@ -202,9 +302,22 @@ class SWA(LerpRule):
     """Stochastic weight averaging: the equal-weight running mean of every update."""
 
     def weight(self, num_updates: int) -> float:
+        """Weight of the live weights in the update that follows ``num_updates`` earlier ones.
+
+        Args:
+            num_updates: Updates applied before this one.
+
+        Returns:
+            ``1 / (num_updates + 1)``.
+        """
         return 1.0 / (num_updates + 1)
 
     def to_config(self) -> dict[str, Any]:
+        """Plain-data description.
+
+        Returns:
+            ``{"kind": "swa"}``.
+        """
         return {"kind": "swa"}
 
 
@@ -214,6 +327,12 @@ def sigma_rel_to_gamma(sigma_rel: float) -> float:
     Solves ``g**3 + 7 g**2 + (16 - s**-2) g + (12 - s**-2) = 0`` for its largest real root by
     Newton's method started to the right of every root (the cubic is convex and increasing
     there, so the iteration decreases monotonically onto that root).
+
+    Args:
+        sigma_rel: The profile's relative standard deviation (``PowerEMA`` accepts [1e-6, 0.3003)).
+
+    Returns:
+        The exponent ``gamma``.
     """
     inv2 = sigma_rel**-2
     gamma = max(1.0, inv2)
@@ -228,7 +347,14 @@ def sigma_rel_to_gamma(sigma_rel: float) -> float:
 
 
 def gamma_to_sigma_rel(gamma: float) -> float:
-    """Relative standard deviation of the power-function EMA profile with exponent ``gamma``."""
+    """Relative standard deviation of the power-function EMA profile with exponent ``gamma``.
+
+    Args:
+        gamma: The exponent, > -1.
+
+    Returns:
+        ``sqrt((gamma + 1) / ((gamma + 2) ** 2 * (gamma + 3)))``.
+    """
     return math.sqrt((gamma + 1.0) / ((gamma + 2.0) ** 2 * (gamma + 3.0)))
 
 
@@ -236,10 +362,17 @@ def gamma_to_sigma_rel(gamma: float) -> float:
 class PowerEMA(LerpRule):
     """EDM2's power-function EMA: ``beta_t = (1 - 1/t) ** (gamma + 1)`` at the ``t``-th update.
 
-    Give exactly one of ``gamma`` (in (-1, 1e6]; EDM2 uses about 3 to 17) or ``sigma_rel`` (the
-    relative width of the averaging profile, in [1e-6, 0.3003); EDM2 uses 0.05 to 0.15).
-    ``gamma = 0`` is SWA. The
-    update after ``n`` earlier ones is update ``t = n + 1``, so its weight is ``1 - beta_t``.
+    The update after ``n`` earlier ones is update ``t = n + 1``, so its weight is ``1 - beta_t``;
+    ``gamma = 0`` is SWA.
+
+    Args:
+        gamma: The exponent, in (-1, 1e6]; EDM2 uses about 3 to 17. Give exactly one of ``gamma``
+            and ``sigma_rel``.
+        sigma_rel: The relative width of the averaging profile, in [1e-6, 0.3003); EDM2 uses 0.05
+            to 0.15.
+
+    Raises:
+        ValueError: Both or neither of ``gamma`` and ``sigma_rel``, or one out of its range.
     """
 
     gamma: float | None = None
@@ -269,10 +402,24 @@ class PowerEMA(LerpRule):
         return sigma_rel_to_gamma(float(self.sigma_rel))  # type: ignore[arg-type]
 
     def weight(self, num_updates: int) -> float:
+        """Weight of the live weights in the update that follows ``num_updates`` earlier ones.
+
+        Args:
+            num_updates: Updates applied before this one.
+
+        Returns:
+            ``1 - (1 - 1/t) ** (gamma + 1)`` with ``t = num_updates + 1``.
+        """
         t = num_updates + 1
         return 1.0 - (1.0 - 1.0 / t) ** (self.exponent + 1.0)
 
     def to_config(self) -> dict[str, Any]:
+        """Plain-data description.
+
+        Returns:
+            ``{"kind": "power_ema", "gamma": ...}`` or ``{"kind": "power_ema", "sigma_rel": ...}``,
+                as it was given.
+        """
         if self.gamma is not None:
             return {"kind": "power_ema", "gamma": float(self.gamma)}
         return {"kind": "power_ema", "sigma_rel": float(self.sigma_rel)}  # type: ignore[arg-type]
@@ -284,7 +431,14 @@ class CustomRule(Rule):
     The averager calls it once per (device, dtype) group with lists of shadow shards and
     live shards of the same dtype (live shards are cast in bounded buckets when the shadow
     dtype differs) and ``num_updates`` as a 0-d integer tensor on the group's device,
-    exactly as ``AveragedModel`` does.
+    exactly as ``AveragedModel`` does. Passing the callable itself as a rule wraps it so.
+
+    Args:
+        fn: The callable, e.g. ``torch.optim.swa_utils.get_ema_multi_avg_fn(0.999)``; it updates
+            the shadows in place.
+
+    Raises:
+        TypeError: ``fn`` is not callable.
     """
 
     def __init__(self, fn: MultiAvgFn) -> None:
@@ -303,15 +457,31 @@ class CustomRule(Rule):
 
     @property
     def name(self) -> str:
+        """The callable's ``module.qualname``: what the saved config records and load compares."""
         fn = self.fn
         return f"{getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', type(fn).__name__)}"
 
     def to_config(self) -> dict[str, Any]:
+        """Plain-data description (a custom rule cannot be rebuilt from it).
+
+        Returns:
+            ``{"kind": "custom", "name": name}``.
+        """
         return {"kind": "custom", "name": self.name}
 
 
 def as_rule(rule: Rule | MultiAvgFn) -> Rule:
-    """Accept a built-in rule or a ``multi_avg_fn`` callable."""
+    """A rule from what ``WeightAverager`` accepts: a rule, or a ``multi_avg_fn`` callable.
+
+    Args:
+        rule: A ``Rule``, or a callable to wrap in ``CustomRule``.
+
+    Returns:
+        The rule.
+
+    Raises:
+        TypeError: ``rule`` is a warm-up, or neither a rule nor callable.
+    """
     if isinstance(rule, Rule):
         return rule
     if isinstance(rule, Warmup):
@@ -322,7 +492,18 @@ def as_rule(rule: Rule | MultiAvgFn) -> Rule:
 
 
 def named_rules(rule: Rule | MultiAvgFn | Mapping[str, Rule | MultiAvgFn]) -> dict[str | None, Rule]:
-    """An averager's averages by name: ``{None: rule}`` for one rule; a dict's, each name checked."""
+    """An averager's averages by name: ``{None: rule}`` for one rule; a dict's, each name checked.
+
+    Args:
+        rule: One rule or callable, or a mapping from average names to them.
+
+    Returns:
+        Each average's rule by name (``None`` for a single, unnamed one).
+
+    Raises:
+        ValueError: An empty mapping, or a name that is not a plain word.
+        TypeError: A value that is neither a rule nor callable.
+    """
     if not isinstance(rule, Mapping):
         return {None: as_rule(rule)}
     if not rule:
@@ -332,7 +513,25 @@ def named_rules(rule: Rule | MultiAvgFn | Mapping[str, Rule | MultiAvgFn]) -> di
 
 
 def rule_from_config(config: Mapping[str, Any]) -> Rule:
-    """Build a built-in rule from ``Rule.to_config()`` output (or the same dict from YAML)."""
+    """Build a built-in rule from ``Rule.to_config()`` output (or the same dict from YAML).
+
+    Args:
+        config: A mapping with ``kind`` ``"ema"``, ``"swa"`` or ``"power_ema"`` and the rule's
+            fields (a missing field is None).
+
+    Returns:
+        The rule, equal to the one that wrote ``config``.
+
+    Raises:
+        TypeError: ``config`` is not a mapping.
+        ValueError: An unknown ``kind``, a custom rule's config (pass the callable itself), or
+            fields the rule refuses.
+
+    Examples:
+        >>> from shardavg import EMA, rule_from_config
+        >>> rule_from_config(EMA(half_life=100).to_config()) == EMA(half_life=100)
+        True
+    """
     if not isinstance(config, Mapping):
         raise TypeError(f"a rule config must be a mapping with a 'kind', got {config!r}")
     kind = config.get("kind")

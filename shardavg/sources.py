@@ -26,12 +26,12 @@ from typing import Any
 import torch
 
 from .errors import CheckpointError
-from .format import MANIFEST, STEP_DIR
+from .format import DCP_METADATA, MANIFEST, STEP_DIR, STEP_NAME
 from .model_folder import weights_of
 from .offline import PLAIN_NAME, DcpFolder, Rows, SavedAverage, check_dcp_items, slab_shape
-from .storage import DTYPES, SafetensorsFile
+from .storage import SafetensorsFile
+from .validate import is_count
 
-STEP_NAME = re.compile(r"^(?:step-|checkpoint-|global_step)(\d+)$")  # shardavg's, HF Trainer's, DeepSpeed's
 RUN_MARKER = "train.json"  # a main-job checkpoint: its step, and every file's hash
 DEEPSPEED_FILE = re.compile(r"^(?:zero_pp_rank_\d+_)?(?:mp_rank_\d+_)?(?:model|optim)_states\.pt$")
 MODEL_KEY = "model"  # the main job's, torchtitan's before 2025 and many trainers' key for the model state dict
@@ -93,17 +93,17 @@ class AverageSource(Source):
         self.saved = SavedAverage(path, key=key)
         try:
             self.average = self.saved.average(average)
-            if self.saved.description["num_updates"] == 0:
+            if self.saved.description.num_updates == 0:
                 raise CheckpointError(f"{self.saved.path} was saved before any update: it holds no average to merge")
         except BaseException:
             self.saved.close()
             raise
-        self.path, self.step = self.saved.path, self.saved.description["step"]
-        self.run_id = self.saved.description.get("run")
-        tensors = self.saved.description["tensors"]
-        self.specs = {t["name"]: Spec(DTYPES[t["dtype"]], tuple(t["shape"])) for t in tensors}
-        self.ties = [(t["name"], *t["aliases"]) for t in tensors if t["aliases"]]
-        self.described = {alias: (t["kind"], t["role"]) for t in tensors for alias in (t["name"], *t["aliases"])}
+        self.path, self.step = self.saved.path, self.saved.description.step
+        self.run_id = self.saved.description.run
+        tensors = self.saved.description.tensors
+        self.specs = {t.name: Spec(t.torch_dtype, t.shape) for t in tensors}
+        self.ties = [t.names for t in tensors if t.aliases]
+        self.described = {alias: (t.kind, t.role) for alias, t in self.saved.description.by_name().items()}
 
     def read(self, name: str, rows: Rows = None) -> torch.Tensor:
         return self.saved.read(name, self.average, rows)
@@ -307,7 +307,7 @@ def _step_of(folder: Path) -> int | None:
 
 def _a_step(value: object) -> int | None:
     """``value`` where it is a training step (an int >= 0), else None."""
-    return value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else None
+    return value if is_count(value) else None
 
 
 def _deepspeed_files(path: Path) -> list[str]:
@@ -331,7 +331,7 @@ def open_source(
         if path.suffix != ".safetensors":
             raise CheckpointError(f"{path} is a file but not a .safetensors one: merge reads no other single file")
         return SafetensorsSource(path)
-    if (path / ".metadata").exists():
+    if (path / DCP_METADATA).exists():
         return AverageSource(path, key, average) if key is not None else DcpSource(path, prefix)
     if (path / MANIFEST).exists() or any(STEP_DIR.match(p.name) and (p / MANIFEST).is_file() for p in path.iterdir()):
         return AverageSource(path, key or "ema", average)
@@ -377,6 +377,6 @@ def finished_checkpoints(run: str | Path) -> list[tuple[int, Path]]:
 def _finished(folder: Path, main_job: bool) -> bool:
     if main_job:
         return (folder / RUN_MARKER).is_file()
-    return any((folder / name).is_file() for name in (MANIFEST, ".metadata", "model.safetensors")) or any(
+    return any((folder / name).is_file() for name in (MANIFEST, DCP_METADATA, "model.safetensors")) or any(
         folder.glob("*.safetensors.index.json")
     )

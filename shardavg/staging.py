@@ -15,6 +15,7 @@ plain copies, which is how the tests run this path.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterator, Sequence
 from typing import NamedTuple
 
@@ -23,7 +24,7 @@ import torch
 STAGING_BYTES = 64 * 2**20  # the most one staging buffer holds (two are kept per dtype and device)
 
 
-class Segment(NamedTuple):
+class StagedRange(NamedTuple):
     """Elements ``[start, stop)`` of shard ``position`` (flattened); ``whole`` keeps its shape."""
 
     position: int
@@ -42,25 +43,25 @@ class Stager:
     def stage(
         self,
         shadow_sets: Sequence[Sequence[torch.Tensor]],
-        lives: Sequence[torch.Tensor],
+        live_tensors: Sequence[torch.Tensor],
         dtype: torch.dtype,
         split: bool,
     ) -> Iterator[tuple[list[list[torch.Tensor]], list[torch.Tensor]]]:
-        """Yield ``(shadows per average, staged lives)`` bucket by bucket, the staged lives on the
+        """Yield ``(shadows per average, staged live_tensors)`` bucket by bucket, the staged live_tensors on the
         shadows' device in ``dtype``. With ``split`` a shard larger than a bucket is cut into flat
         pieces (the shadows the same way); without, each shard stays whole."""
         device = shadow_sets[0][0].device
         capacity = max(1, STAGING_BYTES // dtype.itemsize)
-        buckets = _plan(lives, shadow_sets, capacity, split)
+        buckets = _plan(live_tensors, shadow_sets, capacity, split)
         if not buckets:
             return
-        stream = self._side_stream(lives[0].device, device)
+        stream = self._side_stream(live_tensors[0].device, device)
         size = max(capacity, max(sum(s.stop - s.start for s in bucket) for bucket in buckets))
         buffers = self._take(device, dtype, size, pinned=stream is not None)
-        issued = [self._issue(buckets[0], lives, buffers[0], stream)]
+        issued = [self._issue(buckets[0], live_tensors, buffers[0], stream)]
         for number, bucket in enumerate(buckets):
             if number + 1 < len(buckets):  # the other buffer is free: its bucket was averaged
-                issued.append(self._issue(buckets[number + 1], lives, buffers[(number + 1) % 2], stream))
+                issued.append(self._issue(buckets[number + 1], live_tensors, buffers[(number + 1) % 2], stream))
             staged, event = issued[number]
             if event is not None:
                 event.synchronize()
@@ -85,17 +86,17 @@ class Stager:
         return buffers
 
     def _issue(
-        self, bucket: list[Segment], lives: Sequence[torch.Tensor], buffer: torch.Tensor, stream
+        self, bucket: list[StagedRange], live_tensors: Sequence[torch.Tensor], buffer: torch.Tensor, stream
     ) -> tuple[list[torch.Tensor], torch.Event | None]:
         """Start copying ``bucket`` into ``buffer``; return the staged views and the event to wait on."""
         staged, offset = [], 0
-        context = torch.cuda.stream(stream) if stream is not None else _nothing()
+        context = torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
         with context:
-            for segment in bucket:
-                length = segment.stop - segment.start
+            for staged_range in bucket:
+                length = staged_range.stop - staged_range.start
                 view = buffer[offset : offset + length]
                 offset += length
-                source = _part(lives[segment.position], segment)
+                source = _part(live_tensors[staged_range.position], staged_range)
                 view = view.view(source.shape)
                 view.copy_(source, non_blocking=stream is not None)
                 staged.append(view)
@@ -110,26 +111,18 @@ class Stager:
         return sum(buffer.nbytes for buffers in self._buffers.values() for buffer in buffers)
 
 
-class _nothing:
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *exc: object) -> None:
-        return None
-
-
-def _part(tensor: torch.Tensor, segment: Segment) -> torch.Tensor:
-    return tensor if segment.whole else tensor.reshape(-1)[segment.start : segment.stop]
+def _part(tensor: torch.Tensor, staged: StagedRange) -> torch.Tensor:
+    return tensor if staged.whole else tensor.reshape(-1)[staged.start : staged.stop]
 
 
 def _plan(
-    lives: Sequence[torch.Tensor], shadow_sets: Sequence[Sequence[torch.Tensor]], capacity: int, split: bool
-) -> list[list[Segment]]:
+    live_tensors: Sequence[torch.Tensor], shadow_sets: Sequence[Sequence[torch.Tensor]], capacity: int, split: bool
+) -> list[list[StagedRange]]:
     """Cut the shards into buckets of at most ``capacity`` elements (a whole shard may exceed it
     when it cannot be split: it then fills a bucket alone)."""
-    buckets: list[list[Segment]] = [[]]
+    buckets: list[list[StagedRange]] = [[]]
     room = capacity
-    for position, live in enumerate(lives):
+    for position, live in enumerate(live_tensors):
         numel = live.numel()
         if numel == 0:
             continue
@@ -138,7 +131,7 @@ def _plan(
             if numel > room and buckets[-1]:
                 buckets.append([])
                 room = capacity
-            buckets[-1].append(Segment(position, 0, numel, whole=True))
+            buckets[-1].append(StagedRange(position, 0, numel, whole=True))
             room = max(0, room - numel)
             continue
         start = 0
@@ -147,7 +140,7 @@ def _plan(
                 buckets.append([])
                 room = capacity
             stop = min(numel, start + room)
-            buckets[-1].append(Segment(position, start, stop, whole=False))
+            buckets[-1].append(StagedRange(position, start, stop, whole=False))
             room -= stop - start
             start = stop
     return [bucket for bucket in buckets if bucket]

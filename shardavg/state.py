@@ -8,10 +8,10 @@ read and restore it through the attributes and methods documented here, and noth
   stored, and which rank holds which part of it;
 - ``averages``: the averages kept, by name (``None`` for an averager built with one rule), each
   with its rule and its shadows on this rank (copied tensors share one shadow across averages);
-- ``stored(i)``, ``keys(i)`` and ``piece(i, name)``: whether tensor ``i`` has shadows, the keys
+- ``stored(i)``, ``keys(i)`` and ``flat_part(i, name)``: whether tensor ``i`` has shadows, the keys
   its values are saved under, and this rank's part of it as saved or exported;
 - ``check_current()`` before collective I/O, ``gathered(dst)`` for full tensors;
-- ``describe()`` and ``restore(description, saved)`` for everything but the tensors' values.
+- ``describe()`` and ``resume(description, saved)`` for everything but the tensors' values.
 
 It also keeps the local views it was built on current (``current_views``, ``adopt``), checking
 that the model's structure did not change; its ``updater`` (``update.py``) does the update.
@@ -21,13 +21,12 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 
 from .dist import all_gathered, same_everywhere, world_size
 from .errors import ModelChangedError
-from .format import FORMAT, VERSION, tensor_key
+from .format import DescribedAverage, Description, TensorEntry, tensor_key
 from .fused import gatherable
 from .layout import DEFAULT_BUCKET_BYTES, ShardLayout, Wanted, gather_rounds, iter_gathered
 from .options import Options, Role
@@ -215,7 +214,7 @@ class AverageState:
 
     # ------------------------------------------------------------------ reading
 
-    def piece(self, index: int, average: str | None = None, live: bool = False) -> torch.Tensor:
+    def flat_part(self, index: int, average: str | None = None, live: bool = False) -> torch.Tensor:
         """This rank's part of tensor ``index`` in ``average``, flat: its shadow, or the live value
         for tensors not stored (``average`` may be ``None`` for copied and live tensors); with
         ``live``, the live value of every tensor."""
@@ -263,7 +262,7 @@ class AverageState:
         gathered = iter_gathered(
             self.layout,
             self.infos,
-            lambda index: self.piece(index, name, live),
+            lambda index: self.flat_part(index, name, live),
             range(len(self.infos)),
             dst=dst,
             bucket_bytes=self.gather_bucket_bytes,
@@ -282,7 +281,7 @@ class AverageState:
         """Collective: check the state now, then gather each ``(index, dst, rows)`` of ``rounds`` to
         its rank as the iterator is consumed (``layout.gather_rounds``)."""
         name = self._check_gathering(average, live)
-        return gather_rounds(self.layout, self.infos, lambda index: self.piece(index, name, live), rounds)
+        return gather_rounds(self.layout, self.infos, lambda index: self.flat_part(index, name, live), rounds)
 
     def _check_gathering(self, average: str | None, live: bool) -> str | None:
         """Collective: the average's name (None for the live weights), once the state can be gathered."""
@@ -339,53 +338,49 @@ class AverageState:
 
     # ------------------------------------------------------------------ description
 
-    def describe(self) -> dict[str, Any]:
-        """Everything but the tensors' values, as JSON-able data."""
+    def describe(self) -> Description:
+        """Everything but the tensors' values."""
         self.updater.settle()
-        return {
-            "format": FORMAT,
-            "version": VERSION,
-            "step": self.step,
-            "num_updates": self.num_updates,
-            "num_skipped": self.num_skipped,
-            "averages": [{"name": a.name, "rule": a.rule.to_config()} for a in self.averages.values()],
-            "strategy": self.strategy.name,
-            "world_size": world_size(),
-            "options": self.options.describe(),
-            **({} if self.run_id is None else {"run": self.run_id}),
-            "tensors": [
-                {
-                    "name": info.name,
-                    "aliases": list(info.aliases),
-                    "kind": info.kind,
-                    "role": role,
-                    "shape": list(info.shape),
-                    "dtype": dtype_name(self.piece(index, self.names[0]).dtype),
-                }
+        return Description(
+            step=self.step,
+            num_updates=self.num_updates,
+            num_skipped=self.num_skipped,
+            averages=tuple(DescribedAverage(a.name, a.rule.to_config()) for a in self.averages.values()),
+            tensors=tuple(
+                TensorEntry(
+                    info.name,
+                    tuple(info.aliases),
+                    info.kind,
+                    role,
+                    tuple(info.shape),
+                    dtype_name(self.flat_part(index, self.names[0]).dtype),
+                )
                 for index, (info, role) in enumerate(zip(self.infos, self.roles))
-            ],
-        }
+            ),
+            strategy=self.strategy.name,
+            world_size=world_size(),
+            options=self.options.describe(),
+            run=self.run_id,
+        )
 
-    def reseed(self, step: int) -> None:
+    def restart(self, step: int) -> None:
         """Restart every average from the live weights, as if its first update at ``step`` had copied them."""
         with torch.no_grad():
             for index, live in enumerate(self.live):
                 for _, average in self.keys(index):
                     if self.stored(index):
-                        self.piece(index, average).copy_(live.reshape(-1))
+                        self.flat_part(index, average).copy_(live.reshape(-1))
         self.step, self.num_updates, self.num_skipped = step, 1, 0
         self.updater.forget()
 
-    def restore(self, description: dict[str, Any], saved: set[str]) -> None:
+    def resume(self, description: Description, saved: set[str]) -> None:
         """Take a description's counters once the shadows whose keys are in ``saved`` hold its
         values; other shadows (a non-strict load) restart from the live weights."""
         with torch.no_grad():
             for index, live in enumerate(self.live):
                 for key, average in self.keys(index):
                     if self.stored(index) and key not in saved:
-                        self.piece(index, average).copy_(live.reshape(-1))
-        self.step = int(description["step"])
-        self.num_updates = int(description["num_updates"])
-        self.num_skipped = int(description.get("num_skipped", 0))
-        self.run_id = description.get("run")
+                        self.flat_part(index, average).copy_(live.reshape(-1))
+        self.step, self.num_updates = description.step, description.num_updates
+        self.num_skipped, self.run_id = description.num_skipped, description.run
         self.updater.forget()  # verdicts on updates the restored state replaces

@@ -15,10 +15,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .checkpoint import Slot, check_compatible, loadable
+from .checkpoint import ToLoad, check_compatible, loadable
 from .dist import agree_or_raise, distributed, rank
 from .errors import CheckpointError
-from .format import decode_description, encode_description
+from .format import Description, decode_description, encode_description
 from .state import AverageState
 
 
@@ -27,17 +27,17 @@ def dcp_shape(shape: torch.Size) -> torch.Size:
     return shape if len(shape) else torch.Size([1])
 
 
-def _offered(state: AverageState, index: int, piece: torch.Tensor) -> list[torch.Tensor]:
-    """The local shards this rank offers DCP for tensor ``index``, as views of its ``piece``: the
+def _offered(state: AverageState, index: int, local: torch.Tensor) -> list[torch.Tensor]:
+    """The local shards this rank offers DCP for tensor ``index``, as views of its ``local``: the
     boxes of the part it owns (none for a replica), or in one process the whole tensor."""
     info = state.infos[index]
     if not distributed():
-        return [piece.view(dcp_shape(info.shape))]
+        return [local.view(dcp_shape(info.shape))]
     if not state.layout.owns(index, rank()):
         return []
     if not len(info.shape):  # a 0-d tensor: one element
-        return [piece.view(1)]
-    return [block.view(piece) for block in info.part.blocks]
+        return [local.view(1)]
+    return [block.view(local) for block in info.part.blocks]
 
 
 def _dcp_value(state: AverageState, index: int, average: str | None, meshes: dict[str, Any]) -> torch.Tensor:
@@ -46,39 +46,39 @@ def _dcp_value(state: AverageState, index: int, average: str | None, meshes: dic
     a BatchNorm buffer); ``load_state_dict`` sends them the owner's part."""
     info = state.infos[index]
     shape = dcp_shape(info.shape)
-    piece = state.piece(index, average)
+    local = state.flat_part(index, average)
     if not state.stored(index):
-        piece = piece.clone()  # a live value: loading must not write into the model
-    shards = _offered(state, index, piece)
+        local = local.clone()  # a live value: loading must not write into the model
+    shards = _offered(state, index, local)
     if not distributed():
         return shards[0]
     offsets = [(0,)] if not len(info.shape) else [block.offsets for block in info.part.blocks]
     if not shards:  # an empty shard at the far corner can never be mistaken for another rank's
-        shards, offsets = [piece.new_empty((0,) * len(shape))], [tuple(shape)]
+        shards, offsets = [local.new_empty((0,) * len(shape))], [tuple(shape)]
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.tensor import DTensor, Shard
     from torch.distributed.tensor._shards_wrapper import LocalShardsWrapper
 
-    if piece.device.type not in meshes:  # one mesh over all ranks per device type
-        meshes[piece.device.type] = DeviceMesh.from_group(dist.group.WORLD, piece.device.type)
+    if local.device.type not in meshes:  # one mesh over all ranks per device type
+        meshes[local.device.type] = DeviceMesh.from_group(dist.group.WORLD, local.device.type)
     stride = torch.empty(shape, device="meta").stride()
     wrapped = LocalShardsWrapper(shards, offsets)
     return DTensor.from_local(
-        wrapped, meshes[piece.device.type], [Shard(0)], run_check=False, shape=shape, stride=stride
+        wrapped, meshes[local.device.type], [Shard(0)], run_check=False, shape=shape, stride=stride
     )
 
 
-def _fill_replicas(state: AverageState, slots: list[Slot]) -> None:
+def _fill_replicas(state: AverageState, slots: list[ToLoad]) -> None:
     """Collective: every rank holding a copy of a part it does not own receives the owner's."""
     if not distributed():
         return
     me = rank()
     for slot in slots:
-        for owner, part in state.layout.chunks(slot.index):
+        for owner, part in state.layout.owned(slot.index):
             holders = state.layout.replicas(slot.index, owner)
             if not holders:
                 continue
-            shadow = state.piece(slot.index, slot.average)
+            shadow = state.flat_part(slot.index, slot.average)
             if me == owner or me in holders:
                 dist.broadcast(shadow, src=owner)
             else:  # takes part without a copy of its own
@@ -114,7 +114,7 @@ def load_state_dict(state: AverageState, state_dict: dict[str, Any], strict: boo
     ranks agreeing, then restore (a rank that refused makes every rank raise, none waits)."""
     error: BaseException | None = None
     try:
-        meta, slots, values = _checked(state, state_dict, strict)
+        saved, slots, values = _checked(state, state_dict, strict)
     except Exception as caught:
         error = caught
     agree_or_raise(error, "loading the averager's state dict")
@@ -123,17 +123,17 @@ def load_state_dict(state: AverageState, state_dict: dict[str, Any], strict: boo
             if shard.data_ptr() != target.data_ptr():  # DCP loaded into the shadow itself otherwise
                 target.copy_(shard)
         _fill_replicas(state, slots)
-    state.restore(meta, {slot.key for slot in slots})
+    state.resume(saved, {slot.key for slot in slots})
 
 
 def _checked(
     state: AverageState, state_dict: dict[str, Any], strict: bool
-) -> tuple[dict[str, Any], list[Slot], list[tuple[torch.Tensor, torch.Tensor]]]:
+) -> tuple[Description, list[ToLoad], list[tuple[torch.Tensor, torch.Tensor]]]:
     """The description, the slots to fill and ``(target, loaded shard)`` pairs, everything checked."""
     if not isinstance(state_dict, dict) or "meta" not in state_dict or not isinstance(state_dict.get("tensors"), dict):
         raise CheckpointError("not a shardavg state dict: it needs 'meta' and a 'tensors' dict")
-    meta = decode_description(state_dict["meta"], "state dict")
-    slots = loadable(state, check_compatible(state, meta, "the state dict", strict), meta)
+    saved = decode_description(state_dict["meta"], "state dict")
+    slots = loadable(state, check_compatible(state, saved, "the state dict", strict), saved)
     tensors = state_dict["tensors"]
     absent = sorted(slot.key for slot in slots if slot.key not in tensors)
     if absent:
@@ -144,7 +144,7 @@ def _checked(
     slots = [slot for slot in slots if slot.key in tensors]
     values = []
     for slot in slots:
-        targets = _offered(state, slot.index, state.piece(slot.index, slot.average))
+        targets = _offered(state, slot.index, state.flat_part(slot.index, slot.average))
         if not targets:
             continue  # a replica: the owner sends it its part
         shards = _local_shards(tensors[slot.key])
@@ -156,4 +156,4 @@ def _checked(
                 "torch.distributed.checkpoint to reshard"
             )
         values += list(zip(targets, shards))
-    return meta, slots, values
+    return saved, slots, values

@@ -30,7 +30,8 @@ from typing import Any, BinaryIO
 import torch
 
 from .errors import CheckpointError
-from .parts import box_span, contiguous_strides
+from .parts import box_range, contiguous_strides
+from .validate import is_count
 
 DTYPE_CODES = {
     torch.float64: "F64",
@@ -198,10 +199,13 @@ def commit_directory(staging: Path, target: Path) -> None:
     fsync_dir(target.parent)
 
 
+INCOMPLETE = ".incomplete"  # the suffix of what is written before it is committed
+
+
 def staging_path(target: Path) -> Path:
     """Where ``target`` (a file or a directory) is written before it is committed:
     ``.<name>.incomplete`` beside it."""
-    return target.with_name(f".{target.name}.incomplete")
+    return target.with_name(f".{target.name}{INCOMPLETE}")
 
 
 def safetensors_header(entries: Sequence[Entry], metadata: dict[str, str] | None) -> bytes:
@@ -333,52 +337,54 @@ class SafetensorsFile:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def _fail(self, what: str) -> CheckpointError:
+    def _invalid(self, what: str) -> CheckpointError:
         return CheckpointError(f"{self.where} is not a readable safetensors file (truncated or foreign?): {what}")
 
     def _parse_header(self) -> tuple[dict[str, str], dict[str, StoredTensor]]:
         if self.size < 8:
-            raise self._fail(f"{self.size} bytes, shorter than the header length")
+            raise self._invalid(f"{self.size} bytes, shorter than the header length")
         (length,) = struct.unpack("<Q", self._pread(0, 8))
         if length > min(self.size - 8, HEADER_LIMIT):
-            raise self._fail(f"a header of {length} bytes in a {self.size}-byte file")
+            raise self._invalid(f"a header of {length} bytes in a {self.size}-byte file")
         try:
             header = json.loads(self._pread(8, length))
         except (UnicodeDecodeError, ValueError, RecursionError) as error:
-            raise self._fail(f"the header is not JSON ({error})") from None
+            raise self._invalid(f"the header is not JSON ({error})") from None
         if not isinstance(header, dict):
-            raise self._fail("the header is not a JSON object")
+            raise self._invalid("the header is not a JSON object")
         metadata = header.pop("__metadata__", {})
         if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
-            raise self._fail("__metadata__ is not a map of strings")
+            raise self._invalid("__metadata__ is not a map of strings")
         data_start, tensors = 8 + length, {}
         for key, entry in header.items():
             tensors[key] = self._entry(key, entry, data_start)
         position = data_start
         for stored in sorted(tensors.values(), key=lambda t: (t.begin, t.end)):
             if stored.begin != position:
-                raise self._fail(f"tensor data at byte {stored.begin - data_start}, expected {position - data_start}")
+                raise self._invalid(
+                    f"tensor data at byte {stored.begin - data_start}, expected {position - data_start}"
+                )
             position = stored.end
         if position != self.size:
-            raise self._fail(f"the tensors end at byte {position}, the file at {self.size}")
+            raise self._invalid(f"the tensors end at byte {position}, the file at {self.size}")
         return metadata, tensors
 
     def _entry(self, key: str, entry: Any, data_start: int) -> StoredTensor:
         if not isinstance(entry, dict):
-            raise self._fail(f"{key!r} is not described by an object")
+            raise self._invalid(f"{key!r} is not described by an object")
         dtype, shape, offsets = entry.get("dtype"), entry.get("shape"), entry.get("data_offsets")
         if dtype not in CODE_DTYPES:
-            raise self._fail(f"{key!r} has dtype {str(dtype)[:40]!r}, not one shardavg reads")
+            raise self._invalid(f"{key!r} has dtype {str(dtype)[:40]!r}, not one shardavg reads")
         counts = (shape or []) + (offsets or [])
         if not (isinstance(shape, list) and isinstance(offsets, list) and len(offsets) == 2) or not all(
-            isinstance(n, int) and not isinstance(n, bool) and 0 <= n < 2**63 for n in counts
+            is_count(n) and n < 2**63 for n in counts
         ):
-            raise self._fail(f"{key!r} has shape {str(shape)[:80]} and offsets {str(offsets)[:80]}")
+            raise self._invalid(f"{key!r} has shape {str(shape)[:80]} and offsets {str(offsets)[:80]}")
         numel = 1
         for dim in shape:
             numel *= dim
         if offsets[1] - offsets[0] != numel * CODE_DTYPES[dtype].itemsize:
-            raise self._fail(f"{key!r}: shape {shape} does not fill bytes {offsets}")
+            raise self._invalid(f"{key!r}: shape {shape} does not fill bytes {offsets}")
         return StoredTensor(CODE_DTYPES[dtype], tuple(shape), data_start + offsets[0], data_start + offsets[1])
 
     def checked(self, key: str, dtype: str, length: int) -> StoredTensor:
@@ -426,9 +432,9 @@ class SafetensorsFile:
         ``READ_PIECE`` bytes (halving the box along its first dim until a slab fits)."""
         if not out.numel():
             return
-        span = box_span(sizes, offsets, out.shape)
-        if span is not None and out.is_contiguous():
-            self.read_into(out.view(-1), key, at + span[0])
+        flat = box_range(sizes, offsets, out.shape)
+        if flat is not None and out.is_contiguous():
+            self.read_into(out.view(-1), key, at + flat[0])
             return
         strides = contiguous_strides(sizes)
         first = sum(o * s for o, s in zip(offsets, strides))
@@ -462,7 +468,9 @@ class SafetensorsFile:
         while done < len(buffer):
             got = os.preadv(self._file.fileno(), [buffer[done:]], offset + done)
             if got == 0:
-                raise self._fail(f"it ends at byte {offset + done}, before the {len(buffer)} bytes read from {offset}")
+                raise self._invalid(
+                    f"it ends at byte {offset + done}, before the {len(buffer)} bytes read from {offset}"
+                )
             done += got
 
 

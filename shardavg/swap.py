@@ -18,8 +18,22 @@ from .state import AverageState
 
 @contextlib.contextmanager
 def swapped(state: AverageState, average: str | None) -> Iterator[None]:
-    """Inside the block the live model holds ``average``; the live shards, stashed, come back bit
-    for bit on exit, also when the block raises."""
+    """Inside the block the live model holds ``average``; the live shards come back on exit.
+
+    The live shards are stashed and written back bit for bit, also when the block raises.
+
+    Args:
+        state: The averager's state.
+        average: The average's name; None for the only one.
+
+    Yields:
+        Nothing: the model holds the average until the block ends.
+
+    Raises:
+        ValueError: No average of that name, or None while several averages are kept.
+        RuntimeError: No update applied yet, or a ``swapped()`` block already active.
+        ModelChangedError: The model's tensors are no longer those the averager was built on.
+    """
     indices = _stored(state, average, "swapped()", "swapped() blocks cannot be nested")
     targets = state.strategy.swap_views()  # the tensors the forward reads
     with torch.no_grad():
@@ -38,7 +52,17 @@ def swapped(state: AverageState, average: str | None) -> Iterator[None]:
 
 
 def copy_into_model(state: AverageState, average: str | None) -> None:
-    """Write ``average`` into the live model for good: the live weights are lost."""
+    """Write ``average`` into the live model for good: the live weights are lost.
+
+    Args:
+        state: The averager's state.
+        average: The average's name; None for the only one.
+
+    Raises:
+        ValueError: No average of that name, or None while several averages are kept.
+        RuntimeError: No update applied yet, or inside ``swapped()``.
+        ModelChangedError: The model's tensors are no longer those the averager was built on.
+    """
     nested = "copy_into_model() inside swapped(): the live model holds averaged weights already"
     indices = _stored(state, average, "copy_into_model()", nested)
     _write(state, state.strategy.swap_views(), indices, average)

@@ -13,7 +13,7 @@ when it is needed instead of being gathered from every rank:
   along one grid dim into ranges of ``chunk`` elements (replicated along the others);
 - ``ListedLayout``: every rank's part, listed (gathered), for what cannot be derived.
 
-Each answers ``part(rank)``, the owned ``chunks`` (the lowest rank holding a part owns it),
+Each answers ``part(rank)``, the ``owned`` parts (the lowest rank holding a part owns it),
 ``owner_of`` and ``replicas`` (from a rank's coordinate, no pass over every rank), ``check``
 (that the owned parts tile the tensor: by construction for ``torch.chunk``'s pieces, by
 arithmetic for a flat partition, by a sweep over listed parts), ``candidates(box)`` (the saved
@@ -35,7 +35,7 @@ from typing import Any
 from .errors import LayoutError
 from .parts import Block, Box, Part, intersect, tiles
 
-Chunk = tuple[int, Part]  # (owner rank, the part of the tensor it owns)
+Owned = tuple[int, Part]  # (owner rank, the part of the tensor it owns: no lower rank holds it)
 Placement = tuple  # ("replicate",), ("shard", dim) or ("strided_shard", dim, split_factor)
 
 
@@ -124,7 +124,7 @@ class TensorLayout:
         raise NotImplementedError
 
     @property
-    def chunks(self) -> tuple[Chunk, ...]:
+    def owned(self) -> tuple[Owned, ...]:
         """``(owner, part)`` for each distinct non-empty part, owned by the lowest rank holding it."""
         return _owners(self)[0]
 
@@ -147,7 +147,7 @@ class TensorLayout:
             raise LayoutError(f"the shards of {name!r} (shape {self.shape}) do not tile it: {shown}{more}{rule}")
 
     def candidates(self, box: Box) -> list[tuple[int, Block]]:
-        """``(owner, block as saved)`` of the owned chunks that may overlap ``box`` (the saved
+        """``(owner, block as saved)`` of the owned parts' blocks that may overlap ``box`` (the saved
         block: its elements back to back in the owner's file entry)."""
         return _box_index(self).near(box)
 
@@ -158,7 +158,7 @@ class TensorLayout:
     def in_ranges(self) -> bool:
         """Whether every rank's part is one range of the flattened tensor (rows along dim 0, a flat
         partition, the whole): then each part's bytes lie back to back in a file of the tensor."""
-        return all(part.span() is not None for _, part in self.chunks)
+        return all(part.flat_range() is not None for _, part in self.owned)
 
     def to_json(self, grid_index: dict[str, int]) -> dict[str, Any]:
         """The layout as a manifest stores it, its grid by index (``grid_index``: by the grid's digest)."""
@@ -224,8 +224,8 @@ class MeshLayout(GridLayout):
             )
 
     def candidates(self, box: Box) -> list[tuple[int, Block]]:
-        """Where each tensor dim is cut by one ``Shard`` at most (FSDP2, TP, HSDP, EP), the chunks a
-        box overlaps follow from its offsets by division; otherwise the lookup over every chunk."""
+        """Where each tensor dim is cut by one ``Shard`` at most (FSDP2, TP, HSDP, EP), the blocks a
+        box overlaps follow from its offsets by division; otherwise the lookup over every block."""
         acting: dict[int, int] = {}  # tensor dim -> the grid dim that shards it
         for dim, placement in enumerate(self.placements):
             if placement[0] == "strided_shard" or (placement[0] == "shard" and placement[1] in acting):
@@ -324,7 +324,7 @@ class FlatLayout(GridLayout):
         return tuple(d for d in range(len(self.grid.shape)) if d != self.dim)
 
     @property
-    def chunks(self) -> tuple[Chunk, ...]:
+    def owned(self) -> tuple[Owned, ...]:
         return tuple((self._owner(i), Part.flat(self.shape, *self._range(i))) for i in self._indices())
 
     def _owner(self, index: int) -> int:
@@ -394,7 +394,7 @@ class ListedLayout(TensorLayout):
         return ("listed", self.shape, tuple(part.boxes for part in self.parts))
 
     def shown(self) -> str:
-        return f"{len(self.chunks)} chunks, as listed"
+        return f"{len(self.owned)} chunks, as listed"
 
 
 def layout_from_json(value: Any, shape: Sequence[int], grids: Sequence[Grid]) -> TensorLayout:
@@ -410,8 +410,8 @@ def layout_from_json(value: Any, shape: Sequence[int], grids: Sequence[Grid]) ->
 
 
 @functools.lru_cache(maxsize=4096)
-def _owners(layout: TensorLayout) -> tuple[tuple[Chunk, ...], dict[Part, int]]:
-    """The owned chunks and each part's owner, from every rank's part (once per distinct layout)."""
+def _owners(layout: TensorLayout) -> tuple[tuple[Owned, ...], dict[Part, int]]:
+    """The owned parts and each part's owner, from every rank's part (once per distinct layout)."""
     owned: dict[Part, int] = {}
     for rank in layout.ranks():
         part = layout.part(rank)
@@ -433,15 +433,15 @@ def _replicas(layout: TensorLayout) -> dict[int, list[int]]:
 
 @functools.lru_cache(maxsize=4096)
 def _tiled(layout: TensorLayout) -> bool:
-    return tiles(layout.shape, [box for _, part in layout.chunks for box in part.boxes])
+    return tiles(layout.shape, [box for _, part in layout.owned for box in part.boxes])
 
 
 class _BoxIndex:
-    """The saved blocks of a layout's chunks, bucketed along the tensor dim where they differ
+    """The saved blocks of a layout's owned parts, bucketed along the tensor dim where they differ
     most, so a box finds the blocks it may overlap by bisection."""
 
     def __init__(self, layout: TensorLayout) -> None:
-        self.blocks = [(owner, block) for owner, part in layout.chunks for block in part.packed().blocks]
+        self.blocks = [(owner, block) for owner, part in layout.owned for block in part.packed().blocks]
         ndim = len(layout.shape)
         self.dim = max(range(ndim), key=lambda d: len({b.offsets[d] for _, b in self.blocks})) if ndim else None
         if self.dim is None:

@@ -94,7 +94,7 @@ class Updater:
                 return self._average()
             if self.snapshots:  # what the next forward may write before the update reads it
                 torch._foreach_copy_(list(self.snapshots.values()), [state.live[i] for i in self.snapshots])
-        self.background.start(state.step, self._average, (group.lives[0].device for group in self.groups))
+        self.background.start(state.step, self._average, (group.live_tensors[0].device for group in self.groups))
         return True
 
     def wait(self) -> None:
@@ -199,7 +199,7 @@ class Updater:
         state = self.state
         self.settle(block=len(self.pending) >= MAX_PENDING)
         verdicts, oks = screen_on_device(self.groups)
-        (live_device,) = {group.lives[0].device for group in self.groups}
+        (live_device,) = {group.live_tensors[0].device for group in self.groups}
         ok = oks.get(live_device, torch.ones((), dtype=torch.bool, device=live_device))  # no floating shard: ok
         for group in self.groups:
             ok_here = ok.to(group.shadows[0][0].device)  # offloaded shadows: the host waits for the flag
@@ -280,10 +280,10 @@ class Updater:
     def _group(self) -> list[UpdateGroup]:
         """The fused groups; in the background the stored buffers are read from their snapshots."""
         state = self.state
-        lives = state.live
+        live_tensors = state.live
         if self.background is not None:
             buffers = [i for i, info in enumerate(state.infos) if info.kind == "buffer" and state.roles[i] != "live"]
             self.snapshots = {index: torch.empty_like(state.live[index]) for index in buffers}
             self.snapshot_pointers = [data_ptr(state.live[index]) for index in buffers]
-            lives = [self.snapshots.get(index, live) for index, live in enumerate(state.live)]
-        return group_tensors(state.roles, [a.shadows for a in state.averages.values()], lives)
+            live_tensors = [self.snapshots.get(index, live) for index, live in enumerate(state.live)]
+        return group_tensors(state.roles, [a.shadows for a in state.averages.values()], live_tensors)

@@ -21,7 +21,7 @@ def count(name: str, value: Any, minimum: int, optional: bool = False) -> None:
     """``value`` is an int (not a bool) of at least ``minimum`` (or None when ``optional``)."""
     if optional and value is None:
         return
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+    if not is_count(value, minimum):
         raise ValueError(f"{name} must be an int >= {minimum}{' or None' if optional else ''}, got {value!r}")
 
 
@@ -61,3 +61,8 @@ def average_names(names: list[Any]) -> None:
             f"average names {bad!r} are not plain names: use letters, digits, '_' and '-' (no dots or slashes, "
             "which join checkpoint keys), starting with a letter or '_', at most 64 characters"
         )
+
+
+def is_count(value: Any, minimum: int = 0) -> bool:
+    """Whether ``value`` is an int (a bool is not) of at least ``minimum``: the one test of a count."""
+    return isinstance(value, int) and not isinstance(value, bool) and value >= minimum

@@ -20,13 +20,14 @@ import ctypes
 import json
 import math
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from .errors import ExportError
-from .format import MANIFEST
+from .errors import CheckpointError, ExportError
+from .format import DCP_METADATA, MANIFEST
 from .ownership import INDEX_FILE, enclosing_checkpoint, export_files
 from .provenance import check_replaceable
 from .storage import (
@@ -117,12 +118,37 @@ def row_pieces(shape: tuple[int, ...], nbytes: int, largest: int) -> list[tuple[
     return [(start, min(start + step, shape[0])) for start in range(0, shape[0], step)]
 
 
+def check_output_folder(
+    out: str | os.PathLike, inputs: Sequence[Path] = (), *, replaces_checkpoint: bool = False, beside: bool = False
+) -> Path:
+    """OUT of an offline export, post-hoc synthesis or merge, checked before any work is done: a
+    folder named (an empty argument would mean the current directory), outside every checkpoint
+    and snapshot (and no checkpoint itself, unless the output ``replaces_checkpoint``), apart
+    from every input: not one, not inside one, and (unless it may go ``beside`` them, as an
+    export that writes only its own files does) not holding one. The writer checks it again
+    when it takes the folder (``check_target``)."""
+    if not os.fspath(out):
+        raise ValueError("OUT is empty: name the folder to write into (use . for the current directory)")
+    path = Path(out)
+    enclosing = enclosing_checkpoint(path.parent)
+    if enclosing is not None:
+        raise CheckpointError(f"OUT {out} is inside the checkpoint {enclosing}: write to a folder of its own")
+    if not replaces_checkpoint and enclosing_checkpoint(path) is not None:
+        raise CheckpointError(f"OUT {out} is a checkpoint: name a model folder of its own")
+    target = path.resolve()
+    for given in inputs:
+        source = given.resolve()
+        if target == source or source in target.parents or (target in source.parents and not beside):
+            raise CheckpointError(f"OUT {out} and the input {given} lie one inside the other: write to a folder apart")
+    return path
+
+
 def check_target(directory: Path) -> dict[str, bool]:
     """Refuse a target that is a file, a checkpoint or inside one, or holds weight files shardavg
     did not write; return the weight files it holds, each with whether it is shardavg's own."""
     if directory.is_symlink() or (directory.exists() and not directory.is_dir()):
         raise ExportError(f"{directory} exists and is not a directory: shardavg will not replace it")
-    if (directory / MANIFEST).exists() or (directory / ".metadata").exists():
+    if (directory / MANIFEST).exists() or (directory / DCP_METADATA).exists():
         raise ExportError(f"{directory} is a checkpoint: export into a model folder of its own")
     enclosing = enclosing_checkpoint(directory)
     if enclosing is not None:

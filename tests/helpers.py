@@ -84,7 +84,8 @@ def as_chunk_tables(meta: dict) -> dict:
     grids = [grid_from_json(grid) for grid in meta.pop("grids", [])]
     for entry in meta["tensors"]:
         if "layout" in entry:
-            entry["chunks"] = chunk_table(layout_from_json(entry.pop("layout"), entry["shape"], grids).chunks)
+            owned = layout_from_json(entry.pop("layout"), entry["shape"], grids).owned
+            entry["chunks"] = [chunk.to_json() for chunk in chunk_table(owned)]
     meta["version"] = 5
     return meta
 
@@ -92,11 +93,11 @@ def as_chunk_tables(meta: dict) -> dict:
 def as_flat_ranges(meta: dict, version: int) -> dict:
     """A manifest of this version rewritten as format ``version`` (4 or earlier) wrote it: each
     chunk a range of the flattened tensor (``{file, start, end}``), not a box."""
-    from shardavg.parts import box_span
+    from shardavg.parts import box_range
 
     meta = as_chunk_tables(meta)
     for entry in meta["tensors"]:
-        ranges = [(c["file"], box_span(entry["shape"], c["offsets"], c["sizes"])) for c in entry["chunks"]]
+        ranges = [(c["file"], box_range(entry["shape"], c["offsets"], c["sizes"])) for c in entry["chunks"]]
         assert all(span is not None for _, span in ranges), "only boxes that are ranges have a flat form"
         entry["chunks"] = [{"file": file, "start": start, "end": end} for file, (start, end) in ranges]
     return meta | {"version": version}

@@ -208,7 +208,7 @@ def test_the_offline_reader_and_cli_export_get_one_save_whole_while_another_proc
     names = list(reference(1))
     for _ in range(600):
         saved = SavedAverage(target)
-        n = saved.description["num_updates"]
+        n = saved.description.num_updates
         state = {name: saved.read(name) for name in saved.tensors if name in names}
         saved.close()
         outcomes["whole" if whole(state, {k: v for k, v in reference(n).items() if k in state}) else "torn"] += 1
@@ -253,6 +253,6 @@ def test_a_checkpoint_pruned_while_opened_is_followed_to_the_newest(trainer, tmp
         opened.shard(0)
     opened.close()
     with open_checkpoint(tmp_path) as newest:
-        assert newest.meta["num_updates"] == 3 and newest.path.name == "step-000000003"
+        assert newest.description.num_updates == 3 and newest.path.name == "step-000000003"
     started = time.monotonic()
     assert fresh().load(tmp_path).name == "step-000000003" and time.monotonic() - started < 10

@@ -16,6 +16,8 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = [
     "shardavg.averager",
+    "shardavg.rules",
+    "shardavg.strategies",
     "shardavg.posthoc",
     "shardavg.integrations.accelerate",
     "shardavg.integrations.transformers",

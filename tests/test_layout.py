@@ -69,7 +69,7 @@ def test_a_flat_range_is_at_most_2n_minus_1_boxes_and_reads_back() -> None:
                 part = Part.flat(shape, start, end)
                 assert len(part.blocks) <= max(1, 2 * len(shape) - 1)
                 assert torch.equal(part.take(full), full.reshape(-1)[start:end])
-                assert part.span() == ((start, end) if end > start else (0, 0))
+                assert part.flat_range() == ((start, end) if end > start else (0, 0))
                 out = torch.full(shape, -1, dtype=full.dtype)
                 place(out, part, part.take(full))
                 assert torch.equal(out.reshape(-1)[start:end], full.reshape(-1)[start:end])
@@ -82,7 +82,7 @@ def test_strided_index_runs_become_boxes_in_local_order() -> None:
     shape = (4, 6)
     full = torch.arange(24).reshape(shape)
     part = Part.grid(shape, [[1, 3], [0, 1, 4]])
-    assert len(part.blocks) == 4 and part.span() is None and part.dense  # one-row boxes lie back to back
+    assert len(part.blocks) == 4 and part.flat_range() is None and part.dense  # one-row boxes lie back to back
     assert not Part.grid(shape, [[0, 1], [0, 1, 4]]).dense  # two rows of two columns, then one column: not
     local = full[[1, 3]][:, [0, 1, 4]]
     assert torch.equal(part.take(full), local.reshape(-1))

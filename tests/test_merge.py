@@ -358,8 +358,7 @@ def test_memory_does_not_grow_with_the_number_of_inputs(tmp_path: Path) -> None:
     """8 inputs of a 64 MiB model (16 tensors of 4 MiB): the merge adds three tensors' worth of
     memory (the accumulator, one input's tensor, the writer's piece), the same for 2 inputs as for 8
     (glibc's mmap threshold fixed, so that freed tensors leave: ``merge_memory.ALLOCATOR``)."""
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "launch"))
-    from merge_memory import peak_added, write_inputs
+    from tools.merge_memory import peak_added, write_inputs
 
     tensor_bytes = 4 * 2**20
     inputs = write_inputs(tmp_path / "inputs", {f"layer{i}.weight": (1024, 1024) for i in range(16)}, 8)

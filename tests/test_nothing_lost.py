@@ -112,7 +112,7 @@ def test_cli_export_never_wipes_the_run_folder_or_the_checkpoint(trainer, tmp_pa
     put(run, USER_FILES)
     averager.save(run / "ema")
     into_checkpoint = cli("export", str(run / "ema"), str(run / "ema"))
-    assert into_checkpoint.returncode == 2 and "is inside the checkpoint" in into_checkpoint.stderr
+    assert into_checkpoint.returncode == 2 and "is a checkpoint" in into_checkpoint.stderr
     below_checkpoint = cli("export", str(run / "ema"), str(run / "ema" / "out"))
     assert below_checkpoint.returncode == 2 and "is inside the checkpoint" in below_checkpoint.stderr
     assert sorted(os.listdir(run / "ema")) == ["rank-00000-of-00001.safetensors", "shardavg.json"]

@@ -91,9 +91,9 @@ def test_synthesis_is_algorithm_3_on_the_full_snapshots(trainer, tmp_path) -> No
 def test_a_profile_at_its_own_snapshot_is_that_snapshot(trainer, tmp_path) -> None:
     ph = trained(trainer, tmp_path)
     snapshot = SavedAverage(tmp_path / "snapshots" / "snapshot-000000009")
-    got = ph.synthesize(gamma=sigma_rel_to_gamma(0.10), step=snapshot.description["step"]).full_state_dict()
+    got = ph.synthesize(gamma=sigma_rel_to_gamma(0.10), step=snapshot.description.step).full_state_dict()
     for name in snapshot.tensors:
-        if not name.startswith("frozen.") and snapshot.tensors[name]["role"] == "average":
+        if not name.startswith("frozen.") and snapshot.tensors[name].role == "average":
             torch.testing.assert_close(got[name], snapshot.read(name, "profile-1"), rtol=1e-5, atol=1e-6)
 
 
@@ -181,7 +181,7 @@ def test_bf16_snapshots_are_half_the_bytes_and_synthesize_to_bf16_rounding(train
         trainer.step()
         ph.update()
         fp32.update()
-    assert SavedAverage(tmp_path / "bf16" / "snapshot-000000012").tensors["embed.weight"]["dtype"] == "bfloat16"
+    assert SavedAverage(tmp_path / "bf16" / "snapshot-000000012").tensors["embed.weight"].dtype == "bfloat16"
     halves = [a.bytes / b.bytes for a, b in zip(snapshots(tmp_path / "bf16"), snapshots(tmp_path / "fp32"))]
     assert all(0.45 < h < 0.8 for h in halves), halves  # (a tiny model: the headers weigh too)
     got, want = ph.synthesize(0.07).full_state_dict(), fp32.synthesize(0.07).full_state_dict()
@@ -199,13 +199,8 @@ def test_offline_synthesis_holds_one_snapshot_tensor_and_the_output_at_a_time(tm
     output tensor plus one snapshot tensor, whatever the model size and the number of snapshots
     (measured, printed for the record). Nothing is mapped: each chunk is read into the tensor
     it goes to (the process's peak memory is measured below)."""
-    import sys
-    from pathlib import Path
-
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "launch"))
-    from measure import allocated_peak
-
     from shardavg.posthoc import synthesized_tensors
+    from tools.measure import allocated_peak
 
     torch.manual_seed(0)
     model = torch.nn.Sequential(*[torch.nn.Linear(512, 512, bias=False) for _ in range(8)])  # 8 x 1 MiB

@@ -14,11 +14,11 @@ import pytest
 PACKAGE = Path(__file__).resolve().parents[1] / "shardavg"
 
 ORDER = [  # bottom first: a module may import only modules before it
-    "errors", "parts", "tensor_layout", "validate", "dist", "logs", "storage", "provenance",
+    "errors", "parts", "tensor_layout", "validate", "dist", "logs", "storage",
     "strategies.dtensor", "strategies.base", "strategies.fsdp1", "strategies.fsdp2", "strategies.zero3",
     "strategies.zero12", "strategies.replicated", "strategies.pipeline", "strategies",
-    "rules", "options", "format", "ownership", "weight_files", "reading", "layout", "staging", "fused", "watch",
-    "background", "update",
+    "rules", "options", "format", "provenance", "ownership", "weight_files", "reading", "layout", "staging", "fused",
+    "watch", "background", "update",
     "state", "swap", "export", "checkpoint", "stateful", "offline", "model_folder", "sources", "averager", "posthoc",
     "merge", "cli",
     "__init__", "__main__",

@@ -73,14 +73,14 @@ def test_mesh_layouts_match_dtensors_own_split(shape, grid_shape, placements) ->
             block.view(got).copy_(full[tuple(slice(o, o + s) for o, s in zip(block.offsets, block.sizes))])
         assert torch.equal(got, want.reshape(-1)), (coordinate, part)
     layout.check("w")
-    assert tiles(shape, [box for _, part in layout.chunks for box in part.boxes])
+    assert tiles(shape, [box for _, part in layout.owned for box in part.boxes])
     assert layout.part(max(ranks) + 1) == Part.empty(shape)  # a rank outside the grid holds nothing
 
 
 def test_owners_and_replicas_follow_the_lowest_rank() -> None:
     grid = make_grid((2, 2), [3, 1, 2, 0])  # rows are replicas of each other
     layout = MeshLayout((4, 6), grid, (("replicate",), ("shard", 0)))
-    assert [(owner, part.span()) for owner, part in layout.chunks] == [(0, (12, 24)), (2, (0, 12))]
+    assert [(owner, part.flat_range()) for owner, part in layout.owned] == [(0, (12, 24)), (2, (0, 12))]
     assert layout.owner_of(3) == 2 and layout.owner_of(1) == 0 and layout.owner_of(7) is None
     assert layout.replicas(2) == [3] and layout.replicas(0) == [1]
 
@@ -93,7 +93,7 @@ def test_flat_layouts_are_the_ranges_fsdp1_and_zero3_give() -> None:
         index = rank % 4
         start, end = min(max(index * chunk - 7, 0), numel), min(max((index + 1) * chunk - 7, 0), numel)
         assert layout.part(rank) == Part.flat((10, 6), start, max(start, end))
-    assert [owner for owner, _ in layout.chunks] == [0, 1, 2, 3]
+    assert [owner for owner, _ in layout.owned] == [0, 1, 2, 3]
     assert layout.owner_of(6) == 2 and layout.replicas(2) == [6]
     layout.check("w")
     with pytest.raises(LayoutError, match=r"the shards of 'w' \(shape \(10, 6\)\) do not tile it"):
@@ -110,7 +110,7 @@ def test_box_lookups_find_exactly_the_overlapping_chunks(seed) -> None:
         FlatLayout((12, 10), make_grid((5,), range(5)), 0, 29, 3),
     ]
     for layout in layouts:
-        saved = [(owner, block) for owner, part in layout.chunks for block in part.packed().blocks]
+        saved = [(owner, block) for owner, part in layout.owned for block in part.packed().blocks]
         for _ in range(50):
             offsets = (rng.randrange(12), rng.randrange(10))
             sizes = (rng.randrange(1, 13 - offsets[0]), rng.randrange(1, 11 - offsets[1]))

@@ -16,13 +16,10 @@ import yaml
 from helpers import deadline
 from safetensors.torch import save_file
 
+from launch import checkpoints, train
+from launch import job as jobs
+
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "launch"))
-
-import checkpoints  # noqa: E402
-import job as jobs  # noqa: E402
-import train  # noqa: E402
-
 CONFIGS = ROOT / "configs"
 
 
@@ -320,9 +317,8 @@ def test_data_that_cannot_serve_is_refused_naming_it(caplog, monkeypatch, tmp_pa
 
 BOUNDED_READ = """
 import resource, sys
-sys.path.insert(0, sys.argv[1])
-import train
-job = train.load_job(train.parse_args(["--config", sys.argv[2], "--data", sys.argv[3], "--out", sys.argv[4],
+from launch import train
+job = train.load_job(train.parse_args(["--config", sys.argv[1], "--data", sys.argv[2], "--out", sys.argv[3],
                                        "--set", "data.max_bytes=100000"]), world=2)
 print(len(job.corpus.train) + len(job.corpus.heldout), resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)
 """
@@ -333,8 +329,8 @@ def test_data_reads_at_most_max_bytes_of_a_huge_file(tmp_path) -> None:
     with open(huge, "wb") as handle:
         handle.truncate(3 * 2**30)  # sparse: 3 GiB that cost no disk
     done = subprocess.run(
-        [sys.executable, "-c", BOUNDED_READ, str(ROOT / "launch"), FSDP2, str(huge), str(tmp_path / "out")],
-        capture_output=True, text=True, timeout=120,
+        [sys.executable, "-c", BOUNDED_READ, FSDP2, str(huge), str(tmp_path / "out")],
+        capture_output=True, text=True, timeout=120, cwd=ROOT,  # (python -c imports the package launch from here)
     )  # fmt: skip
     assert done.returncode == 0, done.stderr
     used, peak_kib = map(int, done.stdout.split())

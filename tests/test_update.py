@@ -45,7 +45,7 @@ def test_the_fused_update_has_the_bits_of_one_call_per_tensor() -> None:
         lives = carved(torch.randn(total).to(live_dtype))
         (fused,) = group_tensors(["average"] * len(SHAPES), [carved(torch.zeros(total))], lives)
         plain = [torch.zeros(s) for s in SHAPES]
-        assert len(fused.fused_lives) == 1
+        assert len(fused.fused_live) == 1
         apply(fused, [None], Stager())
         torch._foreach_copy_(plain, lives)
         for weight in (0.1, 0.25, 0.001):
@@ -70,7 +70,7 @@ def test_several_averages_take_the_bits_each_would_alone_in_cache_sized_batches(
     slab = torch.zeros(2 * total)
     both = [carved(slab[:total], shapes), carved(slab[total:], shapes)]
     (group,) = group_tensors(["average"] * 3, both, lives)
-    assert len(group.fused_lives) == 4 and [len(s) for s in group.fused_shadows] == [4, 4]
+    assert len(group.fused_live) == 4 and [len(s) for s in group.fused_shadows] == [4, 4]
     alone = [group_tensors(["average"] * 3, [carved(torch.zeros(total), shapes)], lives)[0] for _ in range(2)]
     apply(group, [None, None], Stager())
     for single in alone:
@@ -97,7 +97,7 @@ def test_a_nonfinite_value_in_a_fused_run_is_named_by_its_own_tensor() -> None:
 def test_a_strided_live_shard_is_updated_as_it_is_even_when_large() -> None:
     live = torch.randn(FUSED_CHUNK // 512 + 1, 512).t()  # transposed: not dense, more than a piece
     (group,) = group_tensors(["average"], [[torch.zeros(live.shape)]], [live])
-    assert group.fused_lives == [live] and group.fused_shadows[0][0].shape == live.shape
+    assert group.fused_live == [live] and group.fused_shadows[0][0].shape == live.shape
     plain = torch.zeros(live.shape)
     apply(group, [None], Stager())
     plain.copy_(live)

@@ -470,7 +470,7 @@ def check_derived_layout(averager, gathered: Callable[[str], bool] = lambda name
         for holder, part in enumerate(parts):
             assert layout.part(index, holder) == part, f"{info.name}: rank {holder} holds {part}, derived otherwise"
         chunks = tiling(info, parts)
-        assert layout.chunks(index) == chunks, f"{info.name}: chunks {layout.chunks(index)} != {chunks}"
+        assert layout.owned(index) == chunks, f"{info.name}: chunks {layout.owned(index)} != {chunks}"
         for owner, part in chunks:
             replicas = [r for r, held in enumerate(parts) if held == part and r != owner]
             assert layout.replicas(index, owner) == replicas, f"{info.name}: replicas of rank {owner}"

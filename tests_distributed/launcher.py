@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent  # the repository: the packages launch (the main job) and tools import from here
 
 
 @dataclass
@@ -29,17 +30,17 @@ class Launch:
 
 
 def torchrun(script: str, nproc: int, *args: str, timeout: float = 300, env: dict | None = None) -> Launch:
-    """Launch ``script`` (a name in this folder, or a path) on ``nproc`` ranks; on timeout kill the
-    whole process group and fail."""
+    """Launch ``script`` (a name in this folder, a path, or a module as ``"-m launch.train"``) on
+    ``nproc`` ranks; on timeout kill the whole process group and fail."""
+    target = ["-m", script.removeprefix("-m ")] if script.startswith("-m ") else [str(HERE / script)]
     command = [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-        str(HERE / script), *args,
+        sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", *target, *args,
     ]  # fmt: skip
     # (a rank that crashes in C++ prints where it was, Python frames included)
     quiet = {"OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu", "PYTHONUNBUFFERED": "1", "PYTHONFAULTHANDLER": "1"}
     env = os.environ | quiet | (env or {})
-    # (scenarios elsewhere, tests_gpu/'s, import the harness here)
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(HERE), env.get("PYTHONPATH")]))
+    # (scenarios elsewhere, tests_gpu/'s, import the harness here; the main job and the tools, their packages)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(HERE), str(ROOT), env.get("PYTHONPATH")]))
     # DeepSpeed compiles a small op on first use; build it inside this environment, where no
     # other environment's half-finished build (and its lock file) can stall the launch.
     env.setdefault("TORCH_EXTENSIONS_DIR", str(Path(sys.prefix) / "torch_extensions"))

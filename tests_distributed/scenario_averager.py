@@ -418,8 +418,8 @@ def check_engine(engine_kind: str) -> None:
         dist.all_gather_object(per_rank, ema.shadow_bytes())
         dist.all_gather_object(local_bytes, expected)
         groups = ema.updater.groups  # how many tensors one fused kernel call of the update walks
-        dist.all_gather_object(kernels, [sum(len(g.fused_lives) for g in groups),
-                                         sum(1 for g in groups for live in g.lives if live.numel())])  # fmt: skip
+        walked = sum(1 for g in groups for live in g.live_tensors if live.numel())
+        dist.all_gather_object(kernels, [sum(len(g.fused_live) for g in groups), walked])
         harness.report(
             "BYTES",
             {

@@ -37,9 +37,7 @@ from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 from torch.distributed.fsdp import StateDictType
 
 from shardavg import EMA, SWA, CheckpointError, WeightAverager
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "launch"))
-from measure import allocated_peak  # noqa: E402  (the bench's own measure of peak memory)
+from tools.measure import allocated_peak  # (the bench's own measure of peak memory)
 
 STEPS, RESUME_AT = 10, 6
 

@@ -180,9 +180,7 @@ def check(label: str, model: nn.Module, out: Path) -> None:
     saved = averager.save(out / label / "checkpoint")
     export = averager.export(out / label / "export")
     if dist.get_rank() == 0:
-        names = {
-            name for entry in SavedAverage(saved).description["tensors"] for name in [entry["name"], *entry["aliases"]]
-        }
+        names = {name for entry in SavedAverage(saved).description.tensors for name in entry.names}
         assert names == set(plain), f"{label}: the checkpoint names {sorted(names ^ set(plain))}"
         CONFIG.save_pretrained(export)
         loaded, info = GPT2LMHeadModel.from_pretrained(export, output_loading_info=True)

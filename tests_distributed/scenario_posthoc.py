@@ -52,9 +52,9 @@ def reference(directory: Path, sigma_rel: float) -> dict[str, torch.Tensor]:
     last = readers[found[-1].path]
     result = {}
     for name, entry in last.tensors.items():
-        if entry["role"] == "average":
+        if entry.role == "average":
             result[name] = sum(c * readers[s.path].read(name, p).double() for c, (s, p, _) in zip(x, terms))
-        elif entry["role"] == "copy":
+        elif entry.role == "copy":
             result[name] = last.read(name, next(iter(last.averages)))
     return result
 

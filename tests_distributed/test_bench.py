@@ -23,7 +23,7 @@ def test_a_tiny_bench_has_every_row_and_every_check_passes(tmp_path: Path) -> No
     args = ["--config", str(ROOT / "configs" / "bench.yaml"), "--json", str(out)]
     for override in TINY:
         args += ["--set", override]
-    launch = torchrun(str(ROOT / "launch" / "bench.py"), 2, *args, timeout=540)
+    launch = torchrun("-m tools.bench", 2, *args, timeout=540)
     assert launch.returncode == 0, launch.output[-20000:]
     rows = json.loads(out.read_text())
     cases = {(r["engine"], r["shape"], r["dtype"]) for r in rows}
@@ -58,7 +58,7 @@ def test_a_tiny_tensor_parallel_bench_at_four_processes(tmp_path: Path) -> None:
             "--set", "dtypes=[float32]", "--set", "export=false"]  # fmt: skip
     for override in TINY:
         args += ["--set", override]
-    launch = torchrun(str(ROOT / "launch" / "bench.py"), 4, *args, timeout=540)
+    launch = torchrun("-m tools.bench", 4, *args, timeout=540)
     assert launch.returncode == 0, launch.output[-20000:]
     methods = {r["method"]: r for r in json.loads(out.read_text())}
     assert {r["engine"] for r in methods.values()} == {"fsdp2_tp"}, methods

@@ -187,7 +187,7 @@ def test_a_checkpoint_of_four_ranks_merges_with_one_of_two_offline(saved: Path, 
     checkpoint = shardavg.merge(inputs, tmp_path / "ckpt", weights=[1, 3], key="ema", average="ema", output="shardavg")
     merged = SavedAverage(checkpoint)
     try:
-        assert merged.description["num_updates"] == 2
+        assert merged.description.num_updates == 2
         assert all(torch.equal(merged.read(k).view(want[k].shape), want[k]) for k in want)
     finally:
         merged.close()

@@ -1,4 +1,5 @@
-"""The documentation's integration snippets run as written, under torchrun on 2 CPU processes."""
+"""The documentation's integration snippets and the README's usage block run as written, under torchrun on 2
+CPU processes."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ ENVIRONMENTS = {
     "accelerate": {"ACCELERATE_USE_CPU": "true"},
     "deepspeed": {},
     "lightning": {},
+    "readme": {},
     "transformers": {},
 }
 

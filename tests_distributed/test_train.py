@@ -1,4 +1,4 @@
-"""The main job (launch/train.py) end to end at a tiny size, under every engine at 2 processes:
+"""The main job (``-m launch.train``) end to end at a tiny size, under every engine at 2 processes:
 it trains, its exports load strict into the plain model, and ``--resume`` from a mid-run
 checkpoint ends bitwise where the uninterrupted run ends; the merge of the last checkpoints is
 their fp32 average; asynchronous checkpoints change nothing, and a rank killed with one in
@@ -16,15 +16,14 @@ from pathlib import Path
 
 import pytest
 import torch
-from launcher import torchrun
+from launcher import ROOT, torchrun
 from safetensors.torch import load_file
+
+from launch.model import GPT, GPTConfig
 
 pytestmark = pytest.mark.slow  # a torchrun launch: python -m pytest -m "not slow" leaves it out
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "launch"))
-
-from model import GPT, GPTConfig  # noqa: E402
+MAIN_JOB = "-m launch.train"
 
 STEPS = 8
 TINY = {
@@ -51,7 +50,7 @@ def job_args(engine: str, out: Path, *extra: str) -> list[str]:
 
 def train(engine: str, out: Path, *extra: str, nproc: int | None = None) -> dict:
     nproc = nproc or PROCESSES.get(engine, 2)
-    launch = torchrun(str(ROOT / "launch" / "train.py"), nproc, *job_args(engine, out, *extra), timeout=300)
+    launch = torchrun(MAIN_JOB, nproc, *job_args(engine, out, *extra), timeout=300)
     assert launch.returncode == 0, launch.output[-20000:]
     assert "held-out loss at step" in launch.output, launch.output[-5000:]
     return json.loads((out / "summary.json").read_text())
@@ -162,7 +161,7 @@ def checkpointed_model(folder: Path) -> dict[str, torch.Tensor]:
 
 def heldout_loss(weights: dict[str, torch.Tensor]) -> float:
     """The job's held-out loss of ``weights`` in the plain model, in one process: every data rank's batches."""
-    import data
+    from launch import data
 
     sizes = {k.split(".")[1]: v for k, v in TINY.items() if k.startswith("model.")}
     plain = GPT(GPTConfig(**sizes)).eval()
@@ -208,7 +207,7 @@ def test_async_checkpoints_change_nothing_and_a_kill_in_flight_leaves_the_previo
     bitwise where the uninterrupted synchronous run ends, merge included."""
     out = tmp_path / "run"
     args = job_args("fsdp2", out, "--set", "checkpoint.async=true")
-    killed = torchrun(str(ROOT / "launch" / "train.py"), 2, *args, timeout=300,
+    killed = torchrun("kill_in_flight.py", 2, *args, timeout=300,
                       env={"SHARDAVG_TEST_KILL_IN_FLIGHT": "8"})  # fmt: skip
     assert killed.returncode != 0 and "Signal 9 (SIGKILL) received" in killed.output, killed.output[-5000:]
     assert (out / "metrics.jsonl").read_text() == (runs["fsdp2"] / "metrics.jsonl").read_text()
@@ -223,6 +222,11 @@ def test_async_checkpoints_change_nothing_and_a_kill_in_flight_leaves_the_previo
     assert resumed["heldout"] == uninterrupted["heldout"] and resumed["posthoc"] == uninterrupted["posthoc"]
 
 
+def python_path() -> str:
+    """PYTHONPATH for a torchrun started here: the repository first, where the package launch is."""
+    return os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
+
+
 def free_port() -> int:
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
@@ -231,12 +235,12 @@ def free_port() -> int:
 
 def test_two_nodes_of_two_processes_give_the_export_of_one_four_process_launch(tmp_path) -> None:
     port = free_port()
-    env = os.environ | {"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    env = os.environ | {"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "PYTHONPATH": python_path()}
     nodes = [
         subprocess.Popen(
             [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc_per_node", "2",
              "--node_rank", str(rank), "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}",
-             "--rdzv-id", "two-nodes", str(ROOT / "launch" / "train.py"), *job_args("hsdp", tmp_path / "nodes")],
+             "--rdzv-id", "two-nodes", "-m", "launch.train", *job_args("hsdp", tmp_path / "nodes")],
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, start_new_session=True,
         )
         for rank in (0, 1)
@@ -285,7 +289,7 @@ def test_a_second_job_is_refused_while_one_runs_and_a_damaged_newest_checkpoint_
     try:
         assert holder.stdout.readline().strip() == "locked"
         before = {p: (p.stat().st_mtime_ns, p.stat().st_size) for p in out.rglob("*")}
-        refused = torchrun(str(ROOT / "launch" / "train.py"), 2, *job_args("fsdp2", out, "--resume"), timeout=300)
+        refused = torchrun(MAIN_JOB, 2, *job_args("fsdp2", out, "--resume"), timeout=300)
         assert refused.returncode != 0
         said = [line for line in refused.output.splitlines() if line.startswith("error: ")]
         assert (
@@ -298,7 +302,7 @@ def test_a_second_job_is_refused_while_one_runs_and_a_damaged_newest_checkpoint_
         holder.wait()
         holder.stdout.close()
     assert (out / ".train.lock").exists()  # the killed holder's, left behind: no obstacle
-    launch = torchrun(str(ROOT / "launch" / "train.py"), 2, *job_args("fsdp2", out, "--resume"), timeout=300)
+    launch = torchrun(MAIN_JOB, 2, *job_args("fsdp2", out, "--resume"), timeout=300)
     assert launch.returncode == 0, launch.output[-20000:]
     assert "--resume: skipped step-000000008, which cannot be resumed from: " in launch.output
     summary = json.loads((out / "summary.json").read_text())
@@ -330,7 +334,7 @@ def test_a_pickle_in_a_checkpoint_entry_is_refused_in_one_line(runs, tmp_path) -
     (folder / "train.json").write_text(json.dumps({"step": record["step"], "engine": record["engine"]}))
     subprocess.run([sys.executable, "-c", PLANT, str(folder)], check=True)
     args = job_args("fsdp2", tmp_path / "out", "--resume-from", str(folder), "--set", "merge.last=0")  # (1 to merge)
-    launch = torchrun(str(ROOT / "launch" / "train.py"), 2, *args, timeout=300)
+    launch = torchrun(MAIN_JOB, 2, *args, timeout=300)
     assert launch.returncode != 0
     said = [line for line in launch.output.splitlines() if line.startswith("error: ")]
     assert said == [f"error: {folder} cannot be resumed from: an entry holds pickled Python objects, not tensor "
@@ -343,9 +347,9 @@ def test_a_config_error_is_shown_by_every_launch(tmp_path) -> None:
     stops first, the launch shows it (before: 4 of 6 launches exited 2 without a word)."""
     command = [
         sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-        str(ROOT / "launch" / "train.py"), *job_args("fsdp2", tmp_path / "never", "--set", "train.lr=-1.0"),
+        "-m", "launch.train", *job_args("fsdp2", tmp_path / "never", "--set", "train.lr=-1.0"),
     ]  # fmt: skip
-    env = os.environ | {"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    env = os.environ | {"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "PYTHONPATH": python_path()}
     launches = [
         subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
         for _ in range(6)

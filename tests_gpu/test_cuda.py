@@ -43,7 +43,7 @@ def test_the_bench_on_cuda(tmp_path: Path) -> None:
     out = tmp_path / "bench.json"
     args = ["--config", str(ROOT / "configs" / "bench.yaml"), "--json", str(out), "--set", "device=cuda",
             "--set", f"engines={engines()[:3]}", "--set", "warmup=2", "--set", "repeats=5"]  # fmt: skip
-    launch = torchrun(str(ROOT / "launch" / "bench.py"), world_size, *args, timeout=900, env=ON_CUDA)
+    launch = torchrun("-m tools.bench", world_size, *args, timeout=900, env=ON_CUDA)
     assert launch.returncode == 0, launch.output[-20000:]
     print(launch.output)  # (the tables, for docs/benchmarks.md)
     rows = json.loads(out.read_text())

@@ -31,18 +31,31 @@ _ATTACHED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 @dataclass
 class Registration:
+    """An averager attached to an accelerator, and how to check its checkpoint before a load.
+
+    Attributes:
+        averager: The attached averager.
+        check: Checks the average inside a checkpoint folder (raising ``CheckpointError``).
+    """
+
     averager: WeightAverager
     check: Callable[[str | os.PathLike], None]
 
 
 class Handle:
-    """One of accelerate's hook handles, kept: ``remove()`` removes the hook and detaches the
-    averager from the accelerator here too (so it can be attached again)."""
+    """One of accelerate's hook handles, kept: ``remove()`` also detaches the averager here.
+
+    Args:
+        handle: The handle accelerate's ``register_*_state_pre_hook`` returned.
+        registrations: The accelerator's attached averagers, by directory.
+        directory: The directory the averager is attached under.
+    """
 
     def __init__(self, handle: Any, registrations: dict, directory: str) -> None:
         self.handle, self._registrations, self._directory = handle, registrations, directory
 
     def remove(self) -> None:
+        """Remove the hook and detach the averager, so that it (or another) can be attached again."""
         self.handle.remove()
         self._registrations.pop(self._directory, None)
 
@@ -50,11 +63,24 @@ class Handle:
 def attach(accelerator: Any, avg: WeightAverager, directory: str = DIRECTORY) -> tuple[Handle, Handle]:
     """Save and load ``avg`` with ``accelerator.save_state``/``load_state`` under ``<dir>/<directory>``.
 
-    Returns the two hook handles (``remove()`` either to detach). Attaching the same averager
-    twice, or another one to the same directory, is refused. Update the averager once per real
-    optimizer step: ``if accelerator.sync_gradients: avg.update()`` after ``optimizer.step()``.
+    Update the averager once per real optimizer step: ``if accelerator.sync_gradients:
+    avg.update()`` after ``optimizer.step()``. Load with this module's ``load_state``, which checks
+    the average before anything is loaded.
 
-    Example (one process; under ``accelerate launch`` or torchrun every rank runs the same lines)::
+    Args:
+        accelerator: The ``accelerate.Accelerator``.
+        avg: The averager, built on the model ``accelerator.prepare`` returned.
+        directory: The folder name inside each checkpoint; default ``"shardavg"``.
+
+    Returns:
+        The save and load hook handles (``remove()`` either to detach).
+
+    Raises:
+        ValueError: ``directory`` is not a plain folder name, this averager is already attached, or
+            another one is attached under ``directory``.
+
+    Examples:
+        One process; under ``accelerate launch`` or torchrun every rank runs the same lines.
 
         >>> import tempfile, torch, shardavg
         >>> from accelerate import Accelerator
@@ -96,9 +122,22 @@ def attach(accelerator: Any, avg: WeightAverager, directory: str = DIRECTORY) ->
 
 
 def load_state(accelerator: Any, input_dir: str | os.PathLike, **kwargs: Any) -> Any:
-    """Collective: check every average attached to ``accelerator`` in ``input_dir`` (every file, names,
-    shapes, rules), then ``accelerator.load_state(input_dir, **kwargs)``: a damaged average is
-    refused before the model or the optimizer changes."""
+    """Collective: check every attached average, then ``accelerator.load_state(input_dir, **kwargs)``.
+
+    Each average is checked in ``input_dir`` (every file, names, shapes, rules) first, so a damaged
+    one is refused before the model or the optimizer changes.
+
+    Args:
+        accelerator: The ``accelerate.Accelerator`` the averagers are attached to.
+        input_dir: The checkpoint folder ``save_state`` wrote.
+        **kwargs: Passed to ``accelerator.load_state``.
+
+    Returns:
+        What ``accelerator.load_state`` returned.
+
+    Raises:
+        CheckpointError: An attached average is missing or damaged there.
+    """
     for registration in list(_ATTACHED.get(accelerator, {}).values()):
         registration.check(input_dir)
     return accelerator.load_state(str(input_dir), **kwargs)

@@ -37,11 +37,32 @@ def save_checkpoint(
     save_latest: bool = True,
     **kwargs: Any,
 ) -> Any:
-    """Collective: ``engine.save_checkpoint`` and the average, then ``latest``; returns what the
-    engine returned. ``tag`` defaults to DeepSpeed's ``global_step<N>``; ``kwargs`` go to the engine.
+    """Collective: ``engine.save_checkpoint`` and the average, then ``latest``.
 
-    Example (a world of one process, made and torn down here; under torchrun every rank runs the
-    lines between)::
+    ``latest`` is written last, atomically, once every rank has committed: a crash at any moment
+    leaves it naming the previous tag, whole.
+
+    Args:
+        engine: The ``DeepSpeedEngine``.
+        avg: The averager, built on ``engine``.
+        save_dir: The save folder, as for ``engine.save_checkpoint``.
+        tag: The tag (one folder name, the same on every rank); None (default): DeepSpeed's
+            ``global_step<N>``.
+        client_state: Passed to the engine; None: ``{}``.
+        save_latest: Point ``latest`` at the tag once everything is written.
+        **kwargs: Passed to ``engine.save_checkpoint``.
+
+    Returns:
+        What ``engine.save_checkpoint`` returned.
+
+    Raises:
+        CheckpointError: ``tag`` does not name one folder inside the save folder (on some rank), the
+            ranks name different tags, the average cannot be saved there, or ``latest`` cannot be
+            written.
+
+    Examples:
+        A world of one process, made and torn down here; under torchrun every rank runs the lines
+        between.
 
         >>> import os, socket, tempfile, torch, deepspeed, shardavg
         >>> with socket.socket() as probe:
@@ -90,11 +111,29 @@ def load_checkpoint(
     strict: bool = True,
     **kwargs: Any,
 ) -> Any:
-    """Collective: ``engine.load_checkpoint`` and the average of the same tag (``latest`` when
-    ``tag`` is None); returns what the engine returned. The average is checked whole on every rank
-    (every file, names, shapes, rules) before the engine loads anything; a tag without an average
-    is refused then too, unless ``strict=False``: it then warns and restarts the average from the
-    loaded live weights (as if its first update had just copied them)."""
+    """Collective: ``engine.load_checkpoint`` and the average of the same tag.
+
+    The average is checked whole on every rank (every file, names, shapes, rules) before the
+    engine loads anything.
+
+    Args:
+        engine: The ``DeepSpeedEngine``.
+        avg: The averager, built on ``engine``.
+        load_dir: The save folder.
+        tag: The tag to load; None (default): the one ``latest`` names.
+        strict: Refuse a tag without an average (or an average of another rule); with False,
+            warn, and restart a missing average from the loaded live weights (as if its first
+            update had just copied them).
+        **kwargs: Passed to ``engine.load_checkpoint``.
+
+    Returns:
+        What ``engine.load_checkpoint`` returned.
+
+    Raises:
+        CheckpointError: No readable ``latest``, a tag that does not name one folder inside the
+            save folder, ranks naming different tags, (under ``strict``) a tag without an average,
+            or an average the averager refuses.
+    """
     error: BaseException | None = None
     path = Path(load_dir)
     try:
@@ -135,8 +174,18 @@ def _tag(load_dir: Path, tag: str | None) -> str:
 
 
 def check_tag(tag: object) -> str:
-    """``tag`` (as DeepSpeed spells it, ``str(tag)``) if it names one folder inside the save folder
-    that ``latest`` can point at and be read back from; ValueError otherwise."""
+    """``tag`` as DeepSpeed spells it, checked to name one folder inside the save folder.
+
+    Args:
+        tag: A tag (DeepSpeed uses ``str(tag)``).
+
+    Returns:
+        ``str(tag)``, which ``latest`` can point at and be read back from.
+
+    Raises:
+        ValueError: Empty, ``.``, ``..``, ``latest``, with a separator, surrounding spaces or control
+            characters.
+    """
     text = str(tag)
     if (
         text in ("", ".", "..", LATEST)
@@ -152,8 +201,20 @@ def check_tag(tag: object) -> str:
 
 
 def agreed_tag(tag: object) -> str:
-    """Collective: ``check_tag`` on every rank, and the same tag on all of them (else every rank
-    would write its files into another folder)."""
+    """Collective: ``check_tag`` on every rank, and the same tag on all of them.
+
+    Otherwise every rank would write its files into another folder.
+
+    Args:
+        tag: This rank's tag.
+
+    Returns:
+        The tag, the same on every rank.
+
+    Raises:
+        CheckpointError: ``check_tag`` refused the tag on some rank (every rank raises, naming it),
+            or the ranks name different tags.
+    """
     error: BaseException | None = None
     try:
         tag = check_tag(tag)

@@ -34,7 +34,14 @@ SUFFIX = ".shardavg"  # the sidecar of checkpoint PATH is PATH.shardavg/
 
 
 def sidecar(checkpoint: str | Path) -> Path:
-    """Where the average of the checkpoint at ``checkpoint`` is kept."""
+    """Where the average of the checkpoint at ``checkpoint`` is kept.
+
+    Args:
+        checkpoint: The path of a Lightning checkpoint.
+
+    Returns:
+        ``<checkpoint>.shardavg``, beside it.
+    """
     path = Path(checkpoint)
     return path.with_name(path.name + SUFFIX)
 
@@ -43,18 +50,26 @@ class ShardedWeightAveraging(Callback):
     """EMA (or any shardavg rule) of the weights, kept shard by shard where the strategy keeps them.
 
     Args:
-        decay: the EMA decay, as in Lightning's ``EMAWeightAveraging`` (ignored when ``rule`` is given).
-        rule: any shardavg rule (``SWA()``, ``PowerEMA(...)``, a ``multi_avg_fn``) instead.
-        update_every_n_steps: update after optimizer step ``i`` (counted from 0) when
+        decay: The EMA decay, as in Lightning's ``EMAWeightAveraging`` (ignored when ``rule`` is given).
+        rule: Any shardavg rule (``SWA()``, ``PowerEMA(...)``, a ``multi_avg_fn``) instead; None
+            (default): ``EMA(decay=decay)``.
+        update_every_n_steps: Update after optimizer step ``i`` (counted from 0) when
             ``i % update_every_n_steps == 0`` (and ``i >= update_starting_at_step``), as
             ``EMAWeightAveraging`` does.
-        update_starting_at_step: the first optimizer step (from 0) that updates; None: the first.
-        copy_at_end: write the average into the model when training ends.
-        strict: on resume, refuse a checkpoint without its sidecar average; with False, warn and
+        update_starting_at_step: The first optimizer step (from 0) that updates; None: the first.
+        copy_at_end: Write the average into the model when training ends.
+        strict: On resume, refuse a checkpoint without its sidecar average; with False, warn and
             restart the average from the loaded weights instead.
-        averager_options: passed to ``WeightAverager`` (``dtype``, ``buffers``, ``device``, ...).
+        **averager_options: Passed to ``WeightAverager`` (``dtype``, ``buffers``, ``device``, ...).
 
-    Example (a tiny model in one process; with a strategy, every rank runs the same lines)::
+    Attributes:
+        averager: The ``WeightAverager``, once ``on_fit_start`` has built it (None before).
+
+    Raises:
+        ValueError: ``update_every_n_steps`` is below 1.
+
+    Examples:
+        A tiny model in one process; with a strategy, every rank runs the same lines.
 
         >>> import torch
         >>> import lightning as L
@@ -101,35 +116,88 @@ class ShardedWeightAveraging(Callback):
     # ------------------------------------------------------------------ building and updating
 
     def on_fit_start(self, trainer, pl_module) -> None:
+        """Build the averager on the strategy's (sharded) model, follow its checkpoints, restore a pending resume.
+
+        Args:
+            trainer (lightning.pytorch.Trainer): The trainer.
+            pl_module (lightning.pytorch.LightningModule): The module being trained.
+
+        Raises:
+            CheckpointError: Resuming (``strict``) from a checkpoint without its sidecar average, or
+                one the averager refuses to load.
+        """
         if self.averager is None:
             self.averager = WeightAverager(trainer.strategy.model, self.rule, **self.averager_options)
         self._follow_checkpoints(trainer.strategy)
         self._restore_pending()
 
     def should_update(self, step_idx: int) -> bool:
+        """Whether the averager updates after optimizer step ``step_idx``, as ``EMAWeightAveraging`` decides.
+
+        Args:
+            step_idx: The optimizer step just taken, counted from 0.
+
+        Returns:
+            Whether ``step_idx`` is at or after ``update_starting_at_step`` and a multiple of
+                ``update_every_n_steps``.
+        """
         start = self.update_starting_at_step
         return (start is None or step_idx >= start) and step_idx % self.update_every_n_steps == 0
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        """Update once per new ``global_step`` (so once per real optimizer step under accumulation).
+
+        Args:
+            trainer (lightning.pytorch.Trainer): The trainer.
+            pl_module (lightning.pytorch.LightningModule): The module being trained.
+            outputs (Any): Unused.
+            batch (Any): Unused.
+            batch_idx (int): Unused.
+        """
         step = trainer.global_step  # optimizer steps so far: a new one after each real step
         if step > self.averager.step and self.should_update(step - 1):
             self.averager.update(step=step)
 
     def on_train_end(self, trainer, pl_module) -> None:
+        """Write the average into the model, with ``copy_at_end`` and once it has updates.
+
+        Args:
+            trainer (lightning.pytorch.Trainer): The trainer.
+            pl_module (lightning.pytorch.LightningModule): The module being trained.
+        """
         if self.copy_at_end and self.averager.num_updates:
             self.averager.copy_into_model()
 
     # ------------------------------------------------------------------ validation with the average
 
     def on_validation_epoch_start(self, trainer, pl_module) -> None:
+        """Swap the average in for validation (not during the sanity check, nor before an update).
+
+        Args:
+            trainer (lightning.pytorch.Trainer): The trainer.
+            pl_module (lightning.pytorch.LightningModule): The module being trained.
+        """
         if self.averager is not None and self.averager.num_updates and not trainer.sanity_checking:
             self._swap = contextlib.ExitStack()
             self._swap.enter_context(self.averager.swapped())
 
     def on_validation_epoch_end(self, trainer, pl_module) -> None:
+        """Swap the live weights back after validation.
+
+        Args:
+            trainer (lightning.pytorch.Trainer): The trainer.
+            pl_module (lightning.pytorch.LightningModule): The module being trained.
+        """
         self._swap_back()
 
     def on_exception(self, trainer, pl_module, exception: BaseException) -> None:
+        """Swap the live weights back if an exception interrupted validation.
+
+        Args:
+            trainer (lightning.pytorch.Trainer): The trainer.
+            pl_module (lightning.pytorch.LightningModule): The module being trained.
+            exception: The exception raised.
+        """
         self._swap_back()
 
     def _swap_back(self) -> None:
@@ -140,6 +208,16 @@ class ShardedWeightAveraging(Callback):
     # ------------------------------------------------------------------ checkpoints
 
     def on_load_checkpoint(self, trainer, pl_module, checkpoint: dict) -> None:
+        """Restore the average from the sidecar of ``trainer.ckpt_path`` (now, or once the averager is built).
+
+        Args:
+            trainer (lightning.pytorch.Trainer): The trainer.
+            pl_module (lightning.pytorch.LightningModule): The module being trained.
+            checkpoint: The loaded checkpoint (its ``global_step`` is what ``strict=False`` restarts at).
+
+        Raises:
+            CheckpointError: Under ``strict``, the checkpoint has no sidecar, or the averager refuses it.
+        """
         # before or after on_fit_start, as the strategy restores
         self._resume_from = (trainer.ckpt_path, int(checkpoint.get("global_step", trainer.global_step)))
         self._restore_pending()
@@ -181,6 +259,13 @@ class ShardedWeightAveraging(Callback):
         self._wrapped = (strategy, save, remove)
 
     def teardown(self, trainer, pl_module, stage: str) -> None:
+        """Swap back if still swapped, and give the strategy its own checkpoint methods back.
+
+        Args:
+            trainer (lightning.pytorch.Trainer): The trainer.
+            pl_module (lightning.pytorch.LightningModule): The module being trained.
+            stage: The stage ending (``"fit"``, ``"validate"``, ...).
+        """
         self._swap_back()
         if self._wrapped is not None:
             strategy, save, remove = self._wrapped

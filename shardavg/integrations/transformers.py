@@ -47,16 +47,22 @@ PREFIX = "eval_avg"  # metric prefix of the averaged weights' evaluation
 
 
 class WeightAveragingCallback(TrainerCallback):
-    """Keep ``rule``'s average of the model being trained (``averager_options`` go to ``WeightAverager``).
+    """Keep ``rule``'s average of the model being trained, saved with every checkpoint.
+
+    Add it with ``with_weight_averaging``, which also binds it to its Trainer.
 
     Args:
-        rule: e.g. ``EMA(decay=0.999)``; a dict of rules keeps several named averages (the
+        rule: E.g. ``EMA(decay=0.999)``; a dict of rules keeps several named averages (the
             first one is evaluated and exported).
-        export_dir: where to write the consolidated average when training ends (safetensors,
+        export_dir: Where to write the consolidated average when training ends (safetensors,
             the model's own parameter names, and its ``config.json``: ``from_pretrained`` loads
-            it), or None.
-        strict: on resume, refuse a checkpoint without an average paired with it; with False,
+            it); None (default): no export.
+        strict: On resume, refuse a checkpoint without an average paired with it; with False,
             warn and restart the average from the loaded weights instead.
+        **averager_options: Passed to ``WeightAverager`` (``dtype``, ``buffers``, ``device``, ...).
+
+    Attributes:
+        averager: The ``WeightAverager``, once ``on_train_begin`` has built it (None before).
     """
 
     def __init__(
@@ -77,8 +83,17 @@ class WeightAveragingCallback(TrainerCallback):
         self._warned_unbound = False
 
     def bind(self, trainer: Any) -> WeightAveragingCallback:
-        """Let the callback evaluate the averaged weights with ``trainer`` (and add it there), and see
-        which checkpoint ``trainer.train(resume_from_checkpoint=...)`` resumes."""
+        """Add the callback to ``trainer`` (if not there yet) and bind it there.
+
+        Bound, it evaluates the averaged weights with ``trainer`` and sees which checkpoint
+        ``trainer.train(resume_from_checkpoint=...)`` resumes.
+
+        Args:
+            trainer: The ``transformers.Trainer``.
+
+        Returns:
+            The callback itself.
+        """
         self._trainer = weakref.ref(trainer)
         if self not in trainer.callback_handler.callbacks:
             trainer.add_callback(self)
@@ -100,6 +115,19 @@ class WeightAveragingCallback(TrainerCallback):
     # ------------------------------------------------------------------ training
 
     def on_train_begin(self, args, state, control, model=None, **kwargs):
+        """Build the averager on the prepared model; on resume, load the average paired with the checkpoint.
+
+        Args:
+            args (transformers.TrainingArguments): The Trainer's arguments.
+            state (transformers.TrainerState): The Trainer's state.
+            control (transformers.TrainerControl): Unused.
+            model (torch.nn.Module): The model as the Trainer prepared it (partitioned under DeepSpeed).
+            **kwargs (Any): The Trainer's other callback arguments; unused.
+
+        Raises:
+            CheckpointError: On resume, the checkpoint has no average (under ``strict``), its average
+                was saved with other weights, or it is not the checkpoint the Trainer resumed.
+        """
         if self.averager is None:
             self.averager = WeightAverager(model, self.rule, **self.averager_options)
         if state.global_step > 0:  # resumed: the Trainer restored a checkpoint of this step
@@ -124,25 +152,53 @@ class WeightAveragingCallback(TrainerCallback):
                 "which checkpoint resumes, or pass strict=False to restart the average from the loaded weights"
             )
         saved = read_manifest(resolve(path))
-        paired = saved.get("run")
+        paired = saved.run
         if paired is None:  # saved before averages were paired with their checkpoint
             warnings.warn(f"{path} records no pairing with {checkpoint}: loaded on trust", stacklevel=3)
-        elif (saved["step"], paired) != (step, _fingerprint(checkpoint)):
+        elif (saved.step, paired) != (step, _fingerprint(checkpoint)):
             raise CheckpointError(
-                f"{path} was not saved with {checkpoint} (its average is of step {saved['step']} and paired with "
+                f"{path} was not saved with {checkpoint} (its average is of step {saved.step} and paired with "
                 f"another {TRAINER_STATE}): the weights and the average would not belong together"
             )
         self.averager.load(path)
 
     def on_step_end(self, args, state, control, **kwargs):
+        """Update the average at ``state.global_step`` (once per optimizer step).
+
+        Args:
+            args (transformers.TrainingArguments): The Trainer's arguments.
+            state (transformers.TrainerState): The Trainer's state.
+            control (transformers.TrainerControl): Unused.
+            **kwargs (Any): The Trainer's other callback arguments; unused.
+        """
         self.averager.update(step=state.global_step)
 
     def on_save(self, args, state, control, **kwargs):
+        """Save every rank's shard into ``checkpoint-<step>/shardavg/``, paired with the checkpoint.
+
+        Args:
+            args (transformers.TrainingArguments): The Trainer's arguments.
+            state (transformers.TrainerState): The Trainer's state.
+            control (transformers.TrainerControl): Unused.
+            **kwargs (Any): The Trainer's other callback arguments; unused.
+        """
         checkpoint = Path(args.output_dir) / f"checkpoint-{state.global_step}"
         self.averager.run_id = _fingerprint(checkpoint)  # (the Trainer wrote the state before calling)
         self.averager.save(checkpoint / DIRECTORY)
 
     def on_train_end(self, args, state, control, model=None, **kwargs):
+        """Export the average to ``export_dir``, with the model's configs, when one is set.
+
+        With ``load_best_model_at_end``, the average saved with the best checkpoint is exported.
+
+        Args:
+            args (transformers.TrainingArguments): The Trainer's arguments.
+            state (transformers.TrainerState): The Trainer's state.
+            control (transformers.TrainerControl): Unused.
+            model (torch.nn.Module): The trained model (its ``config`` and ``generation_config`` are
+                written beside the weights).
+            **kwargs (Any): The Trainer's other callback arguments; unused.
+        """
         if self.export_dir is None or not self.averager.num_updates:
             return
         best = state.best_model_checkpoint
@@ -158,6 +214,15 @@ class WeightAveragingCallback(TrainerCallback):
     # ------------------------------------------------------------------ evaluation
 
     def on_evaluate(self, args, state, control, metrics=None, **kwargs):
+        """Evaluate the averaged weights too (bound callbacks only) and add them as ``eval_avg_*``.
+
+        Args:
+            args (transformers.TrainingArguments): The Trainer's arguments.
+            state (transformers.TrainerState): The Trainer's state.
+            control (transformers.TrainerControl): Unused.
+            metrics (dict): The evaluation's metrics, extended in place.
+            **kwargs (Any): The Trainer's other callback arguments; unused.
+        """
         trainer = self._trainer() if self._trainer is not None else None
         if trainer is None and not self._warned_unbound:
             self._warned_unbound = True
@@ -212,10 +277,21 @@ def _resumed_checkpoint(trainer: Any, resume: Any) -> Path | None:
 
 
 def with_weight_averaging(trainer: Any, rule: Rule | MultiAvgFn | dict, **options: Any) -> WeightAveragingCallback:
-    """Add a ``WeightAveragingCallback`` to ``trainer``, bound to it for ``eval_avg_*`` metrics and
-    to see which checkpoint ``trainer.train`` resumes.
+    """Add a ``WeightAveragingCallback`` to ``trainer``, bound to it.
 
-    Example (a tiny model in one process; under torchrun every rank runs the same lines)::
+    Bound, it reports ``eval_avg_*`` metrics and sees which checkpoint ``trainer.train`` resumes.
+
+    Args:
+        trainer: The ``transformers.Trainer``.
+        rule: E.g. ``EMA(decay=0.999)``, or a dict of rules (see ``WeightAveragingCallback``).
+        **options: ``WeightAveragingCallback``'s other arguments (``export_dir``, ``strict``) and
+            ``WeightAverager``'s options.
+
+    Returns:
+        The callback added.
+
+    Examples:
+        A tiny model in one process; under torchrun every rank runs the same lines.
 
         >>> import tempfile, torch, shardavg
         >>> from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments

@@ -22,7 +22,24 @@ ADAPTERS = frozenset({*STRATEGIES, Zero12Master.name})  # every name a saved des
 
 
 def detect(model: nn.Module) -> str:
-    """Name of the adapter for ``model``: the first of zero3, fsdp1, fsdp2, replicated that fits."""
+    """Name the strategy adapter that fits ``model``: what ``WeightAverager(strategy="auto")`` picks.
+
+    The first of ``"zero3"``, ``"fsdp1"``, ``"fsdp2"``, ``"replicated"`` that fits, in that order:
+    a DeepSpeed ZeRO-3 engine or partitioned module, then a model holding an FSDP1 unit, then one
+    with a DTensor parameter (``fully_shard``, tensor or expert parallel); anything else (a plain
+    module, DDP, DeepSpeed ZeRO-0/1/2) is replicated.
+
+    Args:
+        model: The model as the user holds it (wrapped or not).
+
+    Returns:
+        The strategy's name, one that ``WeightAverager(strategy=...)`` accepts.
+
+    Examples:
+        >>> import torch, shardavg
+        >>> shardavg.detect(torch.nn.Linear(4, 2))
+        'replicated'
+    """
     return next(name for name, cls in STRATEGIES.items() if cls.fits(model))
 
 
@@ -32,10 +49,23 @@ SOURCES = ("live", "master")
 def make_strategy(
     model: nn.Module | Sequence[nn.Module], strategy: str = "auto", source: str = "live", pipeline: Any = None
 ) -> Strategy:
-    """Build the adapter ``strategy`` names (or the detected one for ``"auto"``), averaging the
-    live weights, or with ``source="master"`` a DeepSpeed engine's fp32 masters (ZeRO-1, 2 or 3).
-    With ``pipeline`` (the pipeline's process group or mesh), ``model`` is this rank's stage, or
-    a list of its stages, and the averager covers every stage's tensors (``pipeline.py``)."""
+    """Build the adapter that tells the averager which tensors ``model`` has and where this rank's part is.
+
+    Args:
+        model: The model; with ``pipeline``, this rank's stage or a list of its stages.
+        strategy: An adapter's name, or ``"auto"`` (default) for the one ``detect`` picks.
+        source: ``"live"`` (default) averages the weights the model holds; ``"master"`` a DeepSpeed
+            engine's fp32 masters (ZeRO-1, 2 or 3).
+        pipeline: The pipeline's process group or mesh: the averager then covers every stage's
+            tensors (``pipeline.py``). None (default): no pipeline.
+
+    Returns:
+        The adapter.
+
+    Raises:
+        StrategyError: An unknown ``strategy`` or ``source``, a strategy or ``"master"`` source that
+            does not fit the model, a list of parts without ``pipeline`` or a non-module part.
+    """
     if pipeline is not None:
         parts = list(model) if isinstance(model, (list, tuple)) else [model]
         if not parts or not all(isinstance(part, nn.Module) for part in parts):

@@ -40,37 +40,65 @@ def canonical_name(name: str) -> str:
 
     Whole segments only, wherever they stand (also last, as in the path of an FSDP unit that
     wraps a checkpointed block), as torch's DCP does: ``enc_orig_mod.weight`` is left alone.
+
+    Args:
+        name: A dotted parameter or buffer path, as the wrapped model names it.
+
+    Returns:
+        The path without ``_fsdp_wrapped_module``, ``_checkpoint_wrapped_module`` and ``_orig_mod``.
     """
     return ".".join(segment for segment in name.split(".") if segment not in WRAPPER_SEGMENTS)
 
 
 @dataclass(frozen=True)
 class TensorInfo:
-    """One tensor of the plain model and the part of it this rank holds."""
+    """One tensor of the plain model and the part of it this rank holds.
+
+    Attributes:
+        name: Its canonical name in the plain model.
+        aliases: Other names of the same tensor (tied weights).
+        kind: ``"param"`` or ``"buffer"``.
+        shape: The global shape.
+        dtype: The dtype of its local view (fp32 for DeepSpeed masters).
+        requires_grad: Whether it is a trained parameter (False for buffers).
+        part: What of the global tensor this rank's local view holds.
+        layout: Every rank's part, where the engine's rule tells; None: found by a gather.
+    """
 
     name: str
-    aliases: tuple[str, ...]  # other names of the same tensor (tied weights)
+    aliases: tuple[str, ...]
     kind: TensorKind
-    shape: torch.Size  # global shape
+    shape: torch.Size
     dtype: torch.dtype
     requires_grad: bool
-    part: Part  # what of the global tensor this rank's local view holds
-    layout: TensorLayout | None = None  # every rank's part, where the engine's rule tells (None: gathered)
+    part: Part
+    layout: TensorLayout | None = None
 
     @property
     def numel(self) -> int:
+        """Elements of the global tensor."""
         return self.shape.numel()
 
     @property
     def local_numel(self) -> int:
+        """Elements of this rank's part (and of its local view)."""
         return self.part.numel
 
     @property
     def names(self) -> tuple[str, ...]:
+        """Its name, then its aliases."""
         return (self.name, *self.aliases)
 
 
 def is_deepspeed_engine(model: object) -> bool:
+    """Whether ``model`` is a ``DeepSpeedEngine`` (False, without importing it, when DeepSpeed is not loaded).
+
+    Args:
+        model: Anything.
+
+    Returns:
+        Whether it is a DeepSpeed engine.
+    """
     if "deepspeed" not in sys.modules:
         return False
     from deepspeed.runtime.engine import DeepSpeedEngine
@@ -87,7 +115,14 @@ def _is_compiled(model: object) -> bool:
 
 
 def unwrap(model: nn.Module) -> nn.Module:
-    """Peel DDP, DeepSpeedEngine and torch.compile wrappers off the user's model."""
+    """Peel DDP, DeepSpeedEngine and torch.compile wrappers off the user's model.
+
+    Args:
+        model: The model as the user holds it.
+
+    Returns:
+        The innermost module (FSDP1 units, which live inside the model, are kept).
+    """
     from torch.nn.parallel import DistributedDataParallel
 
     while True:
@@ -100,7 +135,14 @@ def unwrap(model: nn.Module) -> nn.Module:
 
 
 def grouped_by_identity(named: Iterable[tuple[str, torch.Tensor]]) -> list[tuple[list[str], torch.Tensor]]:
-    """Group names that refer to the same tensor object (tied weights), first name first."""
+    """Group names that refer to the same tensor object (tied weights), first name first.
+
+    Args:
+        named: ``(name, tensor)`` pairs, e.g. ``named_parameters(remove_duplicate=False)``.
+
+    Returns:
+        One ``(canonical names, tensor)`` per distinct tensor, in first-seen order.
+    """
     groups: dict[int, tuple[list[str], torch.Tensor]] = {}
     for name, tensor in named:
         groups.setdefault(id(tensor), ([], tensor))[0].append(canonical_name(name))
@@ -113,6 +155,12 @@ def persistent_buffers(module: nn.Module) -> list[tuple[list[str], nn.Module, st
     The owner and name say where to read the buffer again: ``model.to(...)`` replaces buffer
     tensors in their owners' dicts without telling anyone. A buffer is held whole, unless it is a
     DTensor (then read through its local shard, as a parameter).
+
+    Args:
+        module: The plain model.
+
+    Returns:
+        One ``(canonical names, owner module, name in the owner, buffer)`` per distinct buffer.
     """
     found: dict[int, tuple[list[str], nn.Module, str, torch.Tensor]] = {}
     for prefix, owner in module.named_modules(remove_duplicate=False):
@@ -125,14 +173,28 @@ def persistent_buffers(module: nn.Module) -> list[tuple[list[str], nn.Module, st
 
 @functools.lru_cache(maxsize=64)
 def group_grid(group: Any) -> Grid:
-    """A process group's ranks as a 1-d grid (the default group's when ``group`` is None)."""
+    """A process group's ranks as a 1-d grid (cached per group).
+
+    Args:
+        group: A process group; None or ``WORLD`` for the default group.
+
+    Returns:
+        The grid of its global ranks.
+    """
     if group is None or group is dist.group.WORLD:
         return world_grid(world_size())
     return make_grid((dist.get_world_size(group),), dist.get_process_group_ranks(group))
 
 
 def everywhere(shape: Sequence[int]) -> MeshLayout:
-    """The layout of a tensor every rank holds whole (a replica, a buffer)."""
+    """The layout of a tensor every rank holds whole (a replica, a buffer).
+
+    Args:
+        shape: The tensor's shape.
+
+    Returns:
+        A layout replicated over the whole world.
+    """
     return MeshLayout(tuple(shape), world_grid(world_size()), (("replicate",),))
 
 
@@ -143,8 +205,19 @@ def tensor_info(
     part: Part | None = None,
     layout: TensorLayout | None = None,
 ) -> TensorInfo:
-    """Info for ``tensor`` (its global shape and dtype), of which this rank holds ``part`` of
-    ``layout``: by default all of it, as every rank does (replicated parameters, buffers)."""
+    """Info for ``tensor`` (its global shape and dtype) of which this rank holds ``part``.
+
+    Args:
+        names: Its canonical name, then its aliases.
+        tensor: The tensor, of its global shape.
+        kind: ``"param"`` or ``"buffer"`` (only a parameter can require a gradient).
+        part: What of it this rank holds; None (default): all of it, as every rank does
+            (replicated parameters, buffers), with a replicated layout.
+        layout: Every rank's part; used only with ``part``.
+
+    Returns:
+        The info.
+    """
     return TensorInfo(
         name=names[0],
         aliases=tuple(names[1:]),
@@ -158,35 +231,67 @@ def tensor_info(
 
 
 def held_info(names: list[str], tensor: torch.Tensor, kind: TensorKind) -> TensorInfo:
-    """Info for ``tensor`` as this rank holds it: a DTensor's local shard, or the whole tensor."""
+    """Info for ``tensor`` as this rank holds it: a DTensor's local shard, or the whole tensor.
+
+    Args:
+        names: Its canonical name, then its aliases.
+        tensor: A DTensor or a plain tensor.
+        kind: ``"param"`` or ``"buffer"``.
+
+    Returns:
+        The info.
+
+    Raises:
+        StrategyError: A DTensor with a ``Partial`` or unknown placement, or a local shard that does
+            not match its placements.
+    """
     if is_dtensor(tensor):
         return tensor_info(names, tensor, kind, dtensor_part(names[0], tensor, kind), dtensor_layout(tensor))
     return tensor_info(names, tensor, kind)
 
 
 class Strategy(ABC):
-    """What the averager asks of an engine: the tensors, and this rank's local view of each."""
+    """What the averager asks of an engine: the tensors, and this rank's local view of each.
+
+    Attributes:
+        name: The adapter's name, as ``strategy=`` and saved descriptions spell it.
+        swap_gathers: Whether ``swapped()`` must gather the average (a collective): the forward
+            reads whole tensors of which this rank averages a part (ZeRO-1/2 masters).
+        model: What the user passed (its modules are watched for replaced parameters).
+    """
 
     name: ClassVar[str]
-    # Whether ``swapped()`` must gather the average: the forward reads whole tensors of which
-    # this rank averages a part (ZeRO-1/2 masters). It is then a collective.
     swap_gathers: ClassVar[bool] = False
-    model: nn.Module  # what the user passed (its modules are watched for replaced parameters)
+    model: nn.Module
 
     @abstractmethod
     def tensors(self) -> list[TensorInfo]:
         """Scan the model: every tensor of the plain model once, with the part of it this rank holds.
-        ``local_views()`` answers for the latest scan; rescan after the model's structure changed."""
+
+        ``local_views()`` answers for the latest scan; rescan after the model's structure changed.
+
+        Returns:
+            One info per tensor, in the same order on every rank.
+        """
 
     @abstractmethod
     def local_views(self) -> list[torch.Tensor]:
-        """Current local views aligned with the latest ``tensors()``. Called every update: keep it
-        cheap, and return the same tensor objects while the engine keeps its storage (the
-        averager regroups its fused updates whenever a view is a new object)."""
+        """Current local views aligned with the latest ``tensors()``.
+
+        Called every update: keep it cheap, and return the same tensor objects while the engine
+        keeps its storage (the averager regroups its fused updates whenever a view is a new object).
+
+        Returns:
+            One tensor per info, of ``info.local_numel`` elements.
+        """
 
     def swap_views(self) -> list[torch.Tensor]:
-        """What ``swapped()`` writes the average into: the tensors the forward reads. The local
-        views, except where the average is taken from elsewhere (ZeRO-3's fp32 master partitions)."""
+        """What ``swapped()`` writes the average into: the tensors the forward reads.
+
+        Returns:
+            The local views, except where the average is taken from elsewhere (fp32 master
+                partitions): there the live tensors.
+        """
         return self.local_views()
 
     def release_gathered(self) -> None:
@@ -197,8 +302,13 @@ class Strategy(ABC):
 
 
 class ModuleStrategy(Strategy):
-    """An adapter for one model held by one engine: its parameters as the engine holds them
-    (``_scan_params``, ``_param_views``), then its persistent buffers."""
+    """An adapter for one model held by one engine: its parameters as the engine holds them, then its buffers.
+
+    Subclasses say how the engine holds parameters (``fits``, ``_scan_params``, ``_param_views``).
+
+    Args:
+        model: The model as the user passed it (wrappers are peeled off with ``unwrap``).
+    """
 
     def __init__(self, model: nn.Module) -> None:
         self.model = model
@@ -208,7 +318,14 @@ class ModuleStrategy(Strategy):
     @staticmethod
     @abstractmethod
     def fits(model: nn.Module) -> bool:
-        """Whether this adapter understands how ``model`` holds its parameters."""
+        """Whether this adapter understands how ``model`` holds its parameters.
+
+        Args:
+            model: The model as the user passed it.
+
+        Returns:
+            Whether it fits.
+        """
 
     @abstractmethod
     def _scan_params(self) -> list[TensorInfo]:
@@ -219,7 +336,11 @@ class ModuleStrategy(Strategy):
         """The parameters' current local views, in ``_scan_params`` order (see ``local_views``)."""
 
     def tensors(self) -> list[TensorInfo]:
-        """Every parameter, then every persistent buffer (whole, unless a DTensor)."""
+        """Every parameter, then every persistent buffer (whole, unless a DTensor).
+
+        Returns:
+            One info per tensor (see ``Strategy.tensors``).
+        """
         infos = self._scan_params()
         buffers = persistent_buffers(self.module)
         self._buffer_slots = [(owner, name) for _, owner, name, _ in buffers]
@@ -227,6 +348,14 @@ class ModuleStrategy(Strategy):
         return infos
 
     def local_views(self) -> list[torch.Tensor]:
+        """The parameters' local views, then the buffers' (see ``Strategy.local_views``).
+
+        Returns:
+            One tensor per info of the latest ``tensors()``.
+
+        Raises:
+            RuntimeError: Called before ``tensors()``.
+        """
         if self._buffer_slots is None:
             raise RuntimeError(f"{type(self).__name__}.local_views() before tensors(): scan the model first")
         return self._param_views() + [local_view(owner._buffers[name]) for owner, name in self._buffer_slots]

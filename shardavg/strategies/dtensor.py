@@ -28,12 +28,28 @@ KNOWN = (Replicate, Shard, _StridedShard)
 
 
 def is_dtensor(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor`` is a DTensor.
+
+    Args:
+        tensor: A tensor or parameter.
+
+    Returns:
+        Whether it is a DTensor.
+    """
     return isinstance(tensor, DTensor)
 
 
 def local_view(tensor: torch.Tensor) -> torch.Tensor:
-    """The local shard of a DTensor (the same object at every call, unlike ``to_local()``, which
-    makes a new alias each time), or the tensor itself."""
+    """The local shard of a DTensor, or the tensor itself.
+
+    The same object at every call, unlike ``to_local()``, which makes a new alias each time.
+
+    Args:
+        tensor: A DTensor or a plain tensor.
+
+    Returns:
+        Its local shard, or ``tensor``.
+    """
     return tensor._local_tensor if isinstance(tensor, DTensor) else tensor
 
 
@@ -41,12 +57,33 @@ _LOCAL = operator.attrgetter("_local_tensor")
 
 
 def local_views(tensors: list[torch.Tensor], all_dtensors: bool) -> list[torch.Tensor]:
-    """``local_view`` of each, at C speed when every one is a DTensor (read at every update)."""
+    """``local_view`` of each, at C speed when every one is a DTensor (read at every update).
+
+    Args:
+        tensors: Tensors, DTensors or not.
+        all_dtensors: Whether every one is a DTensor (the caller knows it from its scan).
+
+    Returns:
+        Their local views, in order.
+    """
     return list(map(_LOCAL, tensors)) if all_dtensors else [local_view(tensor) for tensor in tensors]
 
 
 def dtensor_part(name: str, tensor: DTensor, kind: str) -> Part:
-    """The part of the DTensor parameter or buffer ``name`` that this rank's local shard holds."""
+    """The part of the DTensor parameter or buffer ``name`` that this rank's local shard holds.
+
+    Args:
+        name: Its name, for error messages.
+        tensor: The DTensor.
+        kind: ``"param"`` or ``"buffer"``, for error messages.
+
+    Returns:
+        The part (uneven and empty shards included).
+
+    Raises:
+        StrategyError: A ``Partial`` or unknown placement, or a local shard whose shape does not
+            match its placements.
+    """
     for placement in tensor.placements:
         if placement.is_partial():
             raise StrategyError(
@@ -72,8 +109,16 @@ def dtensor_part(name: str, tensor: DTensor, kind: str) -> Part:
 
 
 def dtensor_layout(tensor: DTensor) -> MeshLayout:
-    """The rule every rank's part of ``tensor`` follows: its placements on its mesh's grid of ranks
-    (checked against ``dtensor_part`` on each rank when the layout is built)."""
+    """The rule every rank's part of ``tensor`` follows: its placements on its mesh's grid of ranks.
+
+    Checked against ``dtensor_part`` on each rank when the layout is built.
+
+    Args:
+        tensor: The DTensor.
+
+    Returns:
+        Its layout.
+    """
     ndim = len(tensor.shape)
     grid, copies = grid_of(tensor.device_mesh)
     placements = [("replicate",)] if copies else []
@@ -89,10 +134,18 @@ def dtensor_layout(tensor: DTensor) -> MeshLayout:
 
 @functools.lru_cache(maxsize=64)
 def grid_of(mesh) -> tuple[Grid, bool]:
-    """A device mesh's ranks as a grid, shared by its tensors' layouts, and whether it has a
-    leading dim of copies: a sub-mesh (``mesh["dp"]``) is one of several alike, one per index of
-    the other dims of its root mesh, and the grid holds them all (so every rank describes a
-    tensor on its own copy the same way), as DeviceMesh's own layout of the copies says."""
+    """A device mesh's ranks as a grid, shared by its tensors' layouts (cached per mesh).
+
+    A sub-mesh (``mesh["dp"]``) is one of several alike, one per index of the other dims of its
+    root mesh, and the grid holds them all (so every rank describes a tensor on its own copy the
+    same way), as DeviceMesh's own layout of the copies says.
+
+    Args:
+        mesh: A device mesh.
+
+    Returns:
+        The grid, and whether it has a leading dim of copies.
+    """
     layout, rank_map = getattr(mesh, "_layout", None), getattr(mesh, "_rank_map", None)
     full = mesh.mesh.unsqueeze(0) if layout is None or rank_map is None else layout.remap_to_tensor(rank_map)
     if full.shape[0] == 1:

@@ -34,11 +34,25 @@ def _offsets(flat: torch.Tensor) -> list[int]:
 
 
 class FSDP1(ModuleStrategy):
+    """FSDP1 units: each parameter's local view is its slice of this rank's flat-parameter chunk.
+
+    Args:
+        model: A model holding ``FullyShardedDataParallel`` units.
+    """
+
     name = "fsdp1"
     _views_key: list | None = None  # what the cached views were sliced from
 
     @staticmethod
     def fits(model: nn.Module) -> bool:
+        """Whether ``model`` holds an FSDP1 unit.
+
+        Args:
+            model: The model as the user passed it.
+
+        Returns:
+            Whether any of its modules is ``FullyShardedDataParallel``.
+        """
         return any(isinstance(module, FSDP) for module in model.modules())
 
     def _units(self) -> list[tuple[str, FSDP]]:
@@ -114,6 +128,7 @@ class FSDP1(ModuleStrategy):
         return self._views
 
     def release_gathered(self) -> None:
+        """Free the unsharded flat parameters the root and ``SHARD_GRAD_OP`` units keep after a forward."""
         from torch.distributed.fsdp._runtime_utils import _reshard
 
         for _, unit in self._units():

@@ -17,10 +17,24 @@ from .dtensor import is_dtensor, local_views
 
 
 class FSDP2(ModuleStrategy):
+    """DTensor parameters, read through their local shards; other parameters held whole.
+
+    Args:
+        model: A model with DTensor parameters (``fully_shard``, tensor or expert parallel).
+    """
+
     name = "fsdp2"
 
     @staticmethod
     def fits(model: nn.Module) -> bool:
+        """Whether ``model`` has a DTensor parameter.
+
+        Args:
+            model: The model as the user passed it.
+
+        Returns:
+            Whether any parameter is a DTensor.
+        """
         return any(is_dtensor(p) for p in model.parameters())
 
     def _scan_params(self) -> list[TensorInfo]:
@@ -37,6 +51,7 @@ class FSDP2(ModuleStrategy):
         return local_views(self._params, self._all_dtensors)
 
     def release_gathered(self) -> None:
+        """Reshard every ``fully_shard`` module (the root keeps its unsharded parameters after a forward)."""
         from torch.distributed.fsdp import FSDPModule
 
         for module in self.module.modules():

@@ -41,6 +41,14 @@ from .base import Strategy, TensorInfo
 
 
 class Pipeline(Strategy):
+    """The adapters of this rank's stages, listing every other stage's tensors as empty placeholders.
+
+    Args:
+        parts: One adapter per model part this rank holds (its stage, or its stages under an
+            interleaved schedule).
+        group: The pipeline's process group or device mesh, as ``PipelineStage`` gets it.
+    """
+
     def __init__(self, parts: Sequence[Strategy], group: Any) -> None:
         self.parts = list(parts)
         self.name = self.parts[0].name  # type: ignore[misc]
@@ -51,7 +59,17 @@ class Pipeline(Strategy):
 
     def tensors(self) -> list[TensorInfo]:
         """This rank's tensors, every other stage's as a placeholder, in one order on every rank.
-        A collective the first time (when the averager is built)."""
+
+        A collective the first time (when the averager is built).
+
+        Returns:
+            One info per tensor of the whole model.
+
+        Raises:
+            LayoutError: This rank's parts list a tensor twice, or ranks disagree on the stages'
+                tensors (first call).
+            ModelChangedError: This rank holds a tensor no stage held when the averager was built.
+        """
         own = [info for part in self.parts for info in part.tensors()]
         counted = Counter(name for info in own for name in info.names)
         twice = sorted(name for name, count in counted.items() if count > 1)
@@ -142,9 +160,25 @@ class Pipeline(Strategy):
         raise LayoutError("ranks at the same place of their pipelines shard their stage differently")
 
     def local_views(self) -> list[torch.Tensor]:
+        """This rank's parts' local views in ``tensors()`` order, an empty tensor for each placeholder.
+
+        Returns:
+            One tensor per info of the latest ``tensors()``.
+
+        Raises:
+            RuntimeError: Called before ``tensors()``.
+        """
         return self._arranged([view for part in self.parts for view in part.local_views()])
 
     def swap_views(self) -> list[torch.Tensor]:
+        """This rank's parts' swap views in ``tensors()`` order, an empty tensor for each placeholder.
+
+        Returns:
+            One tensor per info of the latest ``tensors()``.
+
+        Raises:
+            RuntimeError: Called before ``tensors()``.
+        """
         return self._arranged([view for part in self.parts for view in part.swap_views()])
 
     def _arranged(self, own: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -154,6 +188,7 @@ class Pipeline(Strategy):
         return [self._empty[name] if slot is None else own[slot] for (name, _), slot in zip(self._order, self._slots)]
 
     def release_gathered(self) -> None:
+        """Release what each of this rank's parts keeps gathered."""
         for part in self.parts:
             part.release_gathered()
 

@@ -16,10 +16,24 @@ from .zero3 import Zero3
 
 
 class Replicated(ModuleStrategy):
+    """Every tensor whole on every rank; the local view is the tensor itself.
+
+    Args:
+        model: A plain module, a DDP module or a DeepSpeed ZeRO-0/1/2 engine.
+    """
+
     name = "replicated"
 
     @staticmethod
     def fits(model: nn.Module) -> bool:
+        """Whether no sharded adapter (ZeRO-3, FSDP1, FSDP2) fits ``model``.
+
+        Args:
+            model: The model as the user passed it.
+
+        Returns:
+            Whether its tensors are held whole.
+        """
         return not any(sharded.fits(model) for sharded in (Zero3, FSDP1, FSDP2))
 
     def _scan_params(self) -> list[TensorInfo]:

@@ -27,11 +27,25 @@ from .base import ModuleStrategy, TensorInfo, group_grid, grouped_by_identity, i
 
 
 class Zero12Master(ModuleStrategy):
+    """The fp32 master fragments of a DeepSpeed ZeRO-1/2 engine (``source="master"``).
+
+    Args:
+        model: The ``DeepSpeedEngine`` (stage 1 or 2) that ``deepspeed.initialize`` returned.
+    """
+
     name = "zero12"
     swap_gathers = True
 
     @staticmethod
     def fits(model: nn.Module) -> bool:
+        """Whether ``model`` is a DeepSpeed engine at ZeRO stage 1 or 2.
+
+        Args:
+            model: The model as the user passed it.
+
+        Returns:
+            Whether it is such an engine.
+        """
         return is_deepspeed_engine(model) and model.zero_optimization_stage() in (1, 2)
 
     def __init__(self, model: nn.Module) -> None:
@@ -87,4 +101,9 @@ class Zero12Master(ModuleStrategy):
         return mapping.hp_fragment.detach()
 
     def swap_views(self) -> list[torch.Tensor]:
+        """The whole live parameters (the forward reads them), then the buffers.
+
+        Returns:
+            One tensor per info of the latest ``tensors()``.
+        """
         return [param.detach() for param in self._params] + self.local_views()[len(self._params) :]

@@ -45,10 +45,18 @@ def _partition_info(names: list[str], param: torch.Tensor, master: bool) -> Tens
 
 
 class Zero3(ModuleStrategy):
-    """With ``master=True`` the local views of trained parameters are the optimizer's fp32 master
-    partitions (``safe_get_local_fp32_param``), so a bf16/fp16 run is averaged before rounding;
-    ``swapped()`` still writes the live partitions, which the forward reads. Frozen parameters
-    have no master and are read live."""
+    """DeepSpeed ZeRO-3: each parameter's local view is the real head of its ``ds_tensor`` partition.
+
+    Args:
+        model: A ZeRO-3 ``DeepSpeedEngine``, or a module partitioned by ``deepspeed.zero.Init``.
+        master: Read trained parameters from the optimizer's fp32 master partitions
+            (``safe_get_local_fp32_param``), so a bf16/fp16 run is averaged before rounding;
+            ``swapped()`` still writes the live partitions, which the forward reads. Frozen
+            parameters have no master and are read live. Default False.
+
+    Raises:
+        StrategyError: ``master=True`` without a ZeRO-3 engine whose optimizer is built.
+    """
 
     name = "zero3"
     _views_key: list | None = None  # what the cached views were sliced from
@@ -68,6 +76,14 @@ class Zero3(ModuleStrategy):
 
     @staticmethod
     def fits(model: nn.Module) -> bool:
+        """Whether ``model`` is a ZeRO-3 engine or has parameters partitioned by ZeRO-3.
+
+        Args:
+            model: The model as the user passed it.
+
+        Returns:
+            Whether it is held the ZeRO-3 way.
+        """
         if is_deepspeed_engine(model):
             return model.zero_optimization_stage() == 3
         return any(hasattr(p, "ds_id") for p in unwrap(model).parameters())
@@ -94,6 +110,11 @@ class Zero3(ModuleStrategy):
         return self._masters
 
     def swap_views(self) -> list[torch.Tensor]:
+        """The live partitions (the forward reads them, also with ``master=True``), then the buffers.
+
+        Returns:
+            One tensor per info of the latest ``tensors()``.
+        """
         return self._live_views() + self.local_views()[len(self._params) :]
 
     def _live_views(self) -> list[torch.Tensor]:
@@ -104,6 +125,7 @@ class Zero3(ModuleStrategy):
         return self._views
 
     def release_gathered(self) -> None:
+        """Partition again the parameters ZeRO-3 keeps gathered (e.g. persistent small ones)."""
         from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
 
         available = [p for p in self._params if p.ds_status == ZeroParamStatus.AVAILABLE]

@@ -1,6 +1,6 @@
 """The documentation's table of main-job results, written from the runs' own ``summary.json``.
 
-    python launch/tables.py runs/ddp runs/fsdp1 runs/fsdp2 ... > docs/tables/main-job-engines.md
+    python -m tools.tables runs/ddp runs/fsdp1 runs/fsdp2 ... > docs/tables/main-job-engines.md
 
 One row per run folder, in the order given: the config, its held-out losses (raw and each kept
 average), the best post-hoc sigma_rel and its loss, the wall time, the tokens per second in

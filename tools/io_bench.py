@@ -1,6 +1,6 @@
 """Export and merge against the storage's own speed, on one model of ``--gb`` GB, at 1, 2 and 4 ranks.
 
-    python launch/io_bench.py --dir /tmp/io-bench [--gb 1.0] [--ranks 1 2 4]
+    python -m tools.io_bench --dir /tmp/io-bench [--gb 1.0] [--ranks 1 2 4]
 
 For each world size W it launches torchrun with W processes, which shard an fp32 model of
 ``--gb`` GB with FSDP2, keep an EMA of it, and time, each step with the ranks aligned:

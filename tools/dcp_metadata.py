@@ -1,7 +1,7 @@
 """What describing the averager costs on disk: DCP's ``.metadata`` against ``avg.save``'s manifest.
 
-    torchrun --nproc_per_node 2 launch/dcp_metadata.py --layers 60
-    torchrun --nproc_per_node 4 launch/dcp_metadata.py --layers 60
+    torchrun --nproc_per_node 2 -m tools.dcp_metadata --layers 60
+    torchrun --nproc_per_node 4 -m tools.dcp_metadata --layers 60
 
 An FSDP2 model and its averager are saved together with ``dcp.save`` and the averager alone with
 ``avg.save``. DCP's metadata lists every chunk of every tensor (tensors x ranks under FSDP2):

@@ -1,6 +1,6 @@
 """What ``shardavg merge`` holds in memory, against the number of checkpoints it averages.
 
-    python launch/merge_memory.py [--model-mb 200] [--counts 1 2 4 8] [--dir /tmp/merge-memory]
+    python -m tools.merge_memory [--model-mb 200] [--counts 1 2 4 8] [--dir /tmp/merge-memory]
 
 Writes 8 Hugging Face safetensors checkpoints of a model of ``--model-mb`` MB (fp32 tensors of a
 transformer's shapes, the largest an embedding), then merges the first N of them for each N of

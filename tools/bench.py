@@ -1,7 +1,7 @@
 """shardavg's update side by side with the ways people average a sharded model today.
 
-    torchrun --nproc_per_node 2 launch/bench.py --config configs/bench.yaml [--json bench.json]
-    torchrun --nproc_per_node 4 launch/bench.py --config configs/bench.yaml --set "engines=[fsdp2_tp]"
+    torchrun --nproc_per_node 2 -m tools.bench --config configs/bench.yaml [--json bench.json]
+    torchrun --nproc_per_node 4 -m tools.bench --config configs/bench.yaml --set "engines=[fsdp2_tp]"
 
 For each engine, model shape and live dtype it times, on the slowest rank after warm-up:
 ``ours`` (``WeightAverager.update()``, with the non-finite check and with ``on_nonfinite="off"``),
@@ -39,14 +39,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-import config as configs  # noqa: E402
-import engines  # noqa: E402
-from measure import CommCounter, allocated_peak, copy_bandwidth, interleaved_ms  # noqa: E402
-
-from shardavg import EMA, SWA, WeightAverager  # noqa: E402
-from shardavg.strategies import canonical_name  # noqa: E402
+from launch import config as configs
+from launch import engines
+from shardavg import EMA, SWA, WeightAverager
+from shardavg.strategies import canonical_name
+from tools.measure import CommCounter, allocated_peak, copy_bandwidth, interleaved_ms
 
 log = logging.getLogger("bench")
 

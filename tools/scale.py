@@ -4,15 +4,15 @@ A sweep simulates one rank of a job of W ranks in one process with PyTorch's fak
 (collectives return without data: an all-gather leaves every slot holding this rank's value),
 in a fresh subprocess per (model, engine, W, rank), one at a time, so that no memory carries over::
 
-    python launch/scale.py --json scale.jsonl --plot scale.png      # 2 models x 4 engines x W in 8..4096
-    python launch/scale.py --json scale.jsonl --plot scale.png --resume   # after an interruption
-    python launch/scale.py --models dense --engines fsdp2 --worlds 8 4096 --scale-down auto
+    python -m tools.scale --json scale.jsonl --plot scale.png      # 2 models x 4 engines x W in 8..4096
+    python -m tools.scale --json scale.jsonl --plot scale.png --resume   # after an interruption
+    python -m tools.scale --models dense --engines fsdp2 --worlds 8 4096 --scale-down auto
 
 and the same measurement under real ``torchrun`` with gloo, to check the simulation against::
 
-    torchrun --nproc_per_node 2 launch/scale.py --real --models dense --json real.jsonl
-    torchrun --nproc_per_node 4 launch/scale.py --real --models dense --json real.jsonl
-    python launch/scale.py --models dense --worlds 2 4 --scale-down 64 --json real.jsonl  # simulated, beside
+    torchrun --nproc_per_node 2 -m tools.scale --real --models dense --json real.jsonl
+    torchrun --nproc_per_node 4 -m tools.scale --real --models dense --json real.jsonl
+    python -m tools.scale --models dense --worlds 2 4 --scale-down 64 --json real.jsonl  # simulated, beside
 
 Models (Hugging Face names and shapes, built on the meta device, sharded, then materialised):
 ``dense`` is Llama-3-70B (80 layers x 9 tensors + 3: 723 tensors), ``moe`` DeepSeek-V3 with unfused
