@@ -23,7 +23,7 @@ from typing import Any, NoReturn
 from . import provenance
 from .errors import CheckpointError
 from .export import export_metadata, write_model
-from .format import DCP_METADATA, MANIFEST, Description, TensorEntry
+from .format import DCP_METADATA, MANIFEST, WEIGHTS_FILE, WEIGHTS_INDEX, Description, TensorEntry
 from .logs import log
 from .offline import SavedAverage
 from .provenance import made_by, of_input
@@ -251,7 +251,7 @@ def _inspect(saved: SavedAverage, verify: bool) -> str:
 
 def _model_folder(path: Path) -> bool:
     """A folder of safetensors weights (an export, a merge), not a checkpoint."""
-    has_weights = (path / "model.safetensors").is_file() or (path / "model.safetensors.index.json").is_file()
+    has_weights = (path / WEIGHTS_FILE).is_file() or (path / WEIGHTS_INDEX).is_file()
     return path.is_dir() and has_weights and not (path / MANIFEST).exists() and not (path / DCP_METADATA).exists()
 
 

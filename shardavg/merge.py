@@ -33,12 +33,12 @@ from .checkpoint import save_whole
 from .dist import agree_or_raise, all_gathered, distributed, rank, same_everywhere, world_size
 from .errors import CheckpointError
 from .export import cast, cast_dtype, parse_size, write_spread
-from .format import DescribedAverage, Description, TensorEntry
+from .format import WEIGHTS_FILE, WEIGHTS_INDEX, DescribedAverage, Description, TensorEntry
 from .logs import log
 from .model_folder import CONFIG, NOT_CARRIED, carried_files, check_tokenizers, files_dtype, write_config
 from .offline import PLAIN_NAME, Rows, slab_shape
 from .options import Options
-from .ownership import INDEX_FILE, LOCK_FILE, export_files, target_path
+from .ownership import LOCK_FILE, export_files, target_path
 from .provenance import FILE as PROVENANCE
 from .provenance import made_by, of_input
 from .rules import SWA
@@ -347,10 +347,10 @@ def _check_out(out: str | os.PathLike, inputs: list[Path], output: Output) -> No
 def carried_before(out: Path) -> set[str]:
     """The files an earlier merge into ``out`` carried there, as its weights' metadata records them."""
     try:
-        if (out / INDEX_FILE).is_file():
-            recorded = json.loads((out / INDEX_FILE).read_text())["metadata"]["shardavg"]
+        if (out / WEIGHTS_INDEX).is_file():
+            recorded = json.loads((out / WEIGHTS_INDEX).read_text())["metadata"]["shardavg"]
         else:
-            recorded = safetensors_metadata(out / "model.safetensors")["shardavg"]
+            recorded = safetensors_metadata(out / WEIGHTS_FILE)["shardavg"]
         carried = json.loads(recorded).get("carried", [])
     except (OSError, ValueError, KeyError, TypeError, AttributeError, CheckpointError):
         return set()

@@ -22,10 +22,9 @@ from typing import Any
 import torch
 
 from .errors import CheckpointError
+from .format import WEIGHTS_FILE, WEIGHTS_INDEX
 from .storage import SafetensorsFile, atomic_file, dtype_name
 
-WEIGHTS_FILE = "model.safetensors"
-WEIGHTS_INDEX = "model.safetensors.index.json"
 CONFIG = "config.json"
 # Files a merge does not carry: weights of any kind, adapters, hidden files, training state (a
 # Trainer's, DeepSpeed's, the main job's) and the model card (it describes the model merged from).

@@ -30,12 +30,11 @@ from pathlib import Path
 from typing import Any
 
 from .errors import CheckpointError
-from .format import CHECKPOINT_FILE, MANIFEST
+from .format import CHECKPOINT_FILE, MANIFEST, WEIGHTS_INDEX
 from .storage import INCOMPLETE, safetensors_metadata
 
 STAGING_MARKER = ".shardavg-staging"
 EXPORT_FILE = re.compile(r"^(model\.safetensors|model-\d{5}-of-\d{5}\.safetensors|model\.safetensors\.index\.json)$")
-INDEX_FILE = "model.safetensors.index.json"
 LOCK_FILE = ".shardavg.lock"  # a writer's lock inside the folder it writes
 
 
@@ -94,7 +93,7 @@ def is_own_staging(path: Path) -> bool:
 def is_own_export_file(path: Path) -> bool:
     """An exported weight file or index that carries shardavg's metadata."""
     try:
-        if path.name == INDEX_FILE:
+        if path.name == WEIGHTS_INDEX:
             index = json.loads(path.read_text())
             metadata = index.get("metadata") if isinstance(index, dict) else None
             return isinstance(metadata, dict) and "shardavg" in metadata

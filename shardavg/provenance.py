@@ -23,11 +23,11 @@ from typing import Any
 import torch
 
 from .errors import ExportError
-from .format import DCP_METADATA, MANIFEST
+from .format import DCP_METADATA, MANIFEST, WEIGHTS_FILE, WEIGHTS_INDEX
 from .storage import atomic_file
 
 FILE = "provenance.json"
-MANIFESTS = (MANIFEST, DCP_METADATA, "model.safetensors.index.json")
+MANIFESTS = (MANIFEST, DCP_METADATA, WEIGHTS_INDEX)
 
 
 def made_by(what: str, world: int, **details: Any) -> dict[str, Any]:
@@ -70,7 +70,7 @@ def manifest_sha256(path: Path) -> str | None:
     for name in MANIFESTS:
         if (folder / name).is_file():
             return hashlib.sha256((folder / name).read_bytes()).hexdigest()
-    single = path if path.is_file() else folder / "model.safetensors"
+    single = path if path.is_file() else folder / WEIGHTS_FILE
     if single.is_file():
         with open(single, "rb") as handle:
             length = struct.unpack("<Q", handle.read(8))[0]

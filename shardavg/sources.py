@@ -26,7 +26,7 @@ from typing import Any
 import torch
 
 from .errors import CheckpointError
-from .format import DCP_METADATA, MANIFEST, STEP_DIR, STEP_NAME
+from .format import DCP_METADATA, MANIFEST, STEP_DIR, STEP_NAME, WEIGHTS_FILE
 from .model_folder import weights_of
 from .offline import PLAIN_NAME, DcpFolder, Rows, SavedAverage, check_dcp_items, slab_shape
 from .storage import SafetensorsFile
@@ -377,6 +377,6 @@ def finished_checkpoints(run: str | Path) -> list[tuple[int, Path]]:
 def _finished(folder: Path, main_job: bool) -> bool:
     if main_job:
         return (folder / RUN_MARKER).is_file()
-    return any((folder / name).is_file() for name in (MANIFEST, DCP_METADATA, "model.safetensors")) or any(
+    return any((folder / name).is_file() for name in (MANIFEST, DCP_METADATA, WEIGHTS_FILE)) or any(
         folder.glob("*.safetensors.index.json")
     )

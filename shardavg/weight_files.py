@@ -27,8 +27,8 @@ from pathlib import Path
 import torch
 
 from .errors import CheckpointError, ExportError
-from .format import DCP_METADATA, MANIFEST
-from .ownership import INDEX_FILE, enclosing_checkpoint, export_files
+from .format import DCP_METADATA, MANIFEST, WEIGHTS_FILE, WEIGHTS_INDEX
+from .ownership import enclosing_checkpoint, export_files
 from .provenance import check_replaceable
 from .storage import (
     Entry,
@@ -40,8 +40,6 @@ from .storage import (
     safetensors_header,
     staging_path,
 )
-
-SINGLE_FILE = "model.safetensors"
 
 
 def plan_files(entries: list[Entry], max_bytes: int) -> list[list[Entry]]:
@@ -72,7 +70,7 @@ class WeightPlan:
     def __init__(self, entries: list[Entry], max_bytes: int, metadata: dict[str, str]) -> None:
         files = plan_files(entries, max_bytes)
         self.names = (
-            [SINGLE_FILE]
+            [WEIGHTS_FILE]
             if len(files) == 1
             else [f"model-{k:05d}-of-{len(files):05d}.safetensors" for k in range(1, len(files) + 1)]
         )
@@ -250,9 +248,9 @@ def commit(directory: Path, plan: WeightPlan, previous: dict[str, bool]) -> None
     for name in plan.names:
         commit_file(directory / name)
     if plan.index is not None:
-        with atomic_file(directory / INDEX_FILE) as handle:
+        with atomic_file(directory / WEIGHTS_INDEX) as handle:
             handle.write(json.dumps(plan.index, indent=1).encode())
-    for stale in set(previous) - set(plan.names) - ({INDEX_FILE} if plan.index is not None else set()):
+    for stale in set(previous) - set(plan.names) - ({WEIGHTS_INDEX} if plan.index is not None else set()):
         (directory / stale).unlink(missing_ok=True)
     fsync_dir(directory)
 
