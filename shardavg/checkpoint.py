@@ -25,7 +25,6 @@ import secrets
 import shutil
 import warnings
 from collections.abc import Iterable
-from dataclasses import replace
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -72,7 +71,6 @@ from .storage import (
     SafetensorsFile,
     atomic_file,
     commit_directory,
-    dtype_name,
     replaced_path,
     staging_path,
     write_safetensors,
@@ -320,12 +318,7 @@ def save(
 
         if me == 0:
             try:
-                description = state.describe()
-                if dtype is not None:  # the averaged tensors as stored
-                    description.tensors = tuple(
-                        replace(entry, dtype=dtype_name(dtype)) if entry.role == "average" else entry
-                        for entry in description.tensors
-                    )
+                description = state.describe(stored_dtype=dtype)
                 _commit(manifest_json(description, state.layout.layouts, digests, sequence, save_id), target)
             except Exception as caught:
                 error = caught

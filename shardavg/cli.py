@@ -20,6 +20,8 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any, NoReturn
 
+import torch
+
 from . import provenance
 from .errors import CheckpointError
 from .export import export_metadata, write_model
@@ -215,9 +217,14 @@ def _posthoc(args: argparse.Namespace) -> str:
     description, tensors = synthesized_tensors(args.snapshots, gamma, args.step)
     dtype = None if args.dtype is None else DTYPES[args.dtype]
     entries = [replace(e, dtype=dtype_name(synthesized_dtype(e))) for e in description.tensors]
-    values = (full for _, full in tensors)
+
+    def values() -> Iterator[torch.Tensor]:
+        for _, full in tensors:
+            yield full
+            del full  # before the next tensor is synthesized
+
     metadata = {"format": "pt", "shardavg": json.dumps({"posthoc": {"sigma_rel": args.sigma_rel, "step": args.step}})}
-    path = write_model(args.out, entries, values, metadata, args.max_shard_size, dtype, description.provenance)
+    path = write_model(args.out, entries, values(), metadata, args.max_shard_size, dtype, description.provenance)
     written = sum(len(entry.names) for entry in entries)
     return f"wrote the post-hoc EMA of sigma_rel {args.sigma_rel} ({written} tensors) to {path}"
 

@@ -29,7 +29,7 @@ import json
 import math
 import re
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any, Literal, get_args
 
 import torch
@@ -157,7 +157,7 @@ class DescribedAverage:
     rule: dict[str, Any]
 
 
-@dataclass
+@dataclass(frozen=True)
 class Description:
     """What a saved averager is, everything but the tensors' values: counters, averages, options
     and one entry per tensor. A manifest (``avg.save``) adds its files, their digests, its save's
@@ -217,24 +217,7 @@ class Description:
         """Refuse anything that is not a complete, well-typed description written by a shardavg
         (``where`` names its origin in the message); older versions' one ``"rule"`` becomes one
         unnamed average."""
-        meta = _checked_description(meta, where)
-        return cls(
-            step=meta["step"],
-            num_updates=meta["num_updates"],
-            num_skipped=meta.get("num_skipped", 0),
-            averages=tuple(DescribedAverage(a["name"], a["rule"]) for a in meta["averages"]),
-            tensors=tuple(
-                TensorEntry(t["name"], tuple(t["aliases"]), t["kind"], t["role"], tuple(t["shape"]), t["dtype"])
-                for t in meta["tensors"]
-            ),
-            strategy=meta.get("strategy"),
-            world_size=meta.get("world_size"),
-            options=meta.get("options"),
-            run=meta.get("run"),
-            provenance=meta["provenance"] if isinstance(meta.get("provenance"), dict) else None,
-            version=meta["version"],
-            checksum=meta.get(CHECKSUM),
-        )
+        return _typed(_checked_description(meta, where))
 
 
 def invalid(where: str, what: str) -> CheckpointError:
@@ -365,6 +348,30 @@ def _checked_description(meta: Any, where: str) -> dict[str, Any]:
     return meta
 
 
+def _typed(meta: dict[str, Any], layouts: Sequence[TensorLayout | None] = (), **manifest: Any) -> Description:
+    """A checked description's JSON as typed values, each entry with its layout from ``layouts``
+    and the ``manifest``'s fields (a manifest's, parsed by ``parse_manifest``)."""
+    layouts = layouts or [None] * len(meta["tensors"])
+    return Description(
+        step=meta["step"],
+        num_updates=meta["num_updates"],
+        num_skipped=meta.get("num_skipped", 0),
+        averages=tuple(DescribedAverage(a["name"], a["rule"]) for a in meta["averages"]),
+        tensors=tuple(
+            TensorEntry(t["name"], tuple(t["aliases"]), t["kind"], t["role"], tuple(t["shape"]), t["dtype"], layout)
+            for t, layout in zip(meta["tensors"], layouts)
+        ),
+        strategy=meta.get("strategy"),
+        world_size=meta.get("world_size"),
+        options=meta.get("options"),
+        run=meta.get("run"),
+        provenance=meta["provenance"] if isinstance(meta.get("provenance"), dict) else None,
+        version=meta["version"],
+        checksum=meta.get(CHECKSUM),
+        **manifest,
+    )
+
+
 def encode_description(description: Description) -> str:
     """The description as a JSON string, as DCP stores it: a plain ``str`` through ``torch.save``,
     which the offline reader loads back with ``weights_only=True`` (no Python objects)."""
@@ -433,8 +440,8 @@ def parse_manifest(raw: bytes, where: str) -> Description:
         meta = json.loads(raw)
     except (UnicodeDecodeError, ValueError, RecursionError) as error:
         raise CheckpointError(f"cannot read {where}: {error}") from error
-    description = Description.from_json(meta, where)
-    version = description.version
+    meta = _checked_description(meta, where)
+    version = meta["version"]
     if version >= 2 and "sequence" not in meta:
         raise invalid(where, "lacks 'sequence'")
     files, digests = _files(meta, where) if version >= 6 else (meta.get("files"), meta.get("digests"))
@@ -446,19 +453,17 @@ def parse_manifest(raw: bytes, where: str) -> Description:
         _check_digests(meta.get("save_id"), digests, len(files), where)
     grids = _grids(meta, len(files), where) if version >= 6 else []
     layouts = []
-    for raw_entry, entry in zip(meta["tensors"], description.tensors):
-        if version >= 6 and "layout" in raw_entry:
-            layouts.append(_layout(raw_entry["layout"], entry, grids, where))
+    for entry in meta["tensors"]:
+        name, shape = entry["name"], tuple(entry["shape"])
+        if version >= 6 and "layout" in entry:
+            layouts.append(_layout(entry["layout"], name, shape, grids, where))
         else:
-            chunks = _chunks(raw_entry.get("chunks"), entry, len(files), version, where)
-            layouts.append(_listed(entry.shape, chunks, len(files)))
-    description.tensors = tuple(replace(entry, layout=layout) for entry, layout in zip(description.tensors, layouts))
-    description.files = tuple(files)
-    description.sequence = meta.get("sequence")
+            chunks = _chunks(entry.get("chunks"), name, shape, len(files), version, where)
+            layouts.append(_listed(shape, chunks, len(files)))
+    saved = {}  # since version 4: the save's id and each file's size and hash
     if version >= 4:
-        description.save_id = meta["save_id"]
-        description.digests = tuple(FileDigest(d["bytes"], d["sha256"]) for d in digests)
-    return description
+        saved = {"save_id": meta["save_id"], "digests": tuple(FileDigest(d["bytes"], d["sha256"]) for d in digests)}
+    return _typed(meta, layouts, files=tuple(files), sequence=meta.get("sequence"), **saved)
 
 
 def _files(meta: dict[str, Any], where: str) -> tuple[list[str], list[dict[str, Any]]]:
@@ -515,10 +520,10 @@ def _grids(meta: dict[str, Any], files: int, where: str) -> list[Grid]:
     return parsed
 
 
-def _layout(value: Any, entry: TensorEntry, grids: list[Grid], where: str) -> TensorLayout:
+def _layout(value: Any, name: str, shape: tuple[int, ...], grids: list[Grid], where: str) -> TensorLayout:
     """A tensor's layout from its JSON form, checked: a known grid, a placement per grid dim (or a
     flat partition along one), and owned parts that tile the tensor."""
-    ndim, name = len(entry.shape), entry.name
+    ndim = len(shape)
     grid = value.get("grid") if isinstance(value, dict) else None
     if not (is_count(grid) and grid < len(grids)) or set(value) - {"grid", "placements", "flat"}:
         raise invalid(where, f"tensor {name!r} has a malformed layout: {str(value)[:200]}")
@@ -535,7 +540,7 @@ def _layout(value: Any, entry: TensorEntry, grids: list[Grid], where: str) -> Te
         isinstance(placements, list) and len(placements) == dims and all(_placement(p, ndim) for p in placements)
     ):
         raise invalid(where, f"tensor {name!r} has malformed placements for a {dims}-d grid: {str(placements)[:200]}")
-    layout = layout_from_json(value, list(entry.shape), grids)
+    layout = layout_from_json(value, list(shape), grids)
     try:
         layout.check(name)
     except LayoutError as error:
@@ -576,11 +581,10 @@ def _well_formed(chunk: Any, shape: tuple[int, ...], files: int, version: int) -
     )
 
 
-def _chunks(table: Any, entry: TensorEntry, files: int, version: int, where: str) -> list[Chunk]:
+def _chunks(table: Any, name: str, shape: tuple[int, ...], files: int, version: int, where: str) -> list[Chunk]:
     """A tensor's chunk table, checked: each chunk within the tensor, tiling it exactly, and each
     file's boxes back to back from its element 0. Before version 5 a chunk was a flat range
     ``{file, start, end}``: it is read as the boxes of that range."""
-    shape, name = entry.shape, entry.name
     if not isinstance(table, list) or not all(_well_formed(c, shape, files, version) for c in table):
         raise invalid(where, f"tensor {name!r} has a malformed chunk table: {str(table)[:200]}")
     if version < 5:

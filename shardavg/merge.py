@@ -665,14 +665,19 @@ def _description(sources: list[Source], shares: list[float], plan: list[Planned]
         num_skipped=0,
         averages=(DescribedAverage(None, rule),),
         tensors=tuple(
-            TensorEntry(planned.names[0], planned.names[1:], *kind_and_role(planned.names[0], spec), spec.shape,
-                        dtype_name(spec.dtype))
+            TensorEntry(
+                planned.names[0],
+                planned.names[1:],
+                *kind_and_role(planned.names[0], spec),
+                spec.shape,
+                dtype_name(spec.dtype),
+            )
             for planned, spec in zip(plan, specs)
         ),
         strategy="replicated",
         world_size=1,
         options=Options(dtype=None).describe(),  # each tensor kept in its own dtype
-    )  # fmt: skip
+    )
 
 
 def _carry(

@@ -338,8 +338,9 @@ class AverageState:
 
     # ------------------------------------------------------------------ description
 
-    def describe(self) -> Description:
-        """Everything but the tensors' values."""
+    def describe(self, stored_dtype: torch.dtype | None = None) -> Description:
+        """Everything but the tensors' values; the averaged tensors' dtype ``stored_dtype`` where
+        a save casts them (else their shadows')."""
         self.updater.settle()
         return Description(
             step=self.step,
@@ -353,7 +354,11 @@ class AverageState:
                     info.kind,
                     role,
                     tuple(info.shape),
-                    dtype_name(self.flat_part(index, self.names[0]).dtype),
+                    dtype_name(
+                        stored_dtype
+                        if stored_dtype is not None and role == "average"
+                        else self.flat_part(index, self.names[0]).dtype
+                    ),
                 )
                 for index, (info, role) in enumerate(zip(self.infos, self.roles))
             ),
