@@ -57,6 +57,9 @@ def main() -> None:
     parser.add_argument("--dim", type=int, default=32)
     parser.add_argument("--out", type=Path, default=Path("runs/accelerate"))
     args = parser.parse_args()
+    for flag in ("steps", "save_every", "dim"):  # counts, checked before anything starts
+        if getattr(args, flag) < 1:
+            parser.error(f"argument --{flag.replace('_', '-')}: must be at least 1, got {getattr(args, flag)}")
 
     if not torch.cuda.is_available():
         os.environ.setdefault("ACCELERATE_USE_CPU", "true")  # under torchrun on CPU, else accelerate sees 1 process

@@ -49,6 +49,9 @@ def main() -> None:
     parser.add_argument("--dim", type=int, default=32)
     parser.add_argument("--out", type=Path, default=Path("runs/zero3"))
     args = parser.parse_args()
+    for flag in ("steps", "save_every", "dim"):  # counts, checked before anything starts
+        if getattr(args, flag) < 1:
+            parser.error(f"argument --{flag.replace('_', '-')}: must be at least 1, got {getattr(args, flag)}")
 
     deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo")
     config = {

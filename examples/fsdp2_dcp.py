@@ -66,6 +66,9 @@ def main() -> None:
     parser.add_argument("--dim", type=int, default=32)
     parser.add_argument("--out", type=Path, default=Path("runs/fsdp2-dcp"))
     args = parser.parse_args()
+    for flag in ("steps", "save_every", "dim"):  # counts, checked before anything starts
+        if getattr(args, flag) < 1:
+            parser.error(f"argument --{flag.replace('_', '-')}: must be at least 1, got {getattr(args, flag)}")
 
     cuda = torch.cuda.is_available()  # one process per GPU with NCCL; on CPU, gloo
     device = torch.device(f"cuda:{os.environ['LOCAL_RANK']}" if cuda else "cpu")

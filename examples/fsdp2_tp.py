@@ -64,12 +64,17 @@ def main() -> None:
     parser.add_argument("--dim", type=int, default=32)
     parser.add_argument("--out", type=Path, default=Path("runs/fsdp2-tp"))
     args = parser.parse_args()
+    for flag in ("tp", "steps", "dim"):  # counts, checked before anything starts
+        if getattr(args, flag) < 1:
+            parser.error(f"argument --{flag.replace('_', '-')}: must be at least 1, got {getattr(args, flag)}")
+    world = int(os.environ.get("WORLD_SIZE", 1))  # torchrun's, known before the process group
+    if world % args.tp:
+        parser.error(f"argument --tp: {args.tp} does not divide the {world} process(es) (torchrun's --nproc_per_node)")
 
     device_type = "cuda" if torch.cuda.is_available() else "cpu"  # NCCL on GPUs, gloo on CPU
     if device_type == "cuda":
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
     dist.init_process_group("nccl" if device_type == "cuda" else "gloo")
-    world = dist.get_world_size()
     mesh = init_device_mesh(device_type, (world // args.tp, args.tp), mesh_dim_names=("dp", "tp"))
 
     torch.manual_seed(0)  # the same initial weights on every rank

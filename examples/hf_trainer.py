@@ -46,6 +46,11 @@ def main() -> None:
     parser.add_argument("--dim", type=int, default=64)
     parser.add_argument("--out", type=Path, default=Path("runs/hf-trainer"))
     args = parser.parse_args()
+    for flag in ("steps", "save_every", "dim"):  # counts, checked before anything starts
+        if getattr(args, flag) < 1:
+            parser.error(f"argument --{flag.replace('_', '-')}: must be at least 1, got {getattr(args, flag)}")
+    if args.dim % 2:
+        parser.error(f"argument --dim: must be even (the model's 2 attention heads split it), got {args.dim}")
 
     config = GPT2Config(n_layer=2, n_embd=args.dim, n_head=2, vocab_size=128, n_positions=16)
     torch.manual_seed(0)

@@ -12,6 +12,7 @@ Run it again with the same ``--out`` and more ``--steps``: it resumes from ``las
 """
 
 import argparse
+import os
 from pathlib import Path
 
 import lightning as L
@@ -73,6 +74,13 @@ def main() -> None:
     parser.add_argument("--devices", type=int, default=2, help="processes (torchrun's --nproc_per_node)")
     parser.add_argument("--out", type=Path, default=Path("runs/lightning"))
     args = parser.parse_args()
+    for flag in ("steps", "save_every", "dim", "devices"):  # counts, checked before anything starts
+        if getattr(args, flag) < 1:
+            parser.error(f"argument --{flag.replace('_', '-')}: must be at least 1, got {getattr(args, flag)}")
+    if int(os.environ.get("WORLD_SIZE", args.devices)) != args.devices:  # under torchrun: its process count
+        parser.error(f"argument --devices: {args.devices}, but torchrun started {os.environ['WORLD_SIZE']}")
+    if args.save_every > args.steps:  # the average is validated (val_loss) every --save-every steps
+        parser.error(f"argument --save-every: {args.save_every} exceeds --steps {args.steps} (no validation)")
 
     rule = shardavg.EMA(decay=0.999, warmup=shardavg.RatioWarmup())  # shardavg: decay min(0.999, (n+1)/(n+10))
     averaging = ShardedWeightAveraging(rule=rule)  # shardavg: or decay=0.999, as Lightning's EMAWeightAveraging

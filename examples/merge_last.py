@@ -62,6 +62,13 @@ def main() -> None:
     parser.add_argument("--dim", type=int, default=32)
     parser.add_argument("--out", type=Path, default=Path("runs/merge"))
     args = parser.parse_args()
+    for flag in ("steps", "save_every", "keep", "last", "dim"):  # counts, checked before anything starts
+        if getattr(args, flag) < 1:
+            parser.error(f"argument --{flag.replace('_', '-')}: must be at least 1, got {getattr(args, flag)}")
+    kept = min(args.keep, args.steps // args.save_every)  # the checkpoints on disk when training ends
+    if args.last > kept:
+        kept_by = f"--steps {args.steps} // --save-every {args.save_every}, at most --keep {args.keep}"
+        parser.error(f"argument --last: {args.last} is more than the {kept} checkpoint(s) the run keeps ({kept_by})")
 
     cuda = torch.cuda.is_available()  # one process per GPU with NCCL; on CPU, gloo
     device = torch.device(f"cuda:{os.environ['LOCAL_RANK']}" if cuda else "cpu")

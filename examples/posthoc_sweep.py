@@ -61,6 +61,13 @@ def main() -> None:
     parser.add_argument("--dim", type=int, default=32)
     parser.add_argument("--out", type=Path, default=Path("runs/posthoc"))
     args = parser.parse_args()
+    for flag in ("steps", "snapshot_every", "dim"):  # counts, checked before anything starts
+        if getattr(args, flag) < 1:
+            parser.error(f"argument --{flag.replace('_', '-')}: must be at least 1, got {getattr(args, flag)}")
+    if args.snapshot_every > args.steps:
+        parser.error(f"argument --snapshot-every: {args.snapshot_every} exceeds --steps {args.steps} (no snapshot)")
+    if any((args.out / "snapshots").glob("snapshot-*")):
+        parser.error(f"argument --out: {args.out / 'snapshots'} holds another run's snapshots; give a fresh --out")
 
     cuda = torch.cuda.is_available()  # one process per GPU with NCCL; on CPU, gloo
     device = torch.device(f"cuda:{os.environ['LOCAL_RANK']}" if cuda else "cpu")

@@ -28,6 +28,7 @@ from launch import checkpoints, data, engines, merging, rundir
 from launch import config as configs
 from launch.job import Job, load_job
 from launch.model import GPT, Block, GPTConfig
+from launch.progress import Progress
 from shardavg import PostHocEMA, WeightAverager
 
 log = logging.getLogger("train")
@@ -231,15 +232,12 @@ def train_steps(current: Run) -> tuple[UpdateClock, float, float]:
     cfg, wrapped = current.job.cfg, current.wrapped
     train, context = cfg["train"], cfg["model"]["context"]
     tokens_per_step = train["batch_size"] * context * wrapped.data_world
-    from tqdm import tqdm
-    from tqdm.contrib.logging import logging_redirect_tqdm
-
     start = current.start
-    bar = tqdm(total=cfg["steps"], initial=start, disable=dist.get_rank() != 0, desc=cfg["engine"], file=sys.stderr)
+    shown = Progress(cfg["steps"], start, cfg["engine"], sys.stderr, enabled=dist.get_rank() == 0)  # (a bar on a tty)
     began, training_time = time.perf_counter(), 0.0
     updated = current.averages | ({"posthoc": current.posthoc} if current.posthoc is not None else {})
     clock = UpdateClock(dict.fromkeys(updated, 0.0))  # (every step, in this order)
-    with logging_redirect_tqdm():
+    with shown.redirect_logging():
         for step in range(start + 1, cfg["steps"] + 1):
             tokens, targets = data.train_batch(
                 current.job.corpus.train, step, wrapped.data_rank, train["batch_size"], context, cfg["seed"]
@@ -249,8 +247,7 @@ def train_steps(current: Run) -> tuple[UpdateClock, float, float]:
             for name, average in updated.items():
                 clock.update(name, average, step)
             training_time += time.perf_counter() - step_began
-            bar.update()
-            bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{tokens_per_step * (step - start) / training_time:.0f}")
+            shown.step(step, loss, tokens_per_step * (step - start) / training_time)
             if step % cfg["eval"]["every"] == 0 or step == cfg["steps"]:
                 losses = evaluate(wrapped, current.averages, current.evaluation)
                 current.metrics.append(
@@ -260,7 +257,7 @@ def train_steps(current: Run) -> tuple[UpdateClock, float, float]:
                 log.info("step %d: held-out %s", step, ", ".join(f"{k} {v:.4f}" for k, v in losses.items()))
             if step % cfg["checkpoint"]["every"] == 0 or step == cfg["steps"]:
                 current.checkpointer.save(step)
-    bar.close()
+    shown.close()
     current.checkpointer.close()  # (the last request committed before anything reads the checkpoints)
     return clock, training_time, time.perf_counter() - began
 

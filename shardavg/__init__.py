@@ -1,7 +1,15 @@
 """shardavg: shard-local weight averaging (EMA, SWA, power-function EMA) for distributed training."""
 
 from .averager import WeightAverager
-from .errors import CheckpointError, ExportError, LayoutError, ModelChangedError, NonFiniteError, StrategyError
+from .errors import (
+    CheckpointError,
+    ExportError,
+    LayoutError,
+    ModelChangedError,
+    NonFiniteError,
+    ProvenanceError,
+    StrategyError,
+)
 from .merge import merge
 from .offline import check_dcp
 from .ownership import TargetLock
@@ -18,7 +26,7 @@ from .rules import (
 )
 from .strategies import detect
 
-__version__ = "0.7.1"
+__version__ = "0.8.0"
 
 __all__ = [
     "EMA",
@@ -32,6 +40,7 @@ __all__ = [
     "NonFiniteError",
     "PostHocEMA",
     "PowerEMA",
+    "ProvenanceError",
     "RatioWarmup",
     "Rule",
     "StrategyError",

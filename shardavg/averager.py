@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from . import checkpoint, export, stateful, swap, validate
+from .background import wait_for_every_update
 from .logs import built_by_user, log
 from .options import BufferPolicy, NonfinitePolicy, Options
 from .rules import EMA, MultiAvgFn, Rule, named_rules
@@ -240,12 +241,23 @@ class WeightAverager:
     def wait(self) -> None:
         """Wait for the update running in the background (``background=True``).
 
-        Every method here does this first, and so does every torch optimizer's ``step()``; call it
-        before writing the live weights any other way.
+        Every method here does this first, and so does every torch optimizer's ``step()``, the
+        forward of a module that writes its own weights (an embedding with ``max_norm``), and
+        every averager's ``swapped()`` and ``copy_into_model()``; call it before writing the live
+        weights any other way (``model.load_state_dict``, a hand-written update, an optimizer that
+        is not a ``torch.optim.Optimizer``). A write through a tensor's in-place methods that did
+        not wait is seen when the update is collected: an error, and from then on every use of the
+        average (``update()``, ``swapped()``, gathers, exports, saves) is refused until ``load()``,
+        ``load_state_dict()`` or ``restart()`` restores it. Writes through ``.data`` are not seen.
+
+        An interrupt (Ctrl-C) while waiting propagates at once and leaves the update in flight:
+        the next call of any kind waits for it again, so a save in ``except KeyboardInterrupt``
+        writes the average whole.
 
         Raises:
             Exception: What the background update raised (``NonFiniteError``, out of memory, ...),
                 once.
+            RuntimeError: The update read weights something else wrote while it ran, once.
         """
         self._state.updater.wait()
 
@@ -347,7 +359,8 @@ class WeightAverager:
     def copy_to(self, module: nn.Module, average: str | None = None) -> None:
         """Collective: write an average into a plain model on every rank, the same values everywhere.
 
-        Where ranks hold their own copy of a buffer, its owner's value is written.
+        Where ranks hold their own copy of a buffer, its owner's value is written. Waits for every
+        update in flight in the process first: ``module`` may be the live model of another averager.
 
         Args:
             module: A plain (unsharded) model with the averaged model's names and shapes.
@@ -358,6 +371,7 @@ class WeightAverager:
             RuntimeError: No update applied yet, or the ranks applied different updates.
             ModelChangedError: The model's tensors are no longer those the averager was built on.
         """
+        wait_for_every_update()
         export.copy_to(self._state, module, average)
 
     @_after_the_update
@@ -412,7 +426,9 @@ class WeightAverager:
 
         Raises:
             ModelChangedError: The model's tensors are no longer those the averager was built on.
+            RuntimeError: A background update read weights something else wrote (see ``wait``).
         """
+        self._state.updater.require_whole("state_dict()")
         return stateful.state_dict(self._state)
 
     @_after_the_update
@@ -455,7 +471,9 @@ class WeightAverager:
             CheckpointError: Something not written by shardavg is in the way, the target lies inside
                 another checkpoint, or another process is writing there.
             ModelChangedError: The model's tensors are no longer those the averager was built on.
+            RuntimeError: A background update read weights something else wrote (see ``wait``).
         """
+        self._state.updater.require_whole("save()")
         return checkpoint.save(self._state, directory, keep_last, dtype)
 
     @_after_the_update

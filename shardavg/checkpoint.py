@@ -410,9 +410,10 @@ def _open_for_load(
             opened = open_checkpoint(directory)
             saved = opened.description
             slots = loadable(state, check_compatible(state, saved, str(opened.path), strict), saved)
+            reserve_descriptors(len(saved.files))
+            for index in range(rank(), len(saved.files), world_size()):  # every file, the ranks sharing them,
+                opened.shard(index)  # there and of its size before any layout the manifest claims is worked out
             reads = _plan_reads(state, opened, slots)
-            for index in range(rank(), len(saved.files), world_size()):  # every file, the ranks sharing them:
-                opened.shard(index)  # one that holds no tensor this averager reads must be there all the same
             if verify:
                 opened.verify(list(range(len(saved.files)))[rank() :: world_size()])
         except CheckpointReplaced:

@@ -27,12 +27,16 @@ from .errors import CheckpointError
 from .export import export_metadata, write_model
 from .format import DCP_METADATA, MANIFEST, WEIGHTS_FILE, WEIGHTS_INDEX, Description, TensorEntry
 from .logs import log
+from .model_folder import folder_export_id
 from .offline import SavedAverage
+from .progress import Progress
 from .provenance import made_by, of_input
 from .storage import DTYPES, dtype_name
 from .weight_files import check_output_folder
 
 EXPORT_DTYPES = ("float32", "bfloat16", "float16")
+QUIET_HELP = "show no progress (shown on stderr when it is a terminal: bytes written, rate, time left)"
+GROUP_VARIABLES = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")  # torchrun's rendezvous for its workers
 
 
 class _Parser(argparse.ArgumentParser):
@@ -56,7 +60,7 @@ def _parser() -> argparse.ArgumentParser:
         "export",
         help="write the full averaged model as safetensors",
         description="Consolidate the averaged weights into OUT (a directory): model.safetensors, or "
-        "model-0000k-of-0000N.safetensors files with model.safetensors.index.json above --max-shard-size. "
+        "model-ID-0000k-of-0000N.safetensors files with model.safetensors.index.json above --max-shard-size. "
         "Keys are the plain model's parameter and buffer names, so the result loads with strict=True.",
     )
     export.add_argument("checkpoint", metavar="CKPT_DIR")
@@ -72,6 +76,7 @@ def _parser() -> argparse.ArgumentParser:
     export.add_argument(
         "--verify", action="store_true", help="first hash every file against the SHA-256 recorded when it was written"
     )
+    export.add_argument("--quiet", action="store_true", help=QUIET_HELP)
     inspect = commands.add_parser(
         "inspect",
         help="print what a checkpoint holds",
@@ -99,6 +104,7 @@ def _parser() -> argparse.ArgumentParser:
     posthoc.add_argument("--dtype", choices=EXPORT_DTYPES, help="cast floating tensors (default fp32)")
     posthoc.add_argument("--max-shard-size", default="5GB", help="largest file before splitting (default 5GB)")
     posthoc.add_argument("--list", action="store_true", help="print the snapshots instead")
+    posthoc.add_argument("--quiet", action="store_true", help=QUIET_HELP)
     _merge_parser(commands)
     return parser
 
@@ -152,9 +158,16 @@ def _merge_parser(commands: Any) -> None:  # (argparse's subparsers action)
         "--format", choices=("safetensors", "shardavg"), default="safetensors",
         help="a model folder (default), or an averager's checkpoint that avg.load restores at any world size",
     )  # fmt: skip
+    merge.add_argument(
+        "--collective", action=argparse.BooleanOptionalAction,
+        help="split the merge between the workers of a launch (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT); "
+        "default: only when torchrun started this process itself (torchrun -m shardavg merge), never when it "
+        "inherited them (a command run by a training script's worker), which merges alone",
+    )  # fmt: skip
+    merge.add_argument("--quiet", action="store_true", help=QUIET_HELP)
 
 
-def _merge(args: argparse.Namespace) -> str:
+def _merge(args: argparse.Namespace, together: bool, lead: bool) -> str:
     from .merge import merge
 
     inputs, last = args.inputs, None
@@ -173,20 +186,31 @@ def _merge(args: argparse.Namespace) -> str:
         prefix=args.prefix, include=args.include, exclude=args.exclude,
         dtype=None if args.dtype is None else DTYPES[args.dtype],
         accumulate=DTYPES[args.accumulate], max_shard_size=args.max_shard_size, output=args.format,
-        collective=True,  # (the workers' process group, under torchrun: see _workers)
+        collective=together, progress=Progress("merge", quiet=args.quiet or not lead),
     )  # fmt: skip
     return f"wrote the merge of {len(inputs) if last is None else last} checkpoints to {out}"
 
 
 @contextlib.contextmanager
-def _workers() -> Iterator[bool]:
-    """Under torchrun (``WORLD_SIZE`` > 1, on one node or several) a gloo process group over the
-    workers, which then split the merge between them; yields whether this is the first worker
-    (the one that reports). The group goes when the merge is done or refused."""
+def _workers(collective: bool | None) -> Iterator[tuple[bool, bool]]:
+    """The workers' process group, when this merge is one of several: asked for (``--collective``),
+    or by default when torchrun started this process (``_started_by_torchrun``); a gloo group over
+    the workers (on one node or several) made here, or the one there is, which then split the
+    merge. Yields whether it merges together, and whether this is the first worker (the one
+    that reports). A group made here goes when the merge is done or refused."""
     import torch.distributed as dist
 
-    if int(os.environ.get("WORLD_SIZE", "1")) <= 1 or dist.is_initialized():
-        yield not dist.is_initialized() or dist.get_rank() == 0
+    together = _started_by_torchrun() if collective is None else collective
+    if together and not dist.is_initialized():
+        missing = [name for name in GROUP_VARIABLES if name not in os.environ]
+        if missing:
+            raise ValueError(
+                f"--collective joins the workers of a launch, but {', '.join(missing)} not set: launch it with "
+                "torchrun (torchrun --nproc_per_node N -m shardavg merge ...), or leave --collective out"
+            )
+        together = int(os.environ["WORLD_SIZE"]) > 1
+    if not together or dist.is_initialized():
+        yield together, not together or dist.get_rank() == 0
         return
     # (a worker waits at each agreement for the slowest to finish its share: hours for terabytes;
     # a worker that dies ends the others at once, its connection closed)
@@ -194,9 +218,30 @@ def _workers() -> Iterator[bool]:
     try:
         if dist.get_rank() != 0:
             log.setLevel(logging.WARNING)
-        yield dist.get_rank() == 0
+        yield True, dist.get_rank() == 0
     finally:
         dist.destroy_process_group()
+
+
+def _started_by_torchrun() -> bool:
+    """Whether torchrun started this process as one of its workers, with a world of several.
+
+    torchrun sets ``TORCHELASTIC_RUN_ID`` (with ``RANK``, ``WORLD_SIZE``, ...) for each worker it
+    starts, and every process a worker starts inherits them: a training script's rank 0 that runs
+    ``shardavg merge`` at the end would join a group of its parent's size, and hang. The two differ
+    in the parent: a worker's is torchrun's agent, which holds no run id of its own (or, for a
+    torchrun started inside a worker, another one), where an inheriting process's parent is the
+    worker, holding the same. Where the parent's environment cannot be read (no ``/proc``), the
+    process merges alone, saying how to merge together."""
+    run = os.environ.get("TORCHELASTIC_RUN_ID")
+    if not run or int(os.environ.get("WORLD_SIZE", "1")) <= 1:
+        return False
+    try:
+        parent = Path(f"/proc/{os.getppid()}/environ").read_bytes().split(b"\0")
+    except OSError:
+        log.warning("cannot tell whether torchrun started this process: merging alone; pass --collective to split it")
+        return False
+    return f"TORCHELASTIC_RUN_ID={run}".encode() not in parent
 
 
 def _posthoc(args: argparse.Namespace) -> str:
@@ -224,7 +269,9 @@ def _posthoc(args: argparse.Namespace) -> str:
             del full  # before the next tensor is synthesized
 
     metadata = {"format": "pt", "shardavg": json.dumps({"posthoc": {"sigma_rel": args.sigma_rel, "step": args.step}})}
-    path = write_model(args.out, entries, values(), metadata, args.max_shard_size, dtype, description.provenance)
+    with Progress("posthoc", quiet=args.quiet) as progress:
+        counted = progress.counted(values(), sum(entry.nbytes for entry in entries))
+        path = write_model(args.out, entries, counted, metadata, args.max_shard_size, dtype, description.provenance)
     written = sum(len(entry.names) for entry in entries)
     return f"wrote the post-hoc EMA of sigma_rel {args.sigma_rel} ({written} tensors) to {path}"
 
@@ -262,15 +309,36 @@ def _model_folder(path: Path) -> bool:
     return path.is_dir() and has_weights and not (path / MANIFEST).exists() and not (path / DCP_METADATA).exists()
 
 
-def _inspect_folder(path: Path) -> str:
-    """A model folder: its weight files, and the provenance shardavg recorded beside them."""
+def _inspect_folder(path: Path) -> int:
+    """A model folder: its weight files, and the provenance shardavg recorded beside them. What
+    can be read is printed; each file that cannot (a crafted ``provenance.json``) gets one error
+    line on stderr, and the exit code says so."""
     weights = sorted(p.name for p in path.glob("model*.safetensors"))
-    size = sum((path / name).stat().st_size for name in weights)
+    problems, size = [], 0
+    for name in weights:
+        try:
+            size += (path / name).stat().st_size
+        except OSError as error:
+            problems.append(f"cannot read {path / name}: {error.strerror}")
     rows = [("model", str(path)), ("files", f"{len(weights)} weight file(s), {size} bytes")]
-    record = provenance.read(path)
-    lines = provenance.shown(record) if record is not None else ["none recorded (not written by shardavg 0.6+)"]
+    try:
+        export_id = folder_export_id(path) if weights else None
+    except (CheckpointError, OSError) as error:  # (a mix of two exports, a missing file)
+        problems.append(str(error))
+    else:
+        rows.append(("export", export_id or "no export id (not written by shardavg 0.8+)"))
+    try:
+        record = provenance.read(path)
+    except CheckpointError as error:
+        problems.append(str(error))
+        lines = ["unreadable (the error below)"]
+    else:
+        lines = provenance.shown(record) if record is not None else ["none recorded (not written by shardavg 0.6+)"]
     rows += [("provenance", line) for line in lines]
-    return "\n".join(f"{label:<12} {value}" for label, value in rows)
+    print("\n".join(f"{label:<12} {value}" for label, value in rows))
+    for problem in problems:
+        print(f"shardavg: error: {problem}", file=sys.stderr)
+    return 2 if problems else 0
 
 
 def _layouts(tensors: Sequence[TensorEntry]) -> list[str]:
@@ -297,7 +365,9 @@ def _export(saved: SavedAverage, args: argparse.Namespace) -> str:
     if args.verify:
         saved.verify_contents()
     dtype = None if args.dtype is None else DTYPES[args.dtype]
-    values = (saved.read(entry.name, average) for entry in description.tensors)
+    progress = Progress("export", quiet=args.quiet)
+    total = sum(entry.nbytes for entry in description.tensors)
+    values = progress.counted((saved.read(entry.name, average) for entry in description.tensors), total)
     metadata = export_metadata(description, average)
     record = made_by(
         "export",
@@ -307,7 +377,8 @@ def _export(saved: SavedAverage, args: argparse.Namespace) -> str:
         dtype=args.dtype,
         inputs=[of_input(saved.path, description.step, 1.0, description.run)],
     )
-    path = write_model(out, description.tensors, values, metadata, args.max_shard_size, dtype, record)
+    with progress:
+        path = write_model(out, description.tensors, values, metadata, args.max_shard_size, dtype, record)
     which = "" if average is None else f" of average {average!r}"
     return f"wrote {sum(len(e.names) for e in description.tensors)} tensors{which} to {path}"
 
@@ -336,8 +407,8 @@ def main(argv: list[str] | None = None) -> int:
     log.setLevel(logging.INFO if level == logging.NOTSET else level)
     try:
         if args.command == "merge":
-            with _workers() as lead:
-                said = _merge(args)
+            with _workers(args.collective) as (together, lead):
+                said = _merge(args, together, lead)
             if lead:
                 print(said)
             return 0
@@ -345,8 +416,7 @@ def main(argv: list[str] | None = None) -> int:
             print(_posthoc(args))
             return 0
         if args.command == "inspect" and _model_folder(Path(args.checkpoint)):
-            print(_inspect_folder(Path(args.checkpoint)))
-            return 0
+            return _inspect_folder(Path(args.checkpoint))
         saved = SavedAverage(args.checkpoint, key=args.key)
         if args.command == "inspect":
             print(_inspect(saved, args.verify))

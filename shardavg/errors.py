@@ -41,6 +41,14 @@ class CheckpointError(ValueError):
     """
 
 
+class ProvenanceError(CheckpointError):
+    """A ``provenance.json`` (or a manifest's ``"provenance"``) that is not a record shardavg wrote:
+    unreadable, too large, nested too deeply, or a field of the wrong type; the message names the file.
+
+    A ``CheckpointError``, so ``except CheckpointError`` catches it too.
+    """
+
+
 class ExportError(CheckpointError):
     """An export refused (its target is not a model folder of its own) or failed on a rank.
 

@@ -7,10 +7,13 @@ every part is one range of the flattened tensor (``_held_in_ranges``). The rest 
 the writer ranks by bytes: each writer receives the tensors it writes (a tensor larger than a
 bucket as pieces of its rows, which may go to different writers), a bounded bucket at a time,
 in rounds in which every writer receives its own bucket at once, and writes them at their
-offsets into files rank 0 created; rank 0 commits once every writer has finished. So W ranks
-write about 1/W of the model each, and the folder holds the previous export or the new one,
-whole. The offline CLI writes through ``write_model``, the same files from one process; ``merge``
-through ``write_spread`` as its workers share the tensors.
+offsets into files rank 0 created (each rank first proves, through the descriptor it writes with,
+that the file is this export's: see ``weight_files``); rank 0 commits once every writer has
+finished. So W ranks write about 1/W of the model each, and the folder holds the previous export
+or the new one, whole: every export has an id of its own, in its files' metadata and a split
+model's file names, so a reader of the index gets one export's files. The offline CLI writes
+through ``write_model``, the same files from one process; ``merge`` through ``write_spread`` as
+its workers share the tensors.
 """
 
 from __future__ import annotations
@@ -20,16 +23,18 @@ import hashlib
 import json
 import os
 import re
+import secrets
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from . import provenance, validate
-from .dist import agree_or_raise, distributed, rank, same_everywhere, world_size
+from .dist import agree_or_raise, comm_device, distributed, rank, same_everywhere, world_size
 from .errors import ExportError
 from .format import Description, TensorEntry
 from .ownership import TargetLock, target_path
@@ -74,21 +79,24 @@ def parse_size(size: int | str) -> int:
 
 
 @contextlib.contextmanager
-def staged_export(directory: Path, plan: WeightPlan) -> Iterator[dict[str, bool]]:
-    """Hold ``directory`` for one write: checked, locked, the plan's files created under their
-    temporary names; yields the previous export's weight files. When the block raises, the
-    temporary files go, and the folder too if this made it (and nothing else is in it)."""
+def staged_export(
+    directory: Path, plan: WeightPlan, beside: dict[str, bytes] | None = None
+) -> Iterator[dict[str, bool]]:
+    """Hold ``directory`` for one write: checked, locked, the plan's files (and those ``beside``
+    them) created under their temporary names; yields the previous export's weight files. When
+    the block raises, the temporary files go, and the folder too if this made it (and nothing
+    else is in it)."""
     check_target(directory)
     created = not directory.exists()
     directory.mkdir(parents=True, exist_ok=True)
     try:
         with TargetLock.inside(directory):
             previous = check_target(directory)
-            create_staged(directory, plan)
+            create_staged(directory, plan, beside)
             try:
                 yield previous
             except BaseException:
-                discard(directory, plan)
+                discard(directory, plan, beside)
                 raise
     except BaseException:
         if created:
@@ -104,14 +112,18 @@ def write_spread(
     what: str,
     finish: Callable[[], None] = lambda: None,
     together: bool = True,
+    beside: dict[str, bytes] | None = None,
 ) -> Path:
     """The files of ``plan`` written into ``directory`` by every rank of the process group
-    (collective), or with ``together=False`` (or no process group) by this process alone.
+    (collective), or with ``together=False`` (or no process group) by this process alone, under
+    an export id of their own (agreed by the ranks).
 
-    Rank 0 prepares the folder (``staged_export``); each rank's ``write(slots)`` writes what it
-    writes and returns its error, if any; once every rank has finished, rank 0 commits, then runs
-    ``finish``. A failure anywhere is every rank's, and leaves the previous export whole."""
+    Rank 0 prepares the folder (``staged_export``, with the files ``beside`` the weights, name:
+    bytes); each rank's ``write(slots)`` writes what it writes and returns its error, if any; once
+    every rank has finished, rank 0 commits, then runs ``finish``. A failure anywhere is every
+    rank's, and leaves the previous export whole."""
     together = together and distributed()
+    plan = plan.with_id(_new_export_id(together))
 
     def agree(error: Exception | None, doing: str) -> None:
         if together:
@@ -125,19 +137,35 @@ def write_spread(
         previous: dict[str, bool] = {}
         if lead:
             try:
-                previous = held.enter_context(staged_export(directory, plan))
+                previous = held.enter_context(staged_export(directory, plan, beside))
             except Exception as caught:
                 error = caught
         agree(error, what)
         agree(write(Slots(directory, plan)), what)
         if lead:
             try:
-                commit(directory, plan, previous)
+                commit(directory, plan, previous, beside)
                 finish()
             except Exception as caught:
                 error = caught
     agree(error, f"committing {what}")
     return directory
+
+
+def _new_export_id(together: bool) -> str:
+    """A new export's id (``weight_files.EXPORT_ID_FORM``): random, the same on every rank when
+    ``together`` (the largest of the ranks' draws, one all-reduce)."""
+    drawn = torch.tensor([secrets.randbits(48)], dtype=torch.int64)
+    if together:
+        drawn = drawn.to(comm_device(drawn.device))
+        dist.all_reduce(drawn, op=dist.ReduceOp.MAX)
+    return f"{int(drawn.item()):012x}"
+
+
+def provenance_file(record: dict[str, Any]) -> dict[str, bytes]:
+    """``record`` as the ``provenance.json`` written beside the weights (``write_spread``'s ``beside``):
+    staged with them, so that nothing in its way is found only after they were committed."""
+    return {provenance.FILE: json.dumps(record, indent=1).encode()}
 
 
 def write_model(
@@ -172,11 +200,8 @@ def write_model(
         finally:
             slots.close()
 
-    def finish() -> None:
-        if record is not None:
-            provenance.write(directory, record)
-
-    return write_spread(directory, plan, write, f"writing {directory}", finish, together=False)
+    beside = None if record is None else provenance_file(record)
+    return write_spread(directory, plan, write, f"writing {directory}", together=False, beside=beside)
 
 
 def export_metadata(description: Description, average: str | None, live: bool = False) -> dict[str, str]:
@@ -276,7 +301,7 @@ def export(
         num_updates=description.num_updates, run_id=description.run, strategy=description.strategy,
         dtype=None if dtype is None else dtype_name(dtype), writers=len(ranks),
     )  # fmt: skip
-    return write_spread(path, plan, write, f"exporting to {path}", lambda: provenance.write(path, record))
+    return write_spread(path, plan, write, f"exporting to {path}", beside=provenance_file(record))
 
 
 def _digest(text: str) -> int:

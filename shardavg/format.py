@@ -20,6 +20,13 @@ the tensor (offsets and sizes in the tensor itself) that a file's entry holds fr
 ``at``, row-major, the file's boxes back to back. Before version 5 a chunk was a range of the
 flattened tensor: such tables are read as the boxes of their ranges. Either way a reader gets
 one ``TensorLayout`` per tensor (``entry["layout"]``), checked to tile it exactly.
+
+A manifest comes from a file anyone could have written, so every count in it is checked against
+what it must match before anything is allocated or looped over: its size against
+``MANIFEST_LIMIT``, the number of files against the digests, a grid's ranks against the files, a
+tensor's bytes against the files' bytes, a split factor against the dim it splits, and the boxes a
+layout cuts a tensor into against ``LAYOUT_BOXES``. A provenance record (``check_provenance``) is
+bounded and typed the same way, in a manifest or in a model folder's ``provenance.json``.
 """
 
 from __future__ import annotations
@@ -30,18 +37,29 @@ import math
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Literal, get_args
 
 import torch
 
-from .errors import CheckpointError, LayoutError
+from .errors import CheckpointError, LayoutError, ProvenanceError
 from .options import BufferPolicy
 from .parts import Block, Part, contiguous_strides, tiles
 from .rules import rule_from_config
-from .storage import DTYPES, FileDigest
+from .storage import DTYPES, FileDigest, read_bounded
 from .strategies import ADAPTERS
-from .tensor_layout import Grid, ListedLayout, Owned, TensorLayout, grid_from_json, layout_from_json
-from .validate import AVERAGE_NAME, RUN_ID, is_count
+from .tensor_layout import (
+    LAYOUT_BOXES,
+    Grid,
+    ListedLayout,
+    MeshLayout,
+    Owned,
+    TensorLayout,
+    grid_from_json,
+    layout_from_json,
+    most_boxes,
+)
+from .validate import AVERAGE_NAME, RUN_ID, is_count, nesting
 
 FORMAT, VERSION = "shardavg", 6  # the description's format, shared by checkpoints, DCP and exports
 # (2: checksummed; 3: "averages", several named averages, in place of one "rule"; 4: a checkpoint's
@@ -56,10 +74,15 @@ SNAPSHOT_DIR = re.compile(r"^snapshot-(\d+)$")  # a PostHocEMA's snapshots, by u
 STEP_NAME = re.compile(r"^(?:step-|checkpoint-|global_step)(\d+)$")  # a checkpoint of shardavg, HF Trainer, DeepSpeed
 DCP_METADATA = ".metadata"  # a torch.distributed.checkpoint folder's index
 WEIGHTS_FILE = "model.safetensors"  # a model folder's weights in one file (Hugging Face's name)
-WEIGHTS_INDEX = "model.safetensors.index.json"  # or its index, over model-0000k-of-0000N.safetensors
+WEIGHTS_INDEX = "model.safetensors.index.json"  # or its index, over model-ID-0000k-of-0000N.safetensors
 SAVE_ID_KEY = "shardavg_save"  # in each shard's safetensors metadata: the save it belongs to
 SAVE_ID = RUN_ID
 SHA256 = re.compile(r"^[0-9a-f]{64}$")
+MANIFEST_LIMIT = 2**28  # bytes a manifest may hold: a million tensors' entries of 256 bytes (DCP's item: 64 MiB)
+TENSOR_DIMS = 64  # dims a described tensor may have
+GRID_DIMS = 16  # dims a grid of ranks may have (a device mesh has a handful)
+PROVENANCE_LIMIT = 2**24  # bytes a provenance.json may hold
+PROVENANCE_DEPTH = 100  # arrays and objects nested in a provenance record: 32 merges of merges, 3 levels each
 
 
 def shard_file(rank: int, world: int) -> str:
@@ -217,7 +240,10 @@ class Description:
         """Refuse anything that is not a complete, well-typed description written by a shardavg
         (``where`` names its origin in the message); older versions' one ``"rule"`` becomes one
         unnamed average."""
-        return _typed(_checked_description(meta, where))
+        try:
+            return _typed(_checked_description(meta, where))
+        except RecursionError:  # (a value nested ~1,000 deep: its checksum, or its message, recurses)
+            raise invalid(where, "a value is nested too deeply to be a description shardavg wrote") from None
 
 
 def invalid(where: str, what: str) -> CheckpointError:
@@ -296,8 +322,8 @@ def _check_tensor(entry: Any, where: str) -> None:
     if entry.get("role") not in ROLES:
         problems.append(f"role {entry.get('role')!r} is not one of {ROLES}")
     shape = entry.get("shape")
-    if not isinstance(shape, list) or not all(is_count(dim) for dim in shape):
-        problems.append(f"shape {shape!r} is not a list of sizes")
+    if not isinstance(shape, list) or len(shape) > TENSOR_DIMS or not all(is_count(dim) for dim in shape):
+        problems.append(f"shape {str(shape)[:200]} is not a list of at most {TENSOR_DIMS} sizes")
     if not isinstance(entry.get("dtype"), str) or entry["dtype"] not in DTYPES:
         problems.append(f"dtype {entry.get('dtype')!r} is not one of {sorted(DTYPES)}")
     if problems:
@@ -335,7 +361,9 @@ def _checked_description(meta: Any, where: str) -> dict[str, Any]:
     if "run" in meta and not (isinstance(meta["run"], str) and RUN_ID.match(meta["run"])):
         raise invalid(where, f"'run' must be 32 hex digits, got {str(meta['run'])[:80]!r}")
     if "sequence" in meta and not is_count(meta["sequence"]):
-        raise invalid(where, f"'sequence' must be an integer >= 0, got {meta['sequence']!r}")
+        raise invalid(where, f"'sequence' must be an integer >= 0, got {str(meta['sequence'])[:80]}")
+    if meta.get("provenance") is not None:
+        check_provenance(meta["provenance"], f"{where}: 'provenance'")
     if not isinstance(meta["tensors"], list):
         raise invalid(where, "'tensors' must be a list")
     names: set[str] = set()
@@ -365,7 +393,7 @@ def _typed(meta: dict[str, Any], layouts: Sequence[TensorLayout | None] = (), **
         world_size=meta.get("world_size"),
         options=meta.get("options"),
         run=meta.get("run"),
-        provenance=meta["provenance"] if isinstance(meta.get("provenance"), dict) else None,
+        provenance=meta.get("provenance"),
         version=meta["version"],
         checksum=meta.get(CHECKSUM),
         **manifest,
@@ -384,8 +412,8 @@ def decode_description(value: Any, where: str) -> Description:
         raise CheckpointError(f"{where}: 'meta' is {type(value).__name__}, not a shardavg description")
     try:
         meta = json.loads(value)
-    except json.JSONDecodeError as error:
-        raise CheckpointError(f"{where}: 'meta' is not valid JSON: {error}") from error
+    except (ValueError, RecursionError) as error:
+        raise CheckpointError(f"{where}: 'meta' is not valid JSON: {error}") from None
     return Description.from_json(meta, where)
 
 
@@ -435,11 +463,35 @@ def saved_length(layout: TensorLayout, file: int) -> int:
 def parse_manifest(raw: bytes, where: str) -> Description:
     """A manifest's bytes, checked whole: the description, then the files (shardavg's own names,
     with their sizes, hashes and save id since version 4), and each tensor's layout (or chunk
-    table) tiling it exactly."""
+    table) tiling it exactly, every count bounded first (see the module docstring)."""
+    if len(raw) > MANIFEST_LIMIT:
+        raise manifest_too_large(where, len(raw))
     try:
         meta = json.loads(raw)
     except (UnicodeDecodeError, ValueError, RecursionError) as error:
-        raise CheckpointError(f"cannot read {where}: {error}") from error
+        raise CheckpointError(f"cannot read {where}: {error}") from None
+    try:
+        return _parsed_manifest(meta, where)
+    except RecursionError:  # (a value nested ~1,000 deep: its checksum, or its message, recurses)
+        raise invalid(where, "a value is nested too deeply to be a manifest shardavg wrote") from None
+
+
+def manifest_too_large(where: str, size: int) -> CheckpointError:
+    """The error for a manifest of ``size`` bytes, over ``MANIFEST_LIMIT``."""
+    return CheckpointError(
+        f"{where} is {size} bytes, more than a manifest may hold (MANIFEST_LIMIT, {MANIFEST_LIMIT // 2**20} MiB): "
+        "not a manifest shardavg wrote"
+    )
+
+
+def read_manifest_bytes(name: str | Path, dir_fd: int | None = None, where: str | Path | None = None) -> bytes:
+    """A manifest's bytes: a regular file (never a link), at most ``MANIFEST_LIMIT`` bytes, its
+    size checked before anything is read. A missing one raises FileNotFoundError."""
+    where = name if where is None else where
+    return read_bounded(name, MANIFEST_LIMIT, lambda size: manifest_too_large(str(where), size), dir_fd, where)
+
+
+def _parsed_manifest(meta: Any, where: str) -> Description:
     meta = _checked_description(meta, where)
     version = meta["version"]
     if version >= 2 and "sequence" not in meta:
@@ -451,6 +503,7 @@ def parse_manifest(raw: bytes, where: str) -> Description:
         raise invalid(where, f"'files' must list the shard files, each once, got {str(files)[:200]}")
     if version >= 4:
         _check_digests(meta.get("save_id"), digests, len(files), where)
+        _check_sizes(meta["tensors"], sum(d["bytes"] for d in digests), where)
     grids = _grids(meta, len(files), where) if version >= 6 else []
     layouts = []
     for entry in meta["tensors"]:
@@ -475,6 +528,8 @@ def _files(meta: dict[str, Any], where: str) -> tuple[list[str], list[dict[str, 
         raise invalid(where, f"'files' must be the number of shard files, got {str(count)[:200]}")
     if not (isinstance(digests, list) and all(isinstance(d, list) and len(d) == 2 for d in digests)):
         raise invalid(where, f"'digests' must give each file's [bytes, sha256], got {str(digests)[:200]}")
+    if count != len(digests):  # (before a name is made for each: the count is anyone's number)
+        raise invalid(where, f"'files' says {count} files, 'digests' gives {len(digests)}: each file has one")
     return [shard_file(rank, count) for rank in range(count)], [{"bytes": size, "sha256": sha} for size, sha in digests]
 
 
@@ -496,8 +551,23 @@ def _check_digests(save_id: Any, digests: Any, files: int, where: str) -> None:
         raise invalid(where, f"'digests' must give each file's bytes and sha256, got {str(digests)[:200]}")
 
 
+def _check_sizes(tensors: list[dict[str, Any]], stored: int, where: str) -> None:
+    """Every tensor is stored in the files (each average of it, once), so none can need more bytes
+    than the ``stored`` bytes the digests give them: a shape is checked against them before any
+    layout of it is worked out or any tensor of it allocated."""
+    for entry in tensors:
+        size = math.prod(entry["shape"]) * DTYPES[entry["dtype"]].itemsize
+        if size > stored:
+            raise invalid(
+                where, f"tensor {entry['name']!r} of shape {entry['shape']} needs {size} bytes, more than the "
+                f"{stored} bytes of the checkpoint's files",
+            )  # fmt: skip
+
+
 def _grids(meta: dict[str, Any], files: int, where: str) -> list[Grid]:
-    """The manifest's grids of ranks: a shape, and the ranks (files) row-major, 0 .. n-1 when left out."""
+    """The manifest's grids of ranks: a shape, and the ranks (files) row-major, 0 .. n-1 when left
+    out. A grid's distinct ranks are files, so its size is checked against theirs before its ranks
+    are looked at."""
     grids = meta.get("grids")
     if not isinstance(grids, list):
         raise invalid(where, f"'grids' must be a list, got {str(grids)[:200]}")
@@ -506,8 +576,9 @@ def _grids(meta: dict[str, Any], files: int, where: str) -> list[Grid]:
         shape = grid.get("shape") if isinstance(grid, dict) else None
         good = (
             isinstance(shape, list)
-            and shape
-            and all(is_count(size, 1) for size in shape)
+            and 0 < len(shape) <= GRID_DIMS
+            and all(is_count(size, 1) and size <= files for size in shape)
+            and math.prod(shape) <= files
             and set(grid) <= {"shape", "ranks"}
         )
         ranks = grid.get("ranks", range(math.prod(shape))) if good else None
@@ -515,7 +586,10 @@ def _grids(meta: dict[str, Any], files: int, where: str) -> list[Grid]:
             good and isinstance(ranks, (list, range)) and len(ranks) == math.prod(shape)
             and all(is_count(r) and r < files for r in ranks) and len(set(ranks)) == len(ranks)
         ):  # fmt: skip
-            raise invalid(where, f"a grid must give a shape and as many distinct ranks below {files}: {grid!s:.200}")
+            raise invalid(
+                where, f"a grid must give a shape and as many distinct ranks below {files}, in at most {GRID_DIMS} "
+                f"dims: {str(grid)[:200]}",
+            )  # fmt: skip
         parsed.append(grid_from_json(grid))
     return parsed
 
@@ -541,11 +615,32 @@ def _layout(value: Any, name: str, shape: tuple[int, ...], grids: list[Grid], wh
     ):
         raise invalid(where, f"tensor {name!r} has malformed placements for a {dims}-d grid: {str(placements)[:200]}")
     layout = layout_from_json(value, list(shape), grids)
+    if isinstance(layout, MeshLayout):
+        _check_cuts(layout, name, where)
     try:
         layout.check(name)
     except LayoutError as error:
         raise invalid(where, str(error)) from None
     return layout
+
+
+def _check_cuts(layout: MeshLayout, name: str, where: str) -> None:
+    """A split factor is a tensor-parallel degree (at most the grid's ranks) or the size of a dim
+    folded into this one (at most its size); each rank's part is at most ``LAYOUT_BOXES`` boxes
+    over all the parts: both checked before a part is worked out, which costs its boxes."""
+    ranks = len(layout.grid.ranks)
+    for placement in layout.placements:
+        if placement[0] == "strided_shard" and placement[2] > max(layout.shape[placement[1]], ranks):
+            raise invalid(
+                where, f"tensor {name!r}: split factor {placement[2]} of dim {placement[1]} is more than both its size "
+                f"{layout.shape[placement[1]]} and its grid's {ranks} rank(s)",
+            )  # fmt: skip
+    boxes = most_boxes(layout)
+    if boxes > LAYOUT_BOXES:
+        raise invalid(
+            where, f"tensor {name!r}: its layout ({layout.shown()}) cuts it into up to {boxes} boxes, more than the "
+            f"{LAYOUT_BOXES} shardavg reads (LAYOUT_BOXES)",
+        )  # fmt: skip
 
 
 def _placement(value: Any, ndim: int) -> bool:
@@ -605,3 +700,56 @@ def _chunks(table: Any, name: str, shape: tuple[int, ...], files: int, version: 
                                  f"expected {packed.get(c.file, 0)}")  # fmt: skip
         packed[c.file] = c.at + math.prod(c.sizes)
     return chunks
+
+
+# ------------------------------------------------------------------------- provenance records
+
+_TEXT = (str,)
+_OPTIONAL_TEXT = (str, type(None))
+_NUMBER = (int, float)
+# A record's fields that shardavg reads back, and their types; any others are kept as they are.
+_RECORD_FIELDS: dict[str, tuple[type, ...]] = {
+    "made": _TEXT, "shardavg": _TEXT, "torch": _TEXT, "python": _TEXT, "command": (list,), "inputs": (list,),
+    "world_size": (int,), "writers": (int,), "step": (int, type(None)), "num_updates": (int, type(None)),
+    "average": _OPTIONAL_TEXT, "schedule": _OPTIONAL_TEXT, "dtype": _OPTIONAL_TEXT, "strategy": _OPTIONAL_TEXT,
+    "run_id": _OPTIONAL_TEXT, "sigma_rel": (*_NUMBER, type(None)),
+}  # fmt: skip
+_INPUT_FIELDS: dict[str, tuple[type, ...]] = {
+    "path": _TEXT, "weight": _NUMBER, "step": (int, type(None)), "run_id": _OPTIONAL_TEXT,
+    "profile": _OPTIONAL_TEXT, "manifest_sha256": _TEXT, "provenance": (dict, type(None)),
+}  # fmt: skip
+_REQUIRED = {"record": ("made", "shardavg"), "input": ("path", "weight")}
+
+
+def check_provenance(record: Any, where: str) -> dict[str, Any]:
+    """``record`` (parsed from ``where``) as shardavg writes a provenance record, or a
+    ``ProvenanceError`` in one line naming ``where`` and the field at fault: at most
+    ``PROVENANCE_DEPTH`` arrays and objects deep (so nothing that shows or rewrites it recurses
+    without bound), ``made`` and ``shardavg`` given, each field shardavg reads of the type it
+    writes, every input a path and a weight, nested inputs' records checked alike."""
+    if nesting(record, PROVENANCE_DEPTH) > PROVENANCE_DEPTH:
+        raise ProvenanceError(f"{where}: nested more than {PROVENANCE_DEPTH} levels deep (PROVENANCE_DEPTH)")
+    _check_fields(record, "record", _RECORD_FIELDS, where, "")
+    for index, entry in enumerate(record.get("inputs", [])):
+        at = f"inputs[{index}]"
+        _check_fields(entry, "input", _INPUT_FIELDS, where, at)
+        if entry.get("provenance") is not None:
+            check_provenance(entry["provenance"], f"{where} {at}.provenance")
+    return record
+
+
+def _check_fields(value: Any, kind: str, fields: dict[str, tuple[type, ...]], where: str, at: str) -> None:
+    """One object of a record: an object, its required fields there, every field it has of its type."""
+    place = f"{where} {at}".rstrip()
+    if not isinstance(value, dict):
+        raise ProvenanceError(f"{place}: a provenance {kind} must be an object, got {type(value).__name__}")
+    missing = [key for key in _REQUIRED[kind] if key not in value]
+    if missing:
+        raise ProvenanceError(f"{place}: a provenance {kind} needs {missing}, has {sorted(value)[:12]}")
+    for key, types in fields.items():
+        found = value.get(key)
+        if key in value and (isinstance(found, bool) or not isinstance(found, types)):
+            wanted = " or ".join("null" if t is type(None) else t.__name__ for t in types)
+            raise ProvenanceError(f"{place}: {key!r} must be {wanted}, got {type(found).__name__} {str(found)[:80]}")
+    if "command" in value and not all(isinstance(word, str) for word in value["command"]):
+        raise ProvenanceError(f"{place}: 'command' must be a list of strings, got {str(value['command'])[:80]}")

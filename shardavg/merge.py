@@ -20,6 +20,8 @@ import json
 import math
 import os
 import re
+import shutil
+import sys
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, replace
 from fnmatch import fnmatchcase
@@ -28,26 +30,29 @@ from typing import Literal
 
 import torch
 
-from . import provenance, validate
+from . import validate
 from .checkpoint import save_whole
 from .dist import agree_or_raise, all_gathered, distributed, rank, same_everywhere, world_size
-from .errors import CheckpointError
-from .export import cast, cast_dtype, parse_size, write_spread
+from .errors import CheckpointError, ProvenanceError
+from .export import cast, cast_dtype, parse_size, provenance_file, write_spread
 from .format import WEIGHTS_FILE, WEIGHTS_INDEX, DescribedAverage, Description, TensorEntry
 from .logs import log
-from .model_folder import CONFIG, NOT_CARRIED, carried_files, check_tokenizers, files_dtype, write_config
+from .model_folder import CONFIG, NOT_CARRIED, TOKENIZER_FILES, carried_files, files_dtype, write_config
 from .offline import PLAIN_NAME, Rows, slab_shape
 from .options import Options
 from .ownership import LOCK_FILE, export_files, target_path
+from .progress import Progress
 from .provenance import FILE as PROVENANCE
-from .provenance import made_by, of_input
+from .provenance import made_by, manifest_sha256, of_input
 from .rules import SWA
-from .sources import SafetensorsSource, Source, Spec, finished_checkpoints, open_source
-from .storage import Entry, atomic_file, dtype_name, safetensors_metadata
+from .sources import SafetensorsSource, Source, Spec, confined, finished_checkpoints, open_source
+from .storage import Entry, atomic_file, dtype_name, open_regular, safetensors_metadata
 from .weight_files import Slots, WeightPlan, assign, check_output_folder, row_pieces
 
 Output = Literal["safetensors", "shardavg"]
 HF_CONFIGS = ("config.json", "generation_config.json")  # what merges before 0.4 carried, unrecorded
+CHUNK = 2**20  # bytes a carried file is copied by: a 1 GiB tokenizer.model is never held whole
+Carried = dict[str, Path]  # a model folder's files a merge carries: {name: the real file read}
 
 
 def merge(
@@ -69,6 +74,7 @@ def merge(
     max_shard_size: int | str = "5GB",
     output: Output = "safetensors",
     collective: bool = False,
+    progress: Progress | None = None,
 ) -> Path:
     """Write the weighted average of the checkpoints ``inputs`` to ``out``; returns ``out``.
 
@@ -98,13 +104,19 @@ def merge(
         collective: split the work between the ranks of the default process group, each of which
             must call ``merge`` with the same arguments (what ``torchrun -m shardavg merge`` does);
             by default this process merges alone, whatever process group there is.
+        progress: shows the bytes this process writes as it writes them (the command line's, on
+            a terminal); default: nothing shown.
 
     Names tied in any input (an averager's aliases; a Hugging Face folder that stores
     ``lm_head.weight`` once, with the embedding) are one tensor; a model folder then holds it as
     the newest Hugging Face input does. A model folder also receives the newest Hugging Face
     input's other files (config, generation config, tokenizer; the inputs' tokenizers must agree),
-    its ``config.json`` declaring the dtype written. A floating tensor that overflows ``dtype``
-    (an fp16 output beyond 65,504) is refused by name.
+    its ``config.json`` declaring the dtype written; a link there (or among the weights) is
+    followed only within its input (for a snapshot of the Hugging Face cache, to its
+    repository's blobs): one elsewhere is refused by name. The output's provenance is always
+    the merge's own (an input's ``provenance.json`` is recorded in it, never carried; one that
+    cannot be read is recorded as unknown, with a warning). A floating tensor that overflows
+    ``dtype`` (an fp16 output beyond 65,504) is refused by name.
 
     Returns:
         The folder (or checkpoint) written.
@@ -120,6 +132,7 @@ def merge(
     patterns = _patterns("include", include), _patterns("exclude", exclude)
     max_bytes = parse_size(max_shard_size)
     workers = Workers.of(collective)
+    progress = Progress("merge", quiet=True) if progress is None else progress
     sources: list[Source] = []
     try:
         error: Exception | None = None
@@ -128,18 +141,21 @@ def merge(
             _check_out(out, paths, output)
             for path in paths:
                 sources.append(open_source(path, key=key, average=average, prefix=prefix))
+            _check_distinct(sources)
             for source in sources:
                 source.check()
             _tie_saved_once(sources)
             models = [s.model_dir for s in sources if isinstance(s, SafetensorsSource) and s.model_dir is not None]
-            check_tokenizers(models)
+            carried = [_carried(model) for model in models]
+            _check_tokenizers(models, carried)
             plan = _selected(plan_names(sources, model_folder=output == "safetensors"), *patterns)
-            shares = _weights(sources, weights, ema, schedule, normalize)
+            shares = _weights(sources, weights, ema, schedule, normalize, accumulate)
             specs = [_output_spec(planned, sources, dtype) for planned in plan]
             pieces = _pieces(plan, specs, output, workers.count)
             owner = assign([piece.nbytes for piece in pieces], workers.count)
             mine = [piece for piece, writer in zip(pieces, owner) if writer == workers.rank or output == "shardavg"]
             _check_range(sources, shares, plan, specs, mine, accumulate)
+            made = _made(sources, shares, schedule, dtype, workers.count) if workers.rank == 0 else {}
         except Exception as caught:
             error = caught
         workers.agree(error, "checking the merge's inputs")
@@ -150,20 +166,15 @@ def merge(
                 + "; ".join(f"rank {r}: {n} tensors, weights {w}, digest {d[0]:x}" for r, (n, w, d) in enumerate(seen))
                 + ": every worker must see the same checkpoints and be given the same arguments"
             )
-
-        def record() -> dict:  # (made where it is written: the manifests are hashed once)
-            inputs_made = [of_input(Path(s.path), s.step, w, s.run_id) for s, w in zip(sources, shares)]
-            written_dtype = None if dtype is None else dtype_name(dtype)
-            return made_by("merge", workers.count, schedule=schedule, dtype=written_dtype, inputs=inputs_made)
-
         if output == "shardavg":
-            written = _write_checkpoint(Path(out), sources, shares, plan, specs, accumulate, record, workers)
+            written = _write_checkpoint(Path(out), sources, shares, plan, specs, accumulate, made, workers, progress)
         else:
-            folder = Folder(Path(out), models[-1] if models else None, _record(sources, shares), max_bytes)
-            written = folder.write(sources, shares, plan, specs, mine, accumulate, record, workers)
+            folder = Folder(Path(out), carried[-1] if carried else None, _record(sources, shares), max_bytes)
+            written = folder.write(sources, shares, plan, specs, mine, accumulate, made, workers, progress)
         _log_done(sources, plan, written)
         return written
     finally:
+        progress.close()  # (its line ended before any error is said)
         for source in sources:
             source.close()
 
@@ -229,18 +240,20 @@ def _write_checkpoint(
     plan: list[Planned],
     specs: list[Spec],
     accumulate: torch.dtype,
-    record: Callable[[], dict],
+    made: dict,
     workers: Workers,
+    progress: Progress,
 ) -> Path:
-    """The merge as an averager's checkpoint of one rank file (its provenance in the manifest):
-    written by the first worker (one file, with its digest, is one writer's), the others waiting
-    for its verdict."""
+    """The merge as an averager's checkpoint of one rank file (its provenance ``made`` in the
+    manifest): written by the first worker (one file, with its digest, is one writer's), the
+    others waiting for its verdict."""
     error: Exception | None = None
     if workers.rank == 0:
         try:
             whole = [Piece(index, None, 0) for index in range(len(plan))]
-            stream = _merged(sources, shares, plan, specs, whole, accumulate)
-            description = replace(_description(sources, shares, plan, specs), provenance=record())
+            total = sum(math.prod(spec.shape) * spec.dtype.itemsize for spec in specs)
+            stream = progress.counted(_merged(sources, shares, plan, specs, whole, accumulate), total)
+            description = replace(_description(sources, shares, plan, specs), provenance=made)
             out = save_whole(out, description, stream)
         except Exception as caught:
             error = caught
@@ -251,11 +264,12 @@ def _write_checkpoint(
 @dataclass
 class Folder:
     """The merge as a model folder: the weights (``record`` in their metadata, with the files
-    carried), written by every worker, each its share of the tensors by bytes; then the Hugging
-    Face input ``model``'s other files (see ``_carry``), by the first worker."""
+    carried), written by every worker, each its share of the tensors by bytes, and the merge's
+    provenance; then the newest Hugging Face input's other files (``carried``, see ``_carry``),
+    by the first worker."""
 
     out: Path
-    model: Path | None
+    carried: Carried | None
     record: dict
     max_bytes: int
 
@@ -267,13 +281,14 @@ class Folder:
         specs: list[Spec],
         mine: list[Piece],
         accumulate: torch.dtype,
-        record: Callable[[], dict],
+        made: dict,
         workers: Workers,
+        progress: Progress,
     ) -> Path:
         target = target_path(self.out, "merge", replaced_whole=False)
         before = carried_before(target) if target.is_dir() else set()
-        carried = carried_files(self.model) if self.model is not None else []
-        metadata = {"format": "pt", "shardavg": json.dumps(self.record | {"carried": carried})}
+        carried = self.carried or {}
+        metadata = {"format": "pt", "shardavg": json.dumps(self.record | {"carried": sorted(carried)})}
         entries = [Entry(n, spec.dtype, spec.shape) for planned, spec in zip(plan, specs) for n in planned.names]
         weights = WeightPlan(entries, self.max_bytes, metadata)
         first_slot = list(itertools.accumulate((len(p.names) for p in plan), initial=0))
@@ -282,11 +297,13 @@ class Folder:
             try:
                 merged = _merged(sources, shares, plan, specs, mine, accumulate)
                 pieces = iter(mine)
+                progress.start(sum(piece.nbytes for piece in mine))
                 for tensor in merged:  # (not zip: its reused tuple would hold a tensor while the next is merged)
                     piece = next(pieces)
                     for slot in range(first_slot[piece.index], first_slot[piece.index + 1]):
                         slots.write(weights.slots[slot], tensor, piece.rows)
                     del tensor  # before the next one is merged
+                    progress.advance(piece.nbytes)
             except Exception as caught:
                 return caught
             finally:
@@ -297,11 +314,11 @@ class Folder:
         dtype = files_dtype((e.dtype, math.prod(e.shape)) for e in entries)
 
         def finish() -> None:
-            _carry(self.model, carried, before, target, dtype, untied)
-            provenance.write(target, record())
+            _carry(carried, before, target, dtype, untied)
 
         what = f"writing the merge to {self.out}"
-        return write_spread(target, weights, write, what, finish, together=workers.together)
+        beside = provenance_file(made) if workers.rank == 0 else None  # (committed with the weights, by the first)
+        return write_spread(target, weights, write, what, finish, together=workers.together, beside=beside)
 
 
 def _inputs(inputs: Sequence[str | os.PathLike] | str | os.PathLike, last: int | None) -> list[Path]:
@@ -327,6 +344,20 @@ def _inputs(inputs: Sequence[str | os.PathLike] | str | os.PathLike, last: int |
     if twice:
         raise ValueError(f"{twice} given more than once: weight an input with weights= instead")
     return given
+
+
+def _check_distinct(sources: list[Source]) -> None:
+    """Refuse one checkpoint named twice under two names (a folder and its ``model.safetensors``,
+    a link to it): the files their tensors are read from, every link followed, must differ."""
+    seen: dict[Path, Source] = {}
+    for source in sources:
+        for origin in sorted(source.origins()):
+            if origin in seen:
+                raise ValueError(
+                    f"{seen[origin]} and {source} are one checkpoint (both read {origin}): name it once, and weight "
+                    "an input with weights= (--weights) instead"
+                )
+        seen |= dict.fromkeys(source.origins(), source)
 
 
 def _check_out(out: str | os.PathLike, inputs: list[Path], output: Output) -> None:
@@ -355,7 +386,8 @@ def carried_before(out: Path) -> set[str]:
     except (OSError, ValueError, KeyError, TypeError, AttributeError, CheckpointError):
         return set()
     plain = (name for name in carried if isinstance(name, str) and PLAIN_NAME.match(name))
-    return {name for name in plain if not NOT_CARRIED.search(name)}  # (a plain name in OUT, never a weight file)
+    # (a plain name in OUT, never a weight file, nor the provenance, which earlier merges could carry from an input)
+    return {name for name in plain if not NOT_CARRIED.search(name) and name != PROVENANCE}
 
 
 @dataclass(frozen=True)
@@ -508,8 +540,10 @@ def _weights(
     ema: float | None,
     schedule: Schedule | None,
     normalize: bool,
+    accumulate: torch.dtype = torch.float32,
 ) -> list[float]:
-    """Each input's share: summing to 1, unless ``normalize`` is off (given weights as they are)."""
+    """Each input's share: summing to 1, unless ``normalize`` is off (given weights as they are,
+    within what ``accumulate`` holds)."""
     count = len(sources)
     given = [name for name, value in (("weights", weights), ("ema", ema), ("schedule", schedule)) if value is not None]
     if len(given) > 1:
@@ -539,9 +573,18 @@ def _weights(
     if not all(numbers) or not all(math.isfinite(w) for w in weights):
         raise ValueError(f"weights must be finite numbers, got {weights}")
     if not normalize:
+        largest = torch.finfo(accumulate).max
+        if any(abs(w) > largest for w in weights):
+            raise ValueError(
+                f"weights {weights} reach beyond {dtype_name(accumulate)}'s range (up to {largest:.6g}), in which the "
+                "merge accumulates: give smaller weights, or accumulate in float64 (--accumulate float64)"
+            )
         return [float(w) for w in weights]
     if not all(w >= 0 for w in weights):
         raise ValueError(f"weights must be >= 0 to be normalised, got {weights}: pass normalize=False (--raw-weights)")
+    top = max(weights)
+    if top > sys.float_info.max / count:  # (their sum would overflow: the same shares, scaled down)
+        weights = [w / top for w in weights]
     total = math.fsum(weights)
     if not total > 0:
         raise ValueError(f"weights {weights} sum to {total}: at least one must be positive")
@@ -680,22 +723,74 @@ def _description(sources: list[Source], shares: list[float], plan: list[Planned]
     )
 
 
-def _carry(
-    model: Path | None, carried: list[str], before: set[str], out: Path, dtype: torch.dtype | None, untied: bool
-) -> None:
+def _carried(model: Path) -> Carried:
+    """The files a merge of the model folder ``model`` carries (``model_folder.carried_files``) but
+    its provenance (the merge writes its own), each ``confined`` to the input: ``{name: the real
+    file}``. A link that leads elsewhere is refused by name before anything is written."""
+    return {name: confined(model / name, model) for name in carried_files(model) if name != PROVENANCE}
+
+
+def _check_tokenizers(models: list[Path], carried: list[Carried]) -> None:
+    """Refuse inputs whose tokenizer files differ (a merged model has one tokenizer), comparing
+    their digests, read a chunk at a time (a tokenizer model may be large)."""
+    for name in TOKENIZER_FILES:
+        holding = {model: _digest_of(files[name]) for model, files in zip(models, carried) if name in files}
+        if len(set(holding.values())) > 1:
+            last = list(holding)[-1]
+            differ = next(model for model, digest in holding.items() if digest != holding[last])
+            raise CheckpointError(
+                f"the inputs disagree on the tokenizer: {name} of {differ} differs from {last}'s; a merge of models "
+                "with different tokenizers is not one model"
+            )
+
+
+def _digest_of(file: Path) -> bytes:
+    with os.fdopen(open_regular(file), "rb") as handle:
+        return hashlib.file_digest(handle, "sha256").digest()
+
+
+def _carry(carried: Carried, before: set[str], out: Path, dtype: torch.dtype | None, untied: bool) -> None:
     """The newest Hugging Face input's other files (config, generation config, tokenizer, ...) into
     ``out``, so that ``from_pretrained`` loads the merge as the model it is; ``config.json``
     declaring the dtype written (and untied embeddings where the merge unties them). Each file
-    replaces the one an earlier merge there carried, atomically (never written through a link);
-    what an earlier merge carried and this one does not is removed (it belonged to another model)."""
-    for name in carried:
+    is copied a chunk at a time from the real file ``_carried`` found (a regular file, no link
+    followed now) and replaces the one an earlier merge there carried, atomically (never written
+    through a link); what an earlier merge carried and this one does not is removed (it belonged
+    to another model)."""
+    for name, real in carried.items():
         if name == CONFIG:
-            write_config(model / name, out / name, dtype, untied)  # type: ignore[operator]
+            write_config(real, out / name, dtype, untied)
             continue
-        with atomic_file(out / name) as handle:
-            handle.write((model / name).read_bytes())  # type: ignore[operator]
+        with os.fdopen(open_regular(real), "rb") as source, atomic_file(out / name) as handle:
+            shutil.copyfileobj(source, handle, CHUNK)
     for stale in before - set(carried):
         (out / stale).unlink(missing_ok=True)
+
+
+def _made(
+    sources: list[Source], shares: list[float], schedule: Schedule | None, dtype: torch.dtype | None, workers: int
+) -> dict:
+    """The merge's provenance, made before anything is written (so that nothing an input holds can
+    fail it afterwards): each input's path, step, weight, run and manifest digest, and the
+    provenance it recorded, where it can be read (``_input_made``)."""
+    inputs = [_input_made(source, share) for source, share in zip(sources, shares)]
+    written = None if dtype is None else dtype_name(dtype)
+    return made_by("merge", workers, schedule=schedule, dtype=written, inputs=inputs)
+
+
+def _input_made(source: Source, share: float) -> dict:
+    """One input's record (``provenance.of_input``). An input whose own provenance cannot be read
+    (damaged, crafted: nested beyond any merge of merges) is merged all the same, recorded without
+    it (``"provenance_unreadable"``: why), with a warning: it describes how the input was made, not
+    what it holds, which every input is checked for."""
+    try:
+        return of_input(Path(source.path), source.step, share, source.run_id)
+    except ProvenanceError as error:
+        reason = str(error)
+    log.warning("%s: its provenance cannot be read (%s): the merge records it as unreadable", source, reason)
+    made = {"path": str(source.path), "step": source.step, "weight": share, "provenance_unreadable": reason}
+    digest = manifest_sha256(Path(source.path))
+    return made | ({"run_id": source.run_id} if source.run_id else {}) | ({"manifest_sha256": digest} if digest else {})
 
 
 def _log_done(sources: list[Source], plan: list[Planned], out: Path) -> None:

@@ -15,7 +15,7 @@ import json
 import math
 import re
 from collections import Counter
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +24,7 @@ import torch
 from .errors import CheckpointError
 from .format import WEIGHTS_FILE, WEIGHTS_INDEX
 from .storage import SafetensorsFile, atomic_file, dtype_name
+from .weight_files import check_one_export
 
 CONFIG = "config.json"
 # Files a merge does not carry: weights of any kind, adapters, hidden files, training state (a
@@ -87,17 +88,29 @@ def carried_files(folder: Path) -> list[str]:
     return sorted(p.name for p in folder.iterdir() if p.is_file() and not NOT_CARRIED.search(p.name))
 
 
-def check_tokenizers(folders: Sequence[Path]) -> None:
-    """Refuse inputs whose tokenizer files differ: a merged model has one tokenizer."""
-    for name in TOKENIZER_FILES:
-        holding = [folder for folder in folders if (folder / name).is_file()]
-        contents = {folder: (folder / name).read_bytes() for folder in holding}
-        if len(set(contents.values())) > 1:
-            differ = [str(f) for f in holding if contents[f] != contents[holding[-1]]]
-            raise CheckpointError(
-                f"the inputs disagree on the tokenizer: {name} of {differ[0]} differs from {holding[-1]}'s; a merge "
-                "of models with different tokenizers is not one model"
-            )
+def folder_export_id(folder: Path, follow_links: bool = False) -> str | None:
+    """The export id of the model folder ``folder``'s weights (None where they carry none, as
+    files older than export ids or not shardavg's); refused (``check_one_export``) where its
+    index and files belong to different exports. A reader that opens the files itself checks the
+    metadata of those it holds open with ``check_one_export`` instead. ``follow_links``: read
+    through links (the Hugging Face cache's)."""
+    weights = weights_of(folder)
+    if not weights.name.endswith(".index.json"):
+        with SafetensorsFile.open(weights, follow_links=follow_links) as file:
+            return check_one_export([(str(weights), file.metadata)])
+    try:
+        index = json.loads(weights.read_text())
+        names = sorted(set(index["weight_map"].values()))
+        metadata = index.get("metadata")
+    except (OSError, ValueError, TypeError, KeyError, AttributeError) as error:
+        raise CheckpointError(f"cannot read {weights}: {error}") from None
+    if not all(isinstance(name, str) and name not in ("", ".", "..") and Path(name).name == name for name in names):
+        raise CheckpointError(f"{weights}: 'weight_map' must map tensor names to file names in its folder")
+    found: list[tuple[str, Any]] = [(str(weights), metadata)]
+    for name in names:
+        with SafetensorsFile.open(folder / name, follow_links=follow_links) as file:
+            found.append((str(folder / name), file.metadata))
+    return check_one_export(found)
 
 
 def files_dtype(dtypes: Iterable[tuple[torch.dtype, int]]) -> torch.dtype | None:

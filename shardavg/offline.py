@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from .errors import CheckpointError
-from .format import DCP_METADATA, MANIFEST, STEP_DIR, TensorEntry, decode_description, tensor_key
+from .format import DCP_METADATA, MANIFEST, MANIFEST_LIMIT, STEP_DIR, TensorEntry, decode_description, tensor_key
 from .parts import Box, Part, tiles, within
 from .reading import open_checkpoint
 from .validate import is_count
@@ -345,6 +345,9 @@ def read_dcp_metadata(path: str | os.PathLike) -> Any:
     where = Path(path) / DCP_METADATA
     if not _regular(where):
         raise CheckpointError(f"{where} is missing or not a regular file: not a DCP checkpoint")
+    size = where.stat().st_size
+    if size > MANIFEST_LIMIT:  # (a crafted one would be read whole before the unpickler refuses it)
+        raise CheckpointError(f"{where} is {size} bytes, more than DCP metadata may hold here ({MANIFEST_LIMIT} bytes)")
     try:
         with open(where, "rb") as handle:
             metadata = _MetadataUnpickler(handle, str(where)).load()

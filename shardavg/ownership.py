@@ -34,7 +34,10 @@ from .format import CHECKPOINT_FILE, MANIFEST, WEIGHTS_INDEX
 from .storage import INCOMPLETE, safetensors_metadata
 
 STAGING_MARKER = ".shardavg-staging"
-EXPORT_FILE = re.compile(r"^(model\.safetensors|model-\d{5}-of-\d{5}\.safetensors|model\.safetensors\.index\.json)$")
+# an export's weight files (a split model's with its export id in their names; without: older exports)
+EXPORT_FILE = re.compile(
+    r"^(model\.safetensors|model-([0-9a-f]{12}-)?\d{5}-of-\d{5}\.safetensors|model\.safetensors\.index\.json)$"
+)
 LOCK_FILE = ".shardavg.lock"  # a writer's lock inside the folder it writes
 
 

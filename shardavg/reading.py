@@ -21,9 +21,9 @@ import warnings
 from pathlib import Path
 
 from .errors import CheckpointError
-from .format import MANIFEST, SAVE_ID_KEY, STEP_DIR, Description, parse_manifest
+from .format import MANIFEST, SAVE_ID_KEY, STEP_DIR, Description, parse_manifest, read_manifest_bytes
 from .ownership import is_own_checkpoint
-from .storage import SafetensorsFile, open_regular, replaced_path
+from .storage import SafetensorsFile, replaced_path
 from .validate import is_count
 
 ATTEMPTS = 10  # newer saves a reader follows before it gives up
@@ -39,11 +39,13 @@ class CheckpointReplaced(CheckpointError):
 def _sequence(path: Path) -> int:
     """The save's place in its directory's history (older checkpoints without one come first)."""
     try:
-        meta = json.loads((path / MANIFEST).read_text())
+        meta = json.loads(read_manifest_bytes(path / MANIFEST))
     except FileNotFoundError:
         raise
+    except CheckpointError:
+        raise
     except (OSError, UnicodeDecodeError, ValueError, RecursionError) as error:
-        raise CheckpointError(f"cannot read {path / MANIFEST}: {error}") from error
+        raise CheckpointError(f"cannot read {path / MANIFEST}: {error}") from None
     sequence = meta.get("sequence", -1) if isinstance(meta, dict) else None
     if not is_count(sequence, -1):
         raise CheckpointError(f"{path / MANIFEST}: 'sequence' must be an integer, got {sequence!r}")
@@ -133,11 +135,9 @@ class OpenCheckpoint:
 
     def _read_manifest(self) -> bytes:
         try:
-            fd = open_regular(MANIFEST, self._dir, self.path / MANIFEST)
+            return read_manifest_bytes(MANIFEST, self._dir, self.path / MANIFEST)
         except FileNotFoundError:
             raise self._missing(MANIFEST) from None
-        with os.fdopen(fd, "rb") as handle:
-            return handle.read()
 
     def _missing(self, name: str) -> CheckpointError:
         """Why ``name`` is not in the opened directory: a newer save replaced it, or committed beside

@@ -31,6 +31,7 @@ from .model_folder import weights_of
 from .offline import PLAIN_NAME, DcpFolder, Rows, SavedAverage, check_dcp_items, slab_shape
 from .storage import SafetensorsFile
 from .validate import is_count
+from .weight_files import check_one_export
 
 RUN_MARKER = "train.json"  # a main-job checkpoint: its step, and every file's hash
 DEEPSPEED_FILE = re.compile(r"^(?:zero_pp_rank_\d+_)?(?:mp_rank_\d+_)?(?:model|optim)_states\.pt$")
@@ -43,6 +44,7 @@ NOT_MODEL_KEYS = frozenset({
     "training_state", "rng", "rng_state", "rng_states", "step", "epoch", "extra_state",
 })  # fmt: skip
 RUN_FOLDERS = ("checkpoints", "checkpoint")  # the main job's; torchtitan's
+HUB_REPOSITORY = re.compile(r"^(models|datasets|spaces)--.")  # the Hugging Face cache's folder of one repository
 
 
 @dataclass(frozen=True)
@@ -77,6 +79,11 @@ class Source(ABC):
 
     def check(self) -> None:
         """Every tensor's location checked against the files, reading no tensor data."""
+
+    def origins(self) -> frozenset[Path]:
+        """Where its tensors are read from, every link followed: two inputs that share one are the
+        same checkpoint named twice (a folder and its ``model.safetensors``, a link to it)."""
+        return frozenset([self.path.resolve()])
 
     def close(self) -> None:
         """Let go of open files."""
@@ -147,7 +154,8 @@ def model_tensors(folder: DcpFolder, prefix: str | None = None) -> tuple[dict[st
     2025, ``{"model": model_sd, "optimizer": ...}``), else the tensors saved at the top level
     (current torchtitan, ``dcp.save(get_model_state_dict(model))``), never an entry nested under
     another key (``optimizer``, ``lr_scheduler``, ``dataloader``, ``train_state``, an averager).
-    ``prefix`` names the entry holding the model (``"model."``); ``""`` is the top level.
+    ``prefix`` names the entry holding the model (``"model."``, or ``"model"``: a prefix is whole
+    components of the names, never a part of one); ``""`` is the top level.
     """
     entries = folder.metadata.state_dict_metadata
     tensors = {str(key): stored for key, stored in entries.items() if isinstance(getattr(stored, "chunks", None), list)}
@@ -157,6 +165,7 @@ def model_tensors(folder: DcpFolder, prefix: str | None = None) -> tuple[dict[st
         nested = any(len(path) > 1 and path[0] == MODEL_KEY for path in paths.values())
         prefix = f"{MODEL_KEY}." if nested else ""
     if prefix:
+        prefix = prefix if prefix.endswith(".") else f"{prefix}."  # (``mod`` is ``mod.``, never ``model.``'s start)
         key = prefix.removesuffix(".")
         if key in NOT_MODEL_KEYS or key in averagers:
             what = "an averager (merge it with --key)" if key in averagers else "training state, not a model"
@@ -202,15 +211,18 @@ class SafetensorsSource(Source):
     """A Hugging Face model: one ``.safetensors`` file, or a folder holding one (or a sharded model
     and its ``*.safetensors.index.json``). Every file's header is checked when it is opened:
     a truncated or foreign file is refused before anything is merged. Links to regular files are
-    followed (the Hugging Face cache's snapshots link to its blobs). ``model_dir``: the model
-    folder (also of a file named that is its folder's weights); ``ties_embeddings``: its config
-    ties the output embedding to the input one (which Transformers then saves once)."""
+    followed within the input (the Hugging Face cache's snapshots link to its blobs: see
+    ``confined``). ``model_dir``: the model folder (also of a file named that is its folder's
+    weights); ``ties_embeddings``: its config ties the output embedding to the input one (which
+    Transformers then saves once)."""
 
     def __init__(self, path: Path) -> None:
         self.path, self.files = path, []
         try:
-            names = self._weight_map(path)
-            self.files = [SafetensorsFile.open(file, follow_links=True) for file in sorted(set(names.values()))]
+            names, index = self._weight_map(path)
+            self.real = {file: _real(file, path) for file in sorted(set(names.values()))}
+            self.files = [SafetensorsFile.open(real, where=file) for file, real in self.real.items()]
+            check_one_export(index + [(str(file.where), file.metadata) for file in self.files])  # (one export)
             by_path = {Path(file.where): file for file in self.files}
             self.where = {name: by_path[file] for name, file in names.items()}
             self.specs = {}
@@ -227,14 +239,20 @@ class SafetensorsSource(Source):
             raise
 
     @staticmethod
-    def _weight_map(path: Path) -> dict[str, Path]:
+    def _weight_map(path: Path) -> tuple[dict[str, Path], list[tuple[str, Any]]]:
         """Which file holds each tensor: the index's map, or every tensor of the one file (a
-        folder's by Transformers' conventions, see ``model_folder.weights_of``)."""
+        folder's by Transformers' conventions, see ``model_folder.weights_of``); and the index's
+        ``(where, metadata)``, if there is one, for ``check_one_export``."""
         weights = path if path.is_file() else weights_of(path)
         if weights.name.endswith(".index.json"):
-            return _index(weights)
-        with SafetensorsFile.open(weights, follow_links=True) as file:
-            return dict.fromkeys(file.tensors, weights)
+            _real(weights, path)
+            weight_map, metadata = _index(weights)
+            return weight_map, [(str(weights), metadata)]
+        with SafetensorsFile.open(_real(weights, path), where=weights) as file:
+            return dict.fromkeys(file.tensors, weights), []
+
+    def origins(self) -> frozenset[Path]:
+        return frozenset(self.real.values())
 
     def _step(self) -> int | None:
         """The step a shardavg export recorded in its metadata, else the folder's name's."""
@@ -257,6 +275,38 @@ class SafetensorsSource(Source):
             file.close()
 
 
+def _real(file: Path, given: Path) -> Path:
+    """Where the file ``file`` of the input ``given`` lies: the file named itself wherever it links
+    (the user chose it), any other ``confined`` to its folder."""
+    if file == given:
+        return file.resolve()
+    return confined(file, given if given.is_dir() else given.parent)
+
+
+def confined(file: Path, folder: Path) -> Path:
+    """The real path of ``file``, a file of the model folder ``folder``, every link followed; refused
+    unless it lies within the folder or, for a snapshot of the Hugging Face cache
+    (``models--ORG--NAME/snapshots/REV/``, or a folder within one), its repository's ``blobs/``.
+    A link elsewhere (``tokenizer.json -> /etc/passwd``) would carry another file into the merge,
+    a folder its user publishes."""
+    try:
+        real, home = file.resolve(strict=True), folder.resolve(strict=True)
+    except (OSError, RuntimeError) as error:  # (a missing target, a loop of links)
+        raise CheckpointError(f"cannot follow the links of {file}: {error}") from None
+    trees = [home]
+    for revision in (home, *home.parents):
+        if revision.parent.name == "snapshots" and HUB_REPOSITORY.match(revision.parent.parent.name):
+            trees.append(revision.parent.parent / "blobs")
+            break
+    if not any(real.is_relative_to(tree) for tree in trees):
+        within = f"{folder}" + (f" or {trees[1]}" if len(trees) > 1 else "")
+        raise CheckpointError(
+            f"{file} links to {real}, outside {within}: a merge reads and carries only its inputs' own files; "
+            "copy the file into the folder if it belongs to the model"
+        )
+    return real
+
+
 def _model_dir_of(file: Path) -> Path | None:
     """The model folder a safetensors file named alone belongs to: its folder, where that folder
     holds a ``config.json`` and this file is its weights (a file among others is alone)."""
@@ -277,10 +327,11 @@ def _ties_embeddings(folder: Path) -> bool:
     return isinstance(config, dict) and config.get("tie_word_embeddings", True) is not False
 
 
-def _index(index: Path) -> dict[str, Path]:
-    """A Hugging Face index's ``weight_map``, every file a plain name in the index's folder."""
+def _index(index: Path) -> tuple[dict[str, Path], Any]:
+    """A Hugging Face index's ``weight_map``, every file a plain name in the index's folder, and its ``metadata``."""
     try:
-        weight_map = json.loads(index.read_text()).get("weight_map")
+        content = json.loads(index.read_text())
+        weight_map, metadata = content.get("weight_map"), content.get("metadata")
     except (OSError, UnicodeDecodeError, ValueError, AttributeError) as error:
         raise CheckpointError(f"cannot read {index}: {error}") from None
     if not isinstance(weight_map, dict) or not all(
@@ -290,7 +341,7 @@ def _index(index: Path) -> dict[str, Path]:
     missing = sorted({v for v in weight_map.values() if not (index.parent / v).is_file()})
     if missing:
         raise CheckpointError(f"{index} names files that are missing: {missing}")
-    return {name: index.parent / file for name, file in weight_map.items()}
+    return {name: index.parent / file for name, file in weight_map.items()}, metadata
 
 
 def _step_of(folder: Path) -> int | None:

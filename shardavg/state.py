@@ -210,6 +210,7 @@ class AverageState:
             )
         self.infos = infos
         self.watch.reset(self.strategy.model.modules())
+        self.updater.guard_forwards()  # (a module that writes its weights in its forward may be new)
         self.updater.follow(self.strategy.local_views())
 
     # ------------------------------------------------------------------ reading
@@ -224,6 +225,8 @@ class AverageState:
         return self.average(average).shadows[index].detach().reshape(-1)  # type: ignore[union-attr]
 
     def require_updates(self, what: str) -> None:
+        """Before the average is read: it holds updates, and none read weights being written (``torn``)."""
+        self.updater.require_whole(what)
         self.updater.settle()
         if self.num_updates == 0:
             raise RuntimeError(

@@ -21,7 +21,7 @@ import os
 import shutil
 import stat
 import struct
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -283,6 +283,31 @@ def open_regular(
     return fd
 
 
+def read_bounded(
+    name: str | Path,
+    limit: int,
+    too_large: Callable[[int], Exception],
+    dir_fd: int | None = None,
+    where: str | Path | None = None,
+    follow_links: bool = False,
+) -> bytes:
+    """The whole regular file ``name`` (opened as ``open_regular`` does), or ``too_large(size)``
+    raised when it holds more than ``limit`` bytes: its size is checked before anything is read,
+    and no more than ``limit + 1`` bytes are read (a file that grows meanwhile is refused too), so
+    a crafted file never costs more memory than the limit (a file of its size, no more)."""
+    fd = open_regular(name, dir_fd, where, follow_links)
+    with os.fdopen(fd, "rb") as handle:
+        size = os.fstat(fd).st_size
+        if size > limit:
+            raise too_large(size)
+        data = handle.read(size + 1)  # (a buffer of the file's size: read(n) allocates n first)
+        if len(data) > size:  # it grew since: read on, up to the limit
+            data += handle.read(limit + 1 - len(data))
+    if len(data) > limit:
+        raise too_large(len(data))
+    return data
+
+
 @dataclass(frozen=True)
 class StoredTensor:
     """Where a tensor's bytes lie in a safetensors file."""
@@ -380,11 +405,13 @@ class SafetensorsFile:
             is_count(n) and n < 2**63 for n in counts
         ):
             raise self._invalid(f"{key!r} has shape {str(shape)[:80]} and offsets {str(offsets)[:80]}")
-        numel = 1
-        for dim in shape:
+        numel = 0 if 0 in shape else 1
+        for dim in shape if numel else ():
             numel *= dim
+            if numel > self.size:  # (anyone's shape: [2**62] * 100,000 would multiply for minutes)
+                raise self._invalid(f"{key!r}: shape {str(shape)[:80]} holds more elements than the file has bytes")
         if offsets[1] - offsets[0] != numel * CODE_DTYPES[dtype].itemsize:
-            raise self._invalid(f"{key!r}: shape {shape} does not fill bytes {offsets}")
+            raise self._invalid(f"{key!r}: shape {str(shape)[:80]} does not fill bytes {offsets}")
         return StoredTensor(CODE_DTYPES[dtype], tuple(shape), data_start + offsets[0], data_start + offsets[1])
 
     def checked(self, key: str, dtype: str, length: int) -> StoredTensor:

@@ -4,6 +4,10 @@ Shard-local: each rank writes its shadows into its own local views (under FSDP a
 forward then gathers the averaged shards as it gathers the live ones). Where every rank holds
 the whole live tensors but averages a part of them (ZeRO-1/2 fp32 masters), the average is
 gathered into them instead: a collective.
+
+Both write the live weights, which another averager of the same model may be reading in the
+background: each write (on entering a ``swapped()`` block, on leaving it, ``copy_into_model``)
+first waits for every update in flight in the process (``wait_for_every_update``).
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ from collections.abc import Iterator
 
 import torch
 
+from .background import wait_for_every_update
 from .state import AverageState
 
 
@@ -35,6 +40,7 @@ def swapped(state: AverageState, average: str | None) -> Iterator[None]:
         ModelChangedError: The model's tensors are no longer those the averager was built on.
     """
     indices = _stored(state, average, "swapped()", "swapped() blocks cannot be nested")
+    wait_for_every_update()
     targets = state.strategy.swap_views()  # the tensors the forward reads
     with torch.no_grad():
         stash = [targets[index].clone() for index in indices]
@@ -43,11 +49,14 @@ def swapped(state: AverageState, average: str | None) -> Iterator[None]:
         _write(state, targets, indices, average)
         yield
     finally:
-        with torch.no_grad():
-            targets = state.strategy.swap_views()  # the engine may have re-created views inside the block
-            torch._foreach_copy_([targets[i] for i in indices], stash)
-            state.strategy.release_gathered()
-        state.swapped = False
+        try:
+            wait_for_every_update()  # (another averager's update may have started inside the block)
+        finally:  # (the live weights come back even if an interrupt cut that wait short)
+            with torch.no_grad():
+                targets = state.strategy.swap_views()  # the engine may have re-created views inside the block
+                torch._foreach_copy_([targets[i] for i in indices], stash)
+                state.strategy.release_gathered()
+            state.swapped = False
         state.updater.follow(state.current_views())
 
 
@@ -65,6 +74,7 @@ def copy_into_model(state: AverageState, average: str | None) -> None:
     """
     nested = "copy_into_model() inside swapped(): the live model holds averaged weights already"
     indices = _stored(state, average, "copy_into_model()", nested)
+    wait_for_every_update()
     _write(state, state.strategy.swap_views(), indices, average)
     state.updater.follow(state.current_views())
 

@@ -35,6 +35,8 @@ from typing import Any
 from .errors import LayoutError
 from .parts import Block, Box, Part, intersect, tiles
 
+LAYOUT_BOXES = 2**22  # boxes a layout read from a file may cut a tensor into, over all its parts
+# (4,096 ranks of FSDP2 over 64-way tensor parallelism: 262,144)
 Owned = tuple[int, Part]  # (owner rank, the part of the tensor it owns: no lower rank holds it)
 Placement = tuple  # ("replicate",), ("shard", dim) or ("strided_shard", dim, split_factor)
 
@@ -107,8 +109,11 @@ def world_grid(world_size: int) -> Grid:
 
 
 def grid_from_json(value: Any) -> Grid:
+    """A grid from its JSON form (checked by ``format.py`` first); 0 .. n-1 left out stays a ``range``."""
     shape = tuple(value["shape"])
-    return make_grid(shape, value.get("ranks", range(math.prod(shape))))
+    if "ranks" not in value:
+        return Grid(shape, range(math.prod(shape)))
+    return make_grid(shape, value["ranks"])
 
 
 class TensorLayout:
@@ -478,9 +483,27 @@ def _box_index(layout: TensorLayout) -> _BoxIndex:
 Runs = tuple[tuple[int, int], ...]  # (first index, length) of each run of consecutive indices
 
 
+def most_boxes(layout: MeshLayout) -> int:
+    """At most how many boxes ``layout``'s distinct parts hold, all together, from its rule alone
+    (nothing worked out): a ``Shard`` keeps a dim's runs of indices (it slices them), a
+    ``_StridedShard`` of split factor ``f`` adds at most ``f - 1`` (its pieces' boundaries, no more
+    pieces than indices), a part's boxes are the product of its dims' runs, and the distinct
+    parts the product of the sharding grid dims' sizes."""
+    if not math.prod(layout.shape):
+        return 0
+    runs = [1] * len(layout.shape)
+    parts = 1
+    for size, placement in zip(layout.grid.shape, layout.placements):
+        if placement[0] != "replicate":
+            parts *= size
+        if placement[0] == "strided_shard":
+            runs[placement[1]] += min(placement[2], layout.shape[placement[1]]) - 1
+    return math.prod(runs) * parts
+
+
 def _mesh_part(layout: MeshLayout, rank: int) -> Part:
     coordinate = layout.grid.coordinate(rank)
-    if coordinate is None:
+    if coordinate is None or not math.prod(layout.shape):
         return Part.empty(layout.shape)
     runs = []
     for dim, size in enumerate(layout.shape):
@@ -506,7 +529,8 @@ def _dim_runs(size: int, acting: tuple[tuple[int, int, int], ...]) -> Runs:
     runs: Runs = ((0, size),) if size else ()
     for count, split_factor, index in acting:
         if split_factor:  # _StridedShard: torch.chunk in split_factor, each piece in count, index-th of each
-            pieces = [_chunk(runs, split_factor, piece) for piece in range(split_factor)]
+            total = sum(length for _, length in runs)  # (torch.chunk makes no more pieces than indices)
+            pieces = [_chunk(runs, split_factor, piece) for piece in range(min(split_factor, total))]
             runs = tuple(run for piece in pieces for run in _chunk(piece, count, index))
         else:
             runs = _chunk(runs, count, index)

@@ -6,6 +6,15 @@ shadows and casts (``staging.py``); it screens them for NaN and infinity, on the
 accelerator without a host read (the verdicts read later, ``settle``); it looks up each rule's
 weight; and it is the one place that counts an update, applied or skipped. No collective runs
 here.
+
+In the background (``background.py``) it also checks that nothing wrote the live shards while
+the thread read them: each tensor's version counter, which every in-place write through the
+tensor moves (``copy_``, ``load_state_dict``, an update under ``no_grad``; a DTensor parameter
+and its local shard each keep their own), is read when ``update()`` hands the update off and
+again when the reads are over. A moved counter marks the average torn (``torn``): the update
+averaged a mix of old and new values, so every later use of the average is refused until it is
+restored (``forget``). Writes that bypass the counters (through ``.data``, or by pointer, as
+non-torch kernels do) are not seen.
 """
 
 from __future__ import annotations
@@ -13,6 +22,7 @@ from __future__ import annotations
 import operator
 import warnings
 from collections import deque
+from collections.abc import Callable
 from typing import Protocol
 
 import torch
@@ -36,6 +46,8 @@ from .fused import (
 from .options import Options, Role
 from .rules import LerpRule, Rule
 from .staging import Stager
+from .strategies import Strategy
+from .strategies.dtensor import is_dtensor, local_view
 
 MAX_PENDING = 64  # updates whose non-finite verdict the host may not have read yet
 
@@ -45,6 +57,7 @@ class Averaged(Protocol):
     averages, the settings, and the counters it alone counts."""
 
     infos: list
+    strategy: Strategy
     live: list[torch.Tensor]
     roles: list[Role]
     averages: dict
@@ -61,15 +74,21 @@ class Averaged(Protocol):
 class Updater:
     """The update of one ``AverageState``. Its public attributes are for tests and tools:
     ``groups`` (the fused groups, the same objects while nothing changes), ``stager``,
-    ``pending`` (updates whose device-side verdict is not read yet) and ``on_device`` (True: keep
-    the non-finite check on the device, its verdict read later; see ``check_on_device``)."""
+    ``pending`` (updates whose device-side verdict is not read yet), ``on_device`` (True: keep
+    the non-finite check on the device, its verdict read later; see ``check_on_device``) and
+    ``torn`` (in the background: why the average cannot be trusted, once a write it did not wait
+    for was seen; None while it can)."""
 
     def __init__(self, state: Averaged) -> None:
         self.state = state
         self.background = Background() if state.options.background else None
         self.snapshots: dict[int, torch.Tensor] = {}  # in the background: the buffers as update() found them
         self.snapshot_pointers: list[int] = []  # where the buffers copied into them were
+        self.watched: list[torch.Tensor] = []  # in the background: what the thread reads, by version counter
+        self.watched_names: list[str] = []  # the tensor each belongs to
+        self.torn: str | None = None
         self.groups: list[UpdateGroup] = self._group()
+        self.guard_forwards()
         self.stager = Stager()  # staging buffers for offloaded shadows and casts, kept between updates
         self.on_device = False
         # The check on an accelerator: verdicts not yet read, by step; each lerp rule's weights by
@@ -84,6 +103,7 @@ class Updater:
         """Take ``step`` (one more than the last when None); average the live shards in when the
         step is due. Returns whether an update was applied (in the background: started)."""
         self.wait()
+        self.require_whole("update()")
         state = self.state
         state.step = self.next_step(step)
         if not state.options.due(state.step):
@@ -94,13 +114,47 @@ class Updater:
                 return self._average()
             if self.snapshots:  # what the next forward may write before the update reads it
                 torch._foreach_copy_(list(self.snapshots.values()), [state.live[i] for i in self.snapshots])
-        self.background.start(state.step, self._average, (group.live_tensors[0].device for group in self.groups))
+        devices = (group.live_tensors[0].device for group in self.groups)
+        self.background.start(state.step, self._average, devices, self._unwritten(state.step))
         return True
 
     def wait(self) -> None:
         """Collect the update running in the background, if any (raising what it raised)."""
         if self.background is not None:
             self.background.wait()
+
+    def require_whole(self, what: str) -> None:
+        """Refuse ``what`` while the average is torn (a background update read weights being written)."""
+        if self.torn is not None:
+            raise RuntimeError(
+                f"{what} refused: the average cannot be trusted, {self.torn}; restore it first "
+                "(load(), load_state_dict() or restart(step))"
+            )
+
+    def guard_forwards(self) -> None:
+        """In the background: the forwards that write the model's parameters wait for the update."""
+        if self.background is not None:
+            self.background.guard(self.state.strategy.model.modules())
+
+    def _unwritten(self, step: int) -> Callable[[], None]:
+        """The check that nothing wrote what the update of ``step`` reads, its versions read now."""
+        watched, names = self.watched, self.watched_names
+        before = [tensor._version for tensor in watched]
+
+        def verify() -> None:
+            after = [tensor._version for tensor in watched]
+            if after == before:
+                return
+            written = list(dict.fromkeys(name for name, old, new in zip(names, before, after) if old != new))
+            self.torn = f"{written} were written while the background update of step {step} read them on rank {rank()}"
+            raise RuntimeError(
+                f"{self.torn}, by something it does not wait for (model.load_state_dict, a hand-written update, an "
+                "optimizer that is not a torch.optim.Optimizer): that update averaged a mix of their old and new "
+                "values, so the average is refused until restored (load(), load_state_dict() or restart(step)); "
+                "call avg.wait() before writing the live weights other than through an optimizer's step()"
+            )
+
+        return verify
 
     def _average(self) -> bool:
         """The update of a due step, its groups current: checked, applied and counted."""
@@ -261,9 +315,10 @@ class Updater:
         self._counted(applied=False)
 
     def forget(self) -> None:
-        """Drop what the device holds of the counts: the state's counters were just restored."""
+        """Drop what the device holds of the counts, and a torn mark: the state was just restored."""
         self.device_counters.clear()
         self.pending.clear()
+        self.torn = None
 
     # ------------------------------------------------------------------ grouping
 
@@ -286,4 +341,17 @@ class Updater:
             self.snapshots = {index: torch.empty_like(state.live[index]) for index in buffers}
             self.snapshot_pointers = [data_ptr(state.live[index]) for index in buffers]
             live_tensors = [self.snapshots.get(index, live) for index, live in enumerate(state.live)]
+            self._watch()
         return group_tensors(state.roles, [a.shadows for a in state.averages.values()], live_tensors)
+
+    def _watch(self) -> None:
+        """What the thread reads of the live model, to check by version counter: each live shard
+        it reads (the buffers are read from their snapshots), and the DTensor parameter around it,
+        through which ``load_state_dict`` and updates under ``no_grad`` write."""
+        state = self.state
+        wrappers = {id(local_view(p)): p for p in state.strategy.model.parameters() if is_dtensor(p)}
+        read = [i for i, role in enumerate(state.roles) if role != "live" and i not in self.snapshots]
+        pairs = [(state.live[i], i) for i in read]
+        pairs += [(wrappers[id(state.live[i])], i) for i in read if id(state.live[i]) in wrappers]
+        self.watched = [tensor for tensor, _ in pairs]
+        self.watched_names = [state.infos[index].name for _, index in pairs]

@@ -66,3 +66,19 @@ def average_names(names: list[Any]) -> None:
 def is_count(value: Any, minimum: int = 0) -> bool:
     """Whether ``value`` is an int (a bool is not) of at least ``minimum``: the one test of a count."""
     return isinstance(value, int) and not isinstance(value, bool) and value >= minimum
+
+
+def nesting(value: Any, limit: int) -> int:
+    """How many arrays and objects deep parsed JSON ``value`` goes (0 for a scalar), counted
+    without recursion and given up just past ``limit``: what is refused past a limit can never make
+    a later recursive walk (showing it, writing it again) overflow the stack."""
+    deepest, pending = 0, [(value, 1)]
+    while pending:
+        item, depth = pending.pop()
+        if not isinstance(item, (dict, list)):
+            continue
+        deepest = max(deepest, depth)
+        if deepest > limit:
+            break
+        pending.extend((child, depth + 1) for child in (item.values() if isinstance(item, dict) else item))
+    return deepest

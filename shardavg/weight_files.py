@@ -3,14 +3,24 @@ or by many at once.
 
 The plan is the same wherever it is made: the entries (one per tensor name, in order) are split
 into files of at most ``max_shard_size`` (one ``model.safetensors``, or
-``model-0000k-of-0000N.safetensors`` with ``model.safetensors.index.json``), and every entry's
-byte offset in its file follows from the headers alone. So one process (the committer) creates
-every file at its final size under its temporary name (``.NAME.incomplete``), any process
-writes any entry's bytes at their offset (``Slots``), and the committer, once every writer has
-finished, moves the files into place, the index last, and removes the previous export's other
-weight files. Until then the folder holds the previous export whole, or none; temporary files a
-killed write left are replaced by the next one. Other files in the folder (a ``config.json``, a
-tokenizer) are never touched.
+``model-ID-0000k-of-0000N.safetensors`` with ``model.safetensors.index.json``), and every entry's
+byte offset in its file follows from the headers alone. Every export has an id of its own (random,
+agreed by its writers), written into every file's metadata and the index's, and into the names of
+a split model's files: so a reader that reads the index first, as Transformers does, gets the files
+of the export the index belongs to, or (once a later export removed them) none, never a mix; and
+``check_one_export`` lets a reader refuse a mix of files that carry different ids.
+
+One process (the committer) creates every file at its final size under its temporary name
+(``.NAME.incomplete``), with the index and the files that go beside the weights (provenance), so
+that everything in the way of a name it writes is found before anything is committed; any process
+writes any entry's bytes at their offset (``Slots``), after reading back the header, and so this
+export's id, through the descriptor it writes with (a folder that is not the same on every writer,
+a node-local disk holding an earlier export's leftover, is refused rather than written with
+zeros); and the committer, once every writer has finished, moves the files into place, the index
+after the weights, and only then removes the previous export's weight files. Until then the
+folder holds the previous export whole, or none; temporary files a killed write left are replaced
+or removed by the next one. Other files in the folder (a ``config.json``, a tokenizer) are never
+touched.
 """
 
 from __future__ import annotations
@@ -20,19 +30,23 @@ import ctypes
 import json
 import math
 import os
-from collections.abc import Sequence
+import re
+import stat
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
+from .dist import rank
 from .errors import CheckpointError, ExportError
 from .format import DCP_METADATA, MANIFEST, WEIGHTS_FILE, WEIGHTS_INDEX
 from .ownership import enclosing_checkpoint, export_files
+from .provenance import FILE as PROVENANCE
 from .provenance import check_replaceable
 from .storage import (
     Entry,
-    atomic_file,
     commit_file,
     discard_staged,
     fsync_dir,
@@ -40,6 +54,10 @@ from .storage import (
     safetensors_header,
     staging_path,
 )
+
+EXPORT_ID = "export_id"  # the metadata key of an export's id, in every weight file and the index
+EXPORT_ID_FORM = re.compile(r"^[0-9a-f]{12}$")  # fixed length: the headers' sizes do not depend on it
+UNNAMED = "0" * 12  # the id of a plan not yet given its export's (sizes and offsets are the same)
 
 
 def plan_files(entries: list[Entry], max_bytes: int) -> list[list[Entry]]:
@@ -65,16 +83,26 @@ class Slot:
 
 
 class WeightPlan:
-    """The weight files of one export: their names, headers and sizes, and each entry's slot."""
+    """The weight files of one export: their names, headers and sizes, and each entry's slot.
 
-    def __init__(self, entries: list[Entry], max_bytes: int, metadata: dict[str, str]) -> None:
+    ``export_id`` (12 hex digits) goes into every file's metadata, the index's and the names of
+    a split model's files; its length is fixed, so the slots and sizes are the same whatever the
+    id (``with_id`` gives the same plan under the export's own)."""
+
+    def __init__(
+        self, entries: list[Entry], max_bytes: int, metadata: dict[str, str], export_id: str = UNNAMED
+    ) -> None:
+        if not EXPORT_ID_FORM.match(export_id):
+            raise ValueError(f"an export id is 12 hex digits, got {export_id!r}")
+        self.entries, self.max_bytes, self.metadata, self.export_id = entries, max_bytes, metadata, export_id
         files = plan_files(entries, max_bytes)
         self.names = (
             [WEIGHTS_FILE]
             if len(files) == 1
-            else [f"model-{k:05d}-of-{len(files):05d}.safetensors" for k in range(1, len(files) + 1)]
+            else [f"model-{export_id}-{k:05d}-of-{len(files):05d}.safetensors" for k in range(1, len(files) + 1)]
         )
-        self.headers = [safetensors_header(planned, metadata) for planned in files]
+        identified = metadata | {EXPORT_ID: export_id}
+        self.headers = [safetensors_header(planned, identified) for planned in files]
         self.sizes = []
         self.slots: list[Slot] = []
         for number, (planned, header) in enumerate(zip(files, self.headers)):
@@ -86,9 +114,17 @@ class WeightPlan:
         self.index = None
         if len(files) > 1:
             self.index = {
-                "metadata": {"total_size": sum(e.nbytes for e in entries), "shardavg": metadata["shardavg"]},
+                "metadata": {
+                    "total_size": sum(e.nbytes for e in entries),
+                    "shardavg": metadata["shardavg"],
+                    EXPORT_ID: export_id,
+                },
                 "weight_map": {slot.entry.key: self.names[slot.file] for slot in self.slots},
             }
+
+    def with_id(self, export_id: str) -> WeightPlan:
+        """The same plan (slots, sizes) as the export ``export_id``'s."""
+        return WeightPlan(self.entries, self.max_bytes, self.metadata, export_id)
 
     @property
     def total_bytes(self) -> int:
@@ -155,6 +191,7 @@ def check_target(directory: Path) -> dict[str, bool]:
             "model folder of its own"
         )
     check_replaceable(directory)
+    _check_temporary(directory / PROVENANCE)  # (a merge writes it after the weights)
     present = export_files(directory)
     foreign = sorted(name for name, own in present.items() if not own)
     if foreign:
@@ -165,9 +202,27 @@ def check_target(directory: Path) -> dict[str, bool]:
     return present
 
 
-def create_staged(directory: Path, plan: WeightPlan) -> None:
-    """The committer's first step: every file under its temporary name, its header written and its
-    size final (the tensors' bytes are written into it by ``Slots``), synced."""
+def _check_temporary(path: Path) -> None:
+    """Refuse anything but a regular file (an earlier write's leftover) at ``path``'s temporary
+    name, before anything is written: a link there would fail the write after the weights were
+    committed."""
+    temporary = staging_path(path)
+    try:
+        mode = os.lstat(temporary).st_mode
+    except FileNotFoundError:
+        return
+    if not stat.S_ISREG(mode):
+        raise ExportError(
+            f"{temporary} is in the way of a temporary file shardavg writes and is not a regular file (a link?): "
+            "shardavg will not write through it; move it"
+        )
+
+
+def create_staged(directory: Path, plan: WeightPlan, beside: Mapping[str, bytes] | None = None) -> None:
+    """The committer's first step: every file under its temporary name, synced: the weight files
+    with their header written and their size final (the tensors' bytes are written into them by
+    ``Slots``), the index, and the files ``beside`` the weights (name: bytes, a provenance). So
+    whatever is in the way of a name written is refused before anything is committed."""
     try:
         for name, header, size in zip(plan.names, plan.headers, plan.sizes):
             with open_exclusive(staging_path(directory / name)) as handle:
@@ -175,9 +230,20 @@ def create_staged(directory: Path, plan: WeightPlan) -> None:
                 handle.truncate(size)
                 handle.flush()
                 os.fsync(handle.fileno())
+        for name, data in _written_beside(plan, beside).items():
+            with open_exclusive(staging_path(directory / name)) as handle:
+                handle.write(data)
+                handle.flush()
+                os.fsync(handle.fileno())
     except BaseException:
-        discard(directory, plan)
+        discard(directory, plan, beside)
         raise
+
+
+def _written_beside(plan: WeightPlan, beside: Mapping[str, bytes] | None) -> dict[str, bytes]:
+    """The files committed after the weights, in order: the index (of a split model), then ``beside``."""
+    index = {} if plan.index is None else {WEIGHTS_INDEX: json.dumps(plan.index, indent=1).encode()}
+    return index | dict(beside or {})
 
 
 class Slots:
@@ -220,15 +286,26 @@ class Slots:
             data, offset = data[written:], offset + written
 
     def _fd(self, number: int) -> int:
+        """The descriptor this writer writes file ``number`` with, proved to be the file the
+        committer created for this export: its header (which holds the export's id) read back
+        through it. A folder that is not the same on every writer (a node-local disk at the same
+        path on every node) holds no such file, or an earlier export's leftover: refused, where
+        writing into it would leave the committer's file with zeros in this writer's place."""
         if number not in self._fds:
             path = staging_path(self.directory / self.plan.names[number])
+            unshared = (
+                f"rank {rank()} does not share {self.directory} with the committer (rank 0): each sees its own "
+                "folder at that path (a node-local disk?); export into a folder on a file system every rank "
+                "sees, or with writers=1"
+            )
             try:
-                self._fds[number] = os.open(path, os.O_WRONLY | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0))
+                fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0))
             except FileNotFoundError:
-                raise ExportError(
-                    f"{path} is not there for this process to write into: the export folder must be one every "
-                    "writer sees (a shared file system); export with writers=1 otherwise"
-                ) from None
+                raise ExportError(f"{path} is not there to write into: {unshared}") from None
+            self._fds[number] = fd  # (closed by close(), also when refused below)
+            header = self.plan.headers[number]
+            if os.pread(fd, len(header), 0) != header:
+                raise ExportError(f"{path} is not this export's file (another export's leftover): {unshared}")
         return self._fds[number]
 
     def close(self) -> None:
@@ -242,21 +319,52 @@ class Slots:
                 os.close(fd)
 
 
-def commit(directory: Path, plan: WeightPlan, previous: dict[str, bool]) -> None:
-    """The committer's last step: every file into place, the index last (the switch of a split
-    model), then the previous export's other weight files removed."""
-    for name in plan.names:
+def commit(
+    directory: Path, plan: WeightPlan, previous: dict[str, bool], beside: Mapping[str, bytes] | None = None
+) -> None:
+    """The committer's last step, renames only (everything was staged by ``create_staged``):
+    every weight file into place, then the index (the switch of a split model: its files have
+    names of their own, so a reader of the previous index still finds the previous files), then
+    the files ``beside``; only then the previous export's other weight files are removed."""
+    written = [*plan.names, *_written_beside(plan, beside)]
+    for name in written:
         commit_file(directory / name)
-    if plan.index is not None:
-        with atomic_file(directory / WEIGHTS_INDEX) as handle:
-            handle.write(json.dumps(plan.index, indent=1).encode())
-    for stale in set(previous) - set(plan.names) - ({WEIGHTS_INDEX} if plan.index is not None else set()):
+    for stale in set(previous) - set(written):
         (directory / stale).unlink(missing_ok=True)
     fsync_dir(directory)
 
 
-def discard(directory: Path, plan: WeightPlan) -> None:
+def discard(directory: Path, plan: WeightPlan, beside: Mapping[str, bytes] | None = None) -> None:
     """Remove the temporary files of a write that did not finish."""
-    for name in plan.names:
+    for name in [*plan.names, *_written_beside(plan, beside)]:
         with contextlib.suppress(OSError):
             discard_staged(directory / name)
+
+
+def check_one_export(files: Iterable[tuple[str, Mapping[str, Any] | None]]) -> str | None:
+    """Refuse weights read from two exports; return their export id (None: none carries one).
+
+    A reader of a folder being re-exported could otherwise load some tensors of one export and
+    some of the next. ``files``: where and what metadata, the index's ``"metadata"`` (of a split
+    model) first, then every weight file's ``__metadata__`` as the reader opened it (checking the
+    files it holds open, not the names again). Files of an export older than export ids carry
+    none, and are taken as they are.
+
+    Raises:
+        CheckpointError: The files carry different export ids (or some carry one, others none).
+    """
+    first: tuple[str, Any] | None = None
+    for where, metadata in files:
+        found = metadata.get(EXPORT_ID) if isinstance(metadata, Mapping) else None
+        if first is None:
+            first = (where, found)
+        elif found != first[1]:
+            raise CheckpointError(
+                f"{where} holds {_export(found)}, {first[0]} {_export(first[1])}: files of two exports (the "
+                "folder was re-exported while it was read); read it again once the export has finished"
+            )
+    return None if first is None else first[1]
+
+
+def _export(export_id: Any) -> str:
+    return "no export id" if export_id is None else f"export {export_id}"

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import io
 import json
 import signal
+import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -101,3 +103,15 @@ def as_flat_ranges(meta: dict, version: int) -> dict:
         assert all(span is not None for _, span in ranges), "only boxes that are ranges have a flat form"
         entry["chunks"] = [{"file": file, "start": start, "end": end} for file, (start, end) in ranges]
     return meta | {"version": version}
+
+
+def in_process_cli(*args: str) -> subprocess.CompletedProcess:
+    """``shardavg ARGS`` run in this process (``cli.main``), its output captured: what
+    ``python -m shardavg ARGS`` prints and returns, without a second start of torch per call
+    (``test_the_module_runs_as_a_command`` runs the real ``python -m shardavg``)."""
+    from shardavg import cli
+
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = cli.main(list(args))
+    return subprocess.CompletedProcess(["shardavg", *args], code, out.getvalue(), err.getvalue())

@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 from harness import TiedNet
-from helpers import assert_same_average, fresh, replace_shard, trained
+from helpers import assert_same_average, fresh, in_process_cli, replace_shard, trained
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from torch import nn
@@ -153,7 +153,7 @@ def test_truncated_and_foreign_files_are_named(trainer, tmp_path) -> None:
     save_file({"something.else": torch.zeros(3)}, str(shard))
     with pytest.raises(CheckpointError, match=rf"{shard} has 92 bytes, the manifest says \d+: truncated, or not this"):
         fresh().load(path)
-    replace_shard(path, shard.name, {"something.else": torch.zeros(3)})  # the manifest made to agree
+    replace_shard(path, shard.name, {"something.else": torch.zeros(100)})  # the manifest made to agree
     with pytest.raises(CheckpointError, match=rf"{shard} lacks tensor 'gain'"):
         fresh().load(path)
     (path / "shardavg.json").write_text("{not json")
@@ -300,7 +300,7 @@ def test_export_shards_with_an_index_and_casts(trainer, tmp_path) -> None:
     index = json.loads((out / "model.safetensors.index.json").read_text())
     files = sorted(set(index["weight_map"].values()))
     assert len(files) > 2 and files == sorted(f for f in os.listdir(out) if f.endswith(".safetensors"))
-    assert files[0] == f"model-00001-of-{len(files):05d}.safetensors"
+    assert re.fullmatch(rf"model-[0-9a-f]{{12}}-00001-of-{len(files):05d}\.safetensors", files[0])  # its export id
     state = {}
     for name in files:
         part = load_file(str(out / name))
@@ -341,7 +341,12 @@ def test_parse_size() -> None:
 
 
 def cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "shardavg", *args], capture_output=True, text=True, timeout=120)
+    return in_process_cli(*args)
+
+
+def test_the_module_runs_as_a_command() -> None:
+    shown = subprocess.run([sys.executable, "-m", "shardavg", "--help"], capture_output=True, text=True, timeout=120)
+    assert shown.returncode == 0 and shown.stdout.startswith("usage: shardavg"), shown.stderr
 
 
 def test_cli_inspect_and_export_both_layouts(trainer, tmp_path) -> None:

@@ -12,7 +12,6 @@ import hashlib
 import json
 import math
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -20,6 +19,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from conftest import Trainer
 from harness import TiedNet
+from helpers import in_process_cli
 from safetensors.torch import load_file, save_file
 
 import shardavg
@@ -219,7 +219,7 @@ def cli(*args: str) -> subprocess.CompletedProcess:
 
 
 def shardavg_cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "shardavg", *args], capture_output=True, text=True, timeout=120)
+    return in_process_cli(*args)
 
 
 class Refusals:

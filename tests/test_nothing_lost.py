@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 from harness import TiedNet
-from helpers import fresh, trained
+from helpers import fresh, in_process_cli, trained
 from safetensors.torch import load_file, save_file
 
 from shardavg import EMA, CheckpointError, PostHocEMA, WeightAverager
@@ -34,7 +34,7 @@ def intact(root: Path, files: dict[str, str]) -> bool:
 
 
 def cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "shardavg", *args], capture_output=True, text=True, timeout=120)
+    return in_process_cli(*args)
 
 
 def test_save_refuses_a_directory_holding_the_users_files(trainer, tmp_path) -> None:

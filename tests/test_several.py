@@ -3,14 +3,11 @@ live shards per update for all of them, and every use (swap, gather, export, sav
 
 from __future__ import annotations
 
-import subprocess
-import sys
-
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 from harness import TiedNet
-from helpers import assert_same_average
+from helpers import assert_same_average, in_process_cli
 from safetensors.torch import load_file
 from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -164,21 +161,18 @@ def test_save_load_dcp_and_the_cli_carry_every_average(trainer, tmp_path) -> Non
     ):
         WeightAverager(untrained(), EMA(decay=0.9)).load(path)
 
-    cli = [sys.executable, "-m", "shardavg"]
-    inspect = subprocess.run([*cli, "inspect", str(path)], capture_output=True, text=True, check=True).stdout
-    assert "average swa" in inspect and "average power" in inspect and '"gamma": 5.0' in inspect
-    refused = subprocess.run([*cli, "export", str(path), str(tmp_path / "x")], capture_output=True, text=True)
+    inspect = in_process_cli("inspect", str(path))
+    assert inspect.returncode == 0 and "average swa" in inspect.stdout and "average power" in inspect.stdout
+    assert '"gamma": 5.0' in inspect.stdout
+    refused = in_process_cli("export", str(path), str(tmp_path / "x"))
     assert refused.returncode == 2 and "holds averages ['ema', 'swa', 'power', 'fn']: name one" in refused.stderr
     for source, key in ((path, []), (tmp_path / "dcp", ["--key", "ema"])):
         out = tmp_path / f"swa-{source.name}"
-        subprocess.run(
-            [*cli, "export", str(source), str(out), "--average", "swa", *key], check=True, capture_output=True
-        )
+        done = in_process_cli("export", str(source), str(out), "--average", "swa", *key)
+        assert done.returncode == 0, done.stderr
         exported, want = load_file(out / "model.safetensors"), averager.full_state_dict("swa")
         assert set(exported) == set(want) and all(torch.equal(exported[k], want[k]) for k in want)
-    wrong = subprocess.run(
-        [*cli, "export", str(path), str(tmp_path / "y"), "--average", "slow"], capture_output=True, text=True
-    )
+    wrong = in_process_cli("export", str(path), str(tmp_path / "y"), "--average", "slow")
     assert wrong.returncode == 2 and "has no average 'slow'" in wrong.stderr
 
 

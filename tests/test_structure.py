@@ -14,7 +14,7 @@ import pytest
 PACKAGE = Path(__file__).resolve().parents[1] / "shardavg"
 
 ORDER = [  # bottom first: a module may import only modules before it
-    "errors", "parts", "tensor_layout", "validate", "dist", "logs", "storage",
+    "errors", "parts", "tensor_layout", "validate", "dist", "logs", "progress", "storage",
     "strategies.dtensor", "strategies.base", "strategies.fsdp1", "strategies.fsdp2", "strategies.zero3",
     "strategies.zero12", "strategies.replicated", "strategies.pipeline", "strategies",
     "rules", "options", "format", "provenance", "ownership", "weight_files", "reading", "layout", "staging", "fused",
@@ -28,6 +28,10 @@ ORDER = [  # bottom first: a module may import only modules before it
 
 # Private names of other libraries shardavg reads, by module: (the expression or name, why).
 ENGINE_INTERNALS = {
+    "update": {
+        "_version": "a tensor's version counter, which every in-place write through it moves: how a write the "
+        "background update did not wait for is seen (torch offers no public accessor)",
+    },
     "strategies.dtensor": {
         "_local_tensor": "a DTensor's local shard itself: to_local() makes a new alias at every call, which "
         "would look like a new view every update",

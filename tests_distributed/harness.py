@@ -497,6 +497,8 @@ def check_writers(averager, label: str, live: bool = False, average: str | None 
     named writers gather everything. Nothing temporary is left behind."""
     import shutil
 
+    import export_ids
+
     world = dist.get_world_size()
     if world == 1:  # (one rank is the single writer: nothing to compare)
         return
@@ -517,15 +519,14 @@ def check_writers(averager, label: str, live: bool = False, average: str | None 
             for variant, folder in folders.items():  # (what made it differs: the number of writers)
                 made = json.loads((folder / "provenance.json").read_text())
                 assert made["writers"] == min(variants[variant][0] or world, world), made
-            weights = lambda folder: sorted(p.name for p in folder.iterdir() if p.name != "provenance.json")  # noqa: E731
-            listed = {variant: weights(folder) for variant, folder in folders.items()}
-            assert all(names == listed["one"] for names in listed.values()), f"{label}: files differ: {listed}"
-            assert not [n for n in listed["one"] if n.startswith(".")], f"{label}: left behind: {listed['one']}"
-            assert size == "5GB" or len(listed["one"]) > 2, f"{label}: not split: {listed['one']}"
-            for name in listed["one"]:
-                single = (folders["one"] / name).read_bytes()
-                for variant, folder in folders.items():
-                    assert (folder / name).read_bytes() == single, f"{label}: {name} written by {variant} differs"
+            listed = {variant: export_ids.alike(folder) for variant, folder in folders.items()}  # (ids aside)
+            names = {variant: sorted(files) for variant, files in listed.items()}
+            assert all(named == names["one"] for named in names.values()), f"{label}: files differ: {names}"
+            assert not [n for n in names["one"] if n.startswith(".")], f"{label}: left behind: {names['one']}"
+            assert size == "5GB" or len(names["one"]) > 2, f"{label}: not split: {names['one']}"
+            for name, single in listed["one"].items():
+                for variant, files in listed.items():
+                    assert files[name] == single, f"{label}: {name} written by {variant} differs"
     dist.barrier()
     if dist.get_rank() == 0:
         shutil.rmtree(root)

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from export_ids import alike
 from launcher import torchrun
 from safetensors.torch import save_file
 
@@ -35,8 +36,9 @@ def inputs(tmp_path_factory) -> Path:
 
 
 def files(folder: Path) -> dict[str, bytes]:
-    """Every file the merge wrote but its provenance (which records the command and the workers)."""
-    return {p.name: p.read_bytes() for p in sorted(folder.iterdir()) if p.name != "provenance.json"}
+    """Every file the merge wrote but its provenance (which records the command and the workers),
+    its export id made alike (each write has its own)."""
+    return alike(folder)
 
 
 @pytest.mark.parametrize("split", ["5GB", "40KB"])

@@ -53,6 +53,7 @@ def train(engine: str, out: Path, *extra: str, nproc: int | None = None) -> dict
     launch = torchrun(MAIN_JOB, nproc, *job_args(engine, out, *extra), timeout=300)
     assert launch.returncode == 0, launch.output[-20000:]
     assert "held-out loss at step" in launch.output, launch.output[-5000:]
+    assert "\r" not in launch.output and f"{engine}: step " in launch.output, launch.output[-3000:]  # plain lines
     return json.loads((out / "summary.json").read_text())
 
 
