@@ -1,58 +1,150 @@
-"""The update's kernels: shadows and live shards grouped for a handful of fused ``_foreach`` calls.
+"""The update's kernels: shadows and live shards grouped so that an update reads each byte once.
 
-A group holds tensors that one call can update together: the same role (averaged or
-copied), shadow device and dtype, and live dtype and device. It holds one list of shadows per
-average kept (copied tensors have one, shared by all), so each live shard is read, screened
-and staged once per update however many averages take it in. Within a group, neighbours that
-lie back to back in memory on both sides (FSDP1's flat shard, ZeRO-3's flattened partitions,
-against shadows carved from one slab) are fused into one flat view, so the kernels run over
-a few large tensors instead of one small tensor per parameter; the elementwise results are
-the same bits. Small shards that lie apart (an FSDP2 bias, a LayerNorm weight: one tensor per
-parameter, where a kernel's launch costs more than its work) are gathered by one copy into a
-staging buffer of their group, and screened and updated there as one tensor (``Gathered``).
-Nothing here loops over parameters in Python except where a bounded staging copy is unavoidable
-(shadows on another device than the live shards, or a custom rule that needs the shadow dtype).
+A group holds tensors that one call can update together: the same role (averaged or copied),
+shadow device and dtype, and live dtype and device. It holds one list of shadows per average
+kept (copied tensors have one, shared by all), so each live shard is read, screened and staged
+once per update however many averages take it in. Within a group, neighbours that lie back to
+back in memory on both sides (FSDP1's flat shard, ZeRO-3's flattened partitions, against
+shadows carved from one slab) are fused into one flat view, so the kernels run over a few large
+tensors instead of one small tensor per parameter; the elementwise results are the same bits.
+
+The update walks each group's ``Batch``es. A batch either reads the live shards where they are
+(one ``_foreach_lerp_`` over the fused views: live and shadow of one dtype) or first copies
+them into a small reusable buffer and lerps from there while the copy is still in cache:
+
+- bf16 or fp16 weights into an fp32 average: ``lerp`` refuses mixed dtypes, and a ``mul_`` then
+  an ``add_`` read and write the shadow twice; a cast of a 128K-element piece into the buffer
+  and a ``lerp_`` from it move the bytes of one pass (the live shard read once, the shadow read
+  and written once) and give the bits of ``lerp_(shadow, live.float(), weight)``;
+- small shards that lie apart (an FSDP2 bias, a LayerNorm weight: one tensor per parameter,
+  where a kernel's launch costs more than its work) are gathered by one copy, and each run of
+  them whose shadows lie back to back is lerped as one span.
+
+On CUDA, where the Triton kernel of ``kernels.py`` runs, a group casts inside that kernel
+instead (``UpdateGroup.kernel``), which also skips the update on a device-side flag when the
+non-finite check stays on the device. The non-finite screen (``nonfinite``) reads each live
+byte once more: a sum per large piece and one ``_foreach_norm`` over the small shards, one flag
+per group on the host. Nothing here loops over parameters in Python except where a bounded
+staging copy is unavoidable (shadows on another device than the live shards, or a custom rule
+that needs the shadow dtype).
 """
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
 import torch
 
+from . import kernels
 from .options import Role
 from .rules import MultiAvgFn
 from .staging import Stager
 
-# Fused views are cut into pieces of at most this many elements: on CPU a mixed-dtype add or a
-# bf16 norm over one huge tensor runs 4-6x slower than over 1M-element pieces (measured).
+# Fused views are cut into pieces of at most this many elements: on CPU a bf16 sum or norm over
+# one huge tensor runs 4-6x slower than over 1M-element pieces (measured).
 FUSED_CHUNK = 2**20
+# A cast is staged in pieces of this many elements, up to STAGED_ELEMENTS per batch: on a 2-core
+# EPYC a bf16-to-fp32 cast and lerp ran fastest at 128K x 8 (5.9 ms for 12.6M elements, where a
+# mul_ then an add_ took 7.3-19 ms and a lerp of fp32 weights 4.2 ms).
+CAST_PIECE, STAGED_ELEMENTS = 2**17, 2**20
+# A launch of the Triton kernel walks up to this many elements (a launch costs more than a CPU call).
+KERNEL_CHUNK = 2**28
 # With several averages, the fused pieces are walked in batches of about this many live bytes, so
 # each piece is still in cache when the next average reads it.
 CACHE_BYTES = 4 * 2**20
-# A shard of at most this many elements that lies apart in memory is gathered (``Gathered``), when
-# its group has at least GATHER_MIN of them, up to GATHER_BYTES of staging per group.
+# A shard of at most this many elements that lies apart in memory is gathered, when its group has
+# at least GATHER_MIN of them, up to GATHER_BYTES of staging per group.
 GATHER_NUMEL, GATHER_MIN, GATHER_BYTES = 4096, 8, 16 * 2**20
+# The screen reads a piece of at least this many elements alone; smaller ones are copied by one
+# ``cat`` into a scratch of SCREENED_ELEMENTS, read there while in cache (a per-tensor reduction
+# costs ~4 us a tensor on a CPU: 170 ms over an MoE rank's 44,000 expert shards; a cat, 0.15).
+SUMMED_NUMEL, SCREENED_ELEMENTS = 2**16, 2**18
 data_ptr = torch.Tensor.data_ptr
 
 
 @dataclass
 class Gathered:
     """A group's small shards that lie apart in memory, copied at each update into one staging
-    buffer, so that the non-finite screen and the update of all of them are one kernel each:
-    their shadows lie back to back in every average (``AverageState`` carves them so)."""
+    buffer of their dtype, so that the screen and the update read them as one tensor: their
+    shadows lie back to back in every average (``AverageState`` carves them so)."""
 
     positions: list[int]  # in the group's lists
-    live_tensors: list[torch.Tensor]
-    views: list[torch.Tensor]  # of ``staging``, one per live shard, in its shape
+    flat_live: list[torch.Tensor]  # each gathered live shard, flattened (a view of its data)
     staging: torch.Tensor  # flat, the live dtype
     shadows: list[torch.Tensor]  # per average: its shadows of these shards as one flat view
 
     def stage(self) -> None:
-        torch._foreach_copy_(self.views, self.live_tensors)
+        # (one ``cat``: a tight copy loop, 3x faster than ``_foreach_copy_`` over 900 small shards)
+        torch.cat(self.flat_live, out=self.staging)
+
+
+@dataclass
+class Batch:
+    """Live tensors an update reads together, and the pairs it lerps.
+
+    ``live`` is read where it is (``staged`` empty: then ``reads`` is ``live``) or copied first
+    into ``staged``, views of the group's buffer, cast to the shadows' dtype on the way; ``reads``
+    are then spans of that buffer, one per run of shadows that lie back to back, and
+    ``shadows[k]`` the matching spans of average ``k``'s shadows."""
+
+    live: list[torch.Tensor]
+    staged: list[torch.Tensor]
+    reads: list[torch.Tensor]
+    shadows: list[list[torch.Tensor]]
+    plan: kernels.Plan | None = None  # the kernel's tables over the flat reads, built at its first launch
+    strided: list[int] = field(default_factory=list)  # positions of the other reads (whole strided shards: ATen)
+
+    def stage(self) -> None:
+        if self.staged:
+            torch._foreach_copy_(self.staged, self.live)
+
+    def kernel_plan(self) -> kernels.Plan:
+        """One launch's tables for every flat read of the batch (they hold addresses: the batch is
+        rebuilt, and its plan with it, whenever a live shard moves)."""
+        if self.plan is None:
+            flat = [p for p, read in enumerate(self.reads) if read.dim() == 1 and read.is_contiguous()]
+            self.strided = [p for p in range(len(self.reads)) if p not in flat]
+            self.plan = kernels.plan([self.reads[p] for p in flat], [[s[p] for p in flat] for s in self.shadows])
+        return self.plan
+
+
+@dataclass
+class Screen:
+    """What the non-finite screen reads of a group's live shards, planned once: the large pieces
+    where they are, the small ones in runs copied into a scratch, the strided ones as they are."""
+
+    large: list[torch.Tensor]
+    runs: list[tuple[list[torch.Tensor], torch.Tensor]]  # (flat small pieces, the scratch span they fill)
+    strided: list[torch.Tensor]
+
+    @classmethod
+    def of(cls, pieces: Sequence[torch.Tensor]) -> Screen:
+        large = [piece for piece in pieces if piece.numel() >= SUMMED_NUMEL]
+        strided = [p for p in pieces if 0 < p.numel() < SUMMED_NUMEL and not p.is_contiguous()]
+        small = [p.view(-1) for p in pieces if 0 < p.numel() < SUMMED_NUMEL and p.is_contiguous()]
+        runs: list[tuple[list[torch.Tensor], torch.Tensor]] = []
+        if small:
+            scratch = torch.empty(min(SCREENED_ELEMENTS, sum(p.numel() for p in small)), dtype=small[0].dtype,
+                                  device=small[0].device)  # fmt: skip
+            run: list[torch.Tensor] = []
+            for piece in small:
+                if run and sum(p.numel() for p in run) + piece.numel() > scratch.numel():
+                    runs.append((run, scratch[: sum(p.numel() for p in run)]))
+                    run = []
+                run.append(piece)
+            runs.append((run, scratch[: sum(p.numel() for p in run)]))
+        return cls(large, runs, strided)
+
+    def values(self) -> list[torch.Tensor]:
+        """Values that are non-finite when the pieces hold NaN or infinity (and, rarely, when a
+        finite sum or product overflows)."""
+        values = [value for piece in self.large for value in _screened(piece)]
+        for run, scratch in self.runs:
+            torch.cat(run, out=scratch)
+            values.extend(_screened(scratch))
+        return values + (list(torch._foreach_norm(self.strided, 2)) if self.strided else [])
 
 
 @dataclass
@@ -65,17 +157,24 @@ class UpdateGroup:
     fused_shadows: list[list[torch.Tensor]] = field(default_factory=list)
     fused_live: list[torch.Tensor] = field(default_factory=list)
     live_pointers: list[int] = field(default_factory=list)  # where each live shard's data was
-    # The host-side update's view of the group: the gathered small shards, and the fused views of
-    # the others (the device-side check and custom rules walk ``fused_*``, every shard)
+    # What the update walks when the shadows lie on the live shards' device (see ``Batch``): the
+    # gathered small shards, the batches, and what the non-finite screen reads
     gathered: Gathered | None = None
-    direct_shadows: list[list[torch.Tensor]] = field(default_factory=list)
-    direct_live: list[torch.Tensor] = field(default_factory=list)
+    batches: list[Batch] = field(default_factory=list)
+    screen: Screen | None = None
+    kernel: bool = False  # the update runs in ``kernels.masked_update_`` (CUDA), which casts as it goes
 
 
 def group_tensors(
-    roles: Sequence[Role], shadow_sets: Sequence[Sequence[torch.Tensor | None]], live_tensors: Sequence[torch.Tensor]
+    roles: Sequence[Role],
+    shadow_sets: Sequence[Sequence[torch.Tensor | None]],
+    live_tensors: Sequence[torch.Tensor],
+    kernel_devices: frozenset[str] = frozenset({"cuda"}),
 ) -> list[UpdateGroup]:
-    """Group the stored tensors; ``shadow_sets`` holds one list of shadows per average."""
+    """Group the stored tensors; ``shadow_sets`` holds one list of shadows per average.
+
+    Groups of floating-point tensors whose live shards and shadows lie on a device type in
+    ``kernel_devices`` are updated by the Triton kernel when it runs there."""
     groups: dict[tuple, UpdateGroup] = {}
     for index, (role, live) in enumerate(zip(roles, live_tensors)):
         shadow = shadow_sets[0][index]
@@ -92,13 +191,94 @@ def group_tensors(
     for group in groups.values():
         group.fused_shadows, group.fused_live = fuse(group.shadows, group.live_tensors)
         group.live_pointers = list(map(data_ptr, group.live_tensors))
-        group.gathered = _gather(group)
-        group.direct_shadows, group.direct_live = group.fused_shadows, group.fused_live
-        if group.gathered is not None:
-            rest = sorted(set(range(len(group.live_tensors))) - set(group.gathered.positions))
-            sets = [[shadows[p] for p in rest] for shadows in group.shadows]
-            group.direct_shadows, group.direct_live = fuse(sets, [group.live_tensors[p] for p in rest])
+        live, shadow = group.live_tensors[0], group.shadows[0][0]
+        if live.device == shadow.device:
+            group.kernel = (
+                live.device.type in kernel_devices
+                and live.dtype in kernels.DTYPES
+                and shadow.dtype in kernels.DTYPES
+                and kernels.usable(live.device)
+            )
+            group.batches = _batches(group)
+        else:
+            group.screen = Screen.of(group.fused_live)
     return list(groups.values())
+
+
+def _batches(group: UpdateGroup) -> list[Batch]:
+    """How the update walks ``group`` (its shadows on its live shards' device), see ``Batch``;
+    sets ``group.gathered`` and ``group.screen`` on the way."""
+    live, shadow = group.live_tensors[0], group.shadows[0][0]
+    group.gathered = _gather(group)
+    gathered = [] if group.gathered is None else group.gathered.positions
+    rest = sorted(set(range(len(group.live_tensors))) - set(gathered))
+    rest_shadows, rest_live = [[s[p] for p in rest] for s in group.shadows], [group.live_tensors[p] for p in rest]
+    cast = live.dtype != shadow.dtype and not group.kernel
+    chunk = CAST_PIECE if cast else KERNEL_CHUNK if group.kernel else FUSED_CHUNK
+    shadow_sets, pieces = fuse(rest_shadows, rest_live, chunk)
+    screened = list(pieces) if chunk == FUSED_CHUNK else fuse(rest_shadows, rest_live)[1]
+    if group.gathered is not None:
+        staging = group.gathered.staging
+        screened.append(staging)
+        pieces += staging.split(chunk)
+        for pieces_k, span in zip(shadow_sets, group.gathered.shadows):
+            pieces_k += span.split(chunk)
+    group.screen = Screen.of(screened)
+    if cast:  # every piece cast through the buffer
+        return _staged_batches(pieces, shadow_sets, shadow.dtype)
+    batch = max(1, len(pieces))
+    if len(group.shadows) > 1 and pieces and not group.kernel:  # several averages read each piece while in cache
+        batch = max(1, CACHE_BYTES // pieces[0].nbytes)
+    bounds = [(start, start + batch) for start in range(0, len(pieces), batch)]
+    return [Batch(pieces[a:b], [], pieces[a:b], [s[a:b] for s in shadow_sets]) for a, b in bounds]
+
+
+def _staged_batches(
+    pieces: list[torch.Tensor], shadow_sets: list[list[torch.Tensor]], dtype: torch.dtype
+) -> list[Batch]:
+    """Batches of at most ``STAGED_ELEMENTS`` staged elements (or one larger piece) through one
+    buffer of ``dtype``: each piece copied into it, each run of pieces whose shadows lie back to
+    back in every average lerped as one span."""
+    if not pieces:
+        return []
+    largest = max(piece.numel() for piece in pieces)
+    buffer = torch.empty(max(min(STAGED_ELEMENTS, sum(p.numel() for p in pieces)), largest), dtype=dtype,
+                         device=pieces[0].device)  # fmt: skip
+    batches: list[Batch] = []
+    start, filled = 0, 0
+    for stop in range(1, len(pieces) + 1):
+        filled += pieces[stop - 1].numel()
+        if stop < len(pieces) and filled + pieces[stop].numel() <= buffer.numel():
+            continue
+        batches.append(_staged_batch(pieces[start:stop], [s[start:stop] for s in shadow_sets], buffer))
+        start, filled = stop, 0
+    return batches
+
+
+def _staged_batch(pieces: list[torch.Tensor], shadow_sets: list[list[torch.Tensor]], buffer: torch.Tensor) -> Batch:
+    staged, offset = [], 0
+    for piece in pieces:
+        staged.append(buffer[offset : offset + piece.numel()].view(piece.shape))
+        offset += piece.numel()
+    reads: list[torch.Tensor] = []
+    spans: list[list[torch.Tensor]] = [[] for _ in shadow_sets]
+    start = 0
+    for stop in range(1, len(pieces) + 1):
+        flat = staged[stop - 1].dim() == 1 and stop < len(pieces) and staged[stop].dim() == 1
+        if flat and all(_adjacent(s[stop - 1], s[stop]) for s in shadow_sets):
+            continue
+        if stop - start == 1:
+            reads.append(staged[start])
+            for span, shadows in zip(spans, shadow_sets):
+                span.append(shadows[start])
+        else:
+            length = sum(p.numel() for p in pieces[start:stop])
+            first = staged[start].data_ptr() - buffer.data_ptr()
+            reads.append(buffer[first // buffer.itemsize :][:length])
+            for span, shadows in zip(spans, shadow_sets):
+                span.append(shadows[start].detach().as_strided((length,), (1,)))
+        start = stop
+    return Batch(pieces, staged, reads, spans)
 
 
 def gatherable(live_tensors: Sequence[torch.Tensor]) -> list[int]:
@@ -115,35 +295,29 @@ def gatherable(live_tensors: Sequence[torch.Tensor]) -> list[int]:
 
 
 def _gather(group: UpdateGroup) -> Gathered | None:
-    """The group's gatherable shards, when there are enough, they need no cast or move, and their
-    shadows lie back to back in every average; else None."""
-    live_tensors, first_shadow = group.live_tensors, group.shadows[0][0]
-    if live_tensors[0].dtype != first_shadow.dtype or live_tensors[0].device != first_shadow.device:
-        return None
-    positions, size = [], 0
-    for p in gatherable(live_tensors):
-        size += live_tensors[p].nbytes
+    """The group's gatherable shards, when there are enough and their shadows lie back to back
+    in every average (``AverageState`` carves them so); else None."""
+    live_tensors, positions, size = group.live_tensors, [], 0
+    for position in gatherable(live_tensors):
+        size += live_tensors[position].nbytes
         if size > GATHER_BYTES:
             break
-        positions.append(p)
+        positions.append(position)
     if len(positions) < GATHER_MIN:
         return None
     for shadows in group.shadows:
         members = [shadows[p] for p in positions]
         if not all(map(_adjacent, members, members[1:])):
             return None
-    members = [live_tensors[p] for p in positions]
-    staging = torch.empty(
-        sum(live.numel() for live in members), dtype=live_tensors[0].dtype, device=live_tensors[0].device
-    )
-    views = [piece.view(live.shape) for piece, live in zip(staging.split([m.numel() for m in members]), members)]
+    members = [live_tensors[p].detach().view(-1) for p in positions]
+    staging = torch.empty(sum(live.numel() for live in members), dtype=members[0].dtype, device=members[0].device)
     shadows = [s[positions[0]].detach().as_strided(staging.shape, (1,)) for s in group.shadows]
-    return Gathered(positions, members, views, staging, shadows)
+    return Gathered(positions, members, staging, shadows)
 
 
 def stage_gathered(groups: Sequence[UpdateGroup]) -> None:
-    """Copy every group's gathered small shards into its staging buffer (before the host-side
-    screen and update, which read them there)."""
+    """Copy every group's gathered small shards into its staging buffer: what the screen and the
+    update read of them."""
     for group in groups:
         if group.gathered is not None:
             group.gathered.stage()
@@ -154,9 +328,11 @@ def _set_count(role: Role, shadow_sets: Sequence[Sequence]) -> int:
     return len(shadow_sets) if role == "average" else 1
 
 
-def fuse(shadow_sets: Sequence[Sequence[torch.Tensor]], live_tensors: Sequence[torch.Tensor]) -> tuple[list, list]:
+def fuse(
+    shadow_sets: Sequence[Sequence[torch.Tensor]], live_tensors: Sequence[torch.Tensor], chunk: int = FUSED_CHUNK
+) -> tuple[list, list]:
     """Merge each run of tensors that are back to back in memory on every side (the live shards
-    and each average's shadows) into one flat view, cut into ``FUSED_CHUNK`` pieces (empty
+    and each average's shadows) into one flat view, cut into pieces of ``chunk`` elements (empty
     shards, which have no place in memory, are left out: there is nothing to update)."""
     kept = [position for position, live in enumerate(live_tensors) if live.numel()]
     live_tensors = [live_tensors[p] for p in kept]
@@ -172,9 +348,9 @@ def fuse(shadow_sets: Sequence[Sequence[torch.Tensor]], live_tensors: Sequence[t
         ):
             continue
         if live_tensors[start].is_contiguous() and all(shadows[start].is_contiguous() for shadows in shadow_sets):
-            fused_live.extend(_pieces(live_tensors[start:stop]))
+            fused_live.extend(_pieces(live_tensors[start:stop], chunk))
             for fused, shadows in zip(fused_sets, shadow_sets):
-                fused.extend(_pieces(shadows[start:stop]))
+                fused.extend(_pieces(shadows[start:stop], chunk))
         else:  # a strided live shard (adjacency needs dense ones, so it is alone): as it is
             fused_live.append(live_tensors[start])
             for fused, shadows in zip(fused_sets, shadow_sets):
@@ -193,10 +369,10 @@ def _adjacent(first: torch.Tensor, second: torch.Tensor) -> bool:
     )
 
 
-def _pieces(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-    """Flat views of at most ``FUSED_CHUNK`` elements over adjacent dense tensors."""
+def _pieces(tensors: Sequence[torch.Tensor], chunk: int) -> list[torch.Tensor]:
+    """Flat views of at most ``chunk`` elements over adjacent dense tensors."""
     span = tensors[0].detach().as_strided((sum(t.numel() for t in tensors),), (1,))
-    return list(span.split(FUSED_CHUNK))
+    return list(span.split(chunk))
 
 
 def groups_current(groups: Sequence[UpdateGroup]) -> bool:
@@ -207,30 +383,38 @@ def groups_current(groups: Sequence[UpdateGroup]) -> bool:
     return all(list(map(data_ptr, group.live_tensors)) == group.live_pointers for group in groups)
 
 
-def nonfinite(groups: Sequence[UpdateGroup], gathered: bool = False) -> list[int]:
-    """Indices of live shards holding NaN or infinity.
+def nonfinite(groups: Sequence[UpdateGroup]) -> list[int]:
+    """Indices of live shards holding NaN or infinity (the gathered ones read where
+    ``stage_gathered`` left them).
 
-    One ``_foreach_norm`` over the group's fused views (with ``gathered``: the direct ones and the
-    staged small shards, as ``stage_gathered`` left them) screens them (any NaN or infinity makes a
-    norm non-finite; finite values only do so when their squares overflow fp32) and one flag per
-    group is read on the host; only a positive screen is followed by the exact per-tensor check.
+    A screen reads every live byte once (``Screen``); one flag per group is read on the host. A
+    finite sum or product can still overflow, so a positive screen is only followed by the exact
+    per-tensor check, which alone names shards.
     """
-    screened = []
+    flagged = []
     for group in groups:
-        screen = group.fused_live
-        if gathered and group.gathered is not None:
-            screen = [*group.direct_live, group.gathered.staging]
-        if screen and group.live_tensors[0].dtype.is_floating_point:
-            accumulate = torch.promote_types(group.live_tensors[0].dtype, torch.float32)
-            norms = torch._foreach_norm(screen, 2, dtype=accumulate)
-            if not bool(torch.stack(norms).isfinite().all()):
-                screened.append(group)
+        if group.screen is not None and group.live_tensors[0].dtype.is_floating_point:
+            values = group.screen.values()
+            if values and not bool(torch.stack(values).isfinite().all()):
+                flagged.append(group)
     return [
         index
-        for group in screened
+        for group in flagged
         for index, live in zip(group.indices, group.live_tensors)
         if not bool(torch.isfinite(live).all())
     ]
+
+
+def _screened(piece: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """One read of ``piece``: the dot product of its two halves where it splits in two (two
+    streams: 10% faster than a sum on a 2-core EPYC; NaN and infinities propagate through both),
+    else its sum; fp16 takes its min and max, as its sums and products overflow."""
+    if piece.dtype == torch.float16:
+        return torch.aminmax(piece)
+    half = piece.numel() // 2
+    if piece.dim() == 1 and piece.numel() % 2 == 0:
+        return (torch.dot(piece[:half], piece[half:]),)
+    return (piece.sum(),)
 
 
 # What one average does in an update: copy the live values (``None``), lerp toward them by a
@@ -238,31 +422,59 @@ def nonfinite(groups: Sequence[UpdateGroup], gathered: bool = False) -> list[int
 Step = float | None | tuple[MultiAvgFn, torch.Tensor]
 
 
-def apply(group: UpdateGroup, steps: Sequence[Step], stager: Stager, gathered: bool = False) -> None:
-    """Apply each average's step to its shadows in ``group``, staging each live shard once for all;
-    with ``gathered``, the small shards from the staging buffer ``stage_gathered`` filled.
+def apply(group: UpdateGroup, steps: Sequence[Step], stager: Stager, gathered_staged: bool = False) -> None:
+    """Apply each average's step to its shadows in ``group``, staging each live shard once for all
+    (the gathered ones already, with ``gathered_staged``, by ``stage_gathered``).
 
     A custom rule sees live shards cast to the shadow dtype, one tensor per parameter shard as
     AveragedModel would show them (never fused: the function may look at shapes)."""
     custom = any(isinstance(step, tuple) for step in steps)
+    if not custom and group.batches and not needs_staging(group, None):
+        if group.gathered is not None and not gathered_staged:
+            group.gathered.stage()
+        if group.kernel and group.live_tensors[0].dtype != group.shadows[0][0].dtype:  # the kernel casts as it reads
+            weights = [None if step is None else _on(group, step) for step in steps]
+            apply_masked(group, _on(group, True), weights, stager, gathered_staged=True)
+            return
+        for batch in group.batches:
+            batch.stage()
+            for shadows, step in zip(batch.shadows, steps):
+                if step is None:
+                    torch._foreach_copy_(shadows, batch.reads)
+                else:  # bitwise as AveragedModel's EMA (of the live weights cast to the shadows' dtype)
+                    torch._foreach_lerp_(shadows, batch.reads, step)
+        return
     dtype = group.shadows[0][0].dtype if custom else None
-    same_dtype = group.live_tensors[0].dtype == group.shadows[0][0].dtype  # as the shards are, staged or not
-    # (when the live_tensors must be staged, as the gathered ones never need, every shard is staged instead)
-    direct = gathered and group.gathered is not None and not custom and not needs_staging(group, dtype)
-    pairs = staged(group, dtype, stager, fused=not custom, direct=direct)
-    if direct:  # (the gathered shards' dtype and device are the shadows': see ``_gather``)
-        pairs = itertools.chain(pairs, [([[shadow] for shadow in group.gathered.shadows], [group.gathered.staging])])
-    for shadow_sets, live_tensors in pairs:
+    for shadow_sets, live_tensors in staged(group, dtype, stager, fused=not custom):
         for shadows, step in zip(shadow_sets, steps):
             if step is None:
                 torch._foreach_copy_(shadows, live_tensors)
             elif isinstance(step, tuple):
                 step[0](shadows, live_tensors, step[1])
-            elif same_dtype:  # bitwise as AveragedModel's EMA
+            elif live_tensors[0].dtype == shadows[0].dtype:
                 torch._foreach_lerp_(shadows, live_tensors, step)
-            else:  # lerp refuses mixed dtypes; this is 4x faster than casting the live_tensors first
-                torch._foreach_mul_(shadows, 1.0 - step)
-                torch._foreach_add_(shadows, live_tensors, alpha=step)
+            else:  # shadows offloaded: staged in the live dtype (half the bytes to move), cast here
+                _lerp_cast(shadows, live_tensors, step)
+
+
+def _lerp_cast(shadows: Sequence[torch.Tensor], live_tensors: Sequence[torch.Tensor], weight: float) -> None:
+    """``lerp_(shadow, live.to(shadow.dtype), weight)`` for each pair, cast piece by piece through a
+    small scratch: the bits of the update beside the live shards, with no scratch their size."""
+    scratch = torch.empty(CAST_PIECE, dtype=shadows[0].dtype, device=shadows[0].device)
+    for shadow, live in zip(shadows, live_tensors):
+        if not live.is_contiguous():
+            shadow.lerp_(live.to(shadow.dtype), weight)  # (a strided shard, whole: rare)
+            continue
+        for shadow_piece, live_piece in zip(shadow.view(-1).split(CAST_PIECE), live.view(-1).split(CAST_PIECE)):
+            cast = scratch[: live_piece.numel()]
+            cast.copy_(live_piece)
+            shadow_piece.lerp_(cast, weight)
+
+
+def _on(group: UpdateGroup, value: float | bool) -> torch.Tensor:
+    """``value`` as a one-element tensor on the group's device, for the kernel to read."""
+    dtype = torch.bool if isinstance(value, bool) else torch.float32
+    return torch.full((1,), value, dtype=dtype, device=group.live_tensors[0].device)
 
 
 class Verdict(NamedTuple):
@@ -302,18 +514,44 @@ def screen_on_device(groups: Sequence[UpdateGroup]) -> tuple[list[Verdict], dict
     return verdicts, oks
 
 
-def apply_masked(group: UpdateGroup, ok: torch.Tensor, weights: Sequence[torch.Tensor | None], stager: Stager) -> None:
-    """The update made conditional on the device: each average lerps toward ``where(ok, live,
-    shadow)`` with its weight as a 0-d device tensor (``None``: copy), so when ``ok`` is false no
-    shadow changes. One bounded piece (a fused view or a staged bucket) at a time."""
+def apply_masked(
+    group: UpdateGroup,
+    ok: torch.Tensor,
+    weights: Sequence[torch.Tensor | None],
+    stager: Stager,
+    gathered_staged: bool = False,
+) -> None:
+    """The update made conditional on the device: each average lerps toward the live shards with
+    its weight as a one-element device tensor (``None``: copies them) where the device flag
+    ``ok`` is true, and no shadow changes where it is false.
+
+    The kernel (``group.kernel``) does it in one pass over each batch. Elsewhere (a device where
+    Triton does not run, shadows offloaded, integer buffers) each bounded piece takes two ATen
+    kernels and a scratch: a lerp toward ``where(ok, live, shadow)``."""
+    if group.kernel and not needs_staging(group, None):
+        if group.gathered is not None and not gathered_staged:
+            group.gathered.stage()
+        for batch in group.batches:
+            batch.stage()
+            kernels.masked_update_many_(batch.kernel_plan(), weights, ok)  # one launch for every piece
+            for position in batch.strided:  # (a strided live shard, whole: rare)
+                _masked_lerp([shadows[position] for shadows in batch.shadows], batch.reads[position], weights, ok)
+        return
     for shadow_sets, live_tensors in staged(group, None, stager):
-        for shadows, weight in zip(shadow_sets, weights):
-            for shadow, live in zip(shadows, live_tensors):
-                masked = torch.where(ok, live, shadow)
-                if weight is None:
-                    shadow.copy_(masked)
-                else:
-                    shadow.lerp_(masked, weight)
+        for position, live in enumerate(live_tensors):
+            _masked_lerp([shadows[position] for shadows in shadow_sets], live, weights, ok)
+
+
+def _masked_lerp(
+    shadows: Sequence[torch.Tensor], live: torch.Tensor, weights: Sequence[torch.Tensor | None], ok: torch.Tensor
+) -> None:
+    """The masked update in ATen: each shadow lerps toward ``where(ok, live, shadow)``."""
+    for shadow, weight in zip(shadows, weights):
+        masked = torch.where(ok, live, shadow)
+        if weight is None:
+            shadow.copy_(masked)
+        else:
+            shadow.lerp_(masked, weight.to(shadow.dtype))
 
 
 def needs_staging(group: UpdateGroup, dtype: torch.dtype | None) -> bool:
@@ -325,19 +563,17 @@ def needs_staging(group: UpdateGroup, dtype: torch.dtype | None) -> bool:
 
 
 def staged(
-    group: UpdateGroup, dtype: torch.dtype | None, stager: Stager, fused: bool = True, direct: bool = False
+    group: UpdateGroup, dtype: torch.dtype | None, stager: Stager, fused: bool = True
 ) -> Iterator[tuple[list[list[torch.Tensor]], list[torch.Tensor]]]:
     """(shadows per average, live_tensors) with the live_tensors on the shadows' device (and ``dtype``), in
     bounded buckets (``staging.py``), each staged once for every average. When nothing needs
     staging: the fused views (in cache-sized batches when several averages read the same live
-    pieces; with ``direct``, those of the shards not gathered), or with ``fused=False`` the
-    shards themselves."""
+    pieces), or with ``fused=False`` the shards themselves."""
     if not needs_staging(group, dtype):
         if not fused:
             yield group.shadows, group.live_tensors
             return
-        live_tensors = group.direct_live if direct else group.fused_live  # empty when every shard in the group is
-        shadow_sets = group.direct_shadows if direct else group.fused_shadows
+        live_tensors, shadow_sets = group.fused_live, group.fused_shadows
         batch = max(1, len(live_tensors))
         if len(group.shadows) > 1 and live_tensors:
             batch = max(1, CACHE_BYTES // live_tensors[0].nbytes)

@@ -71,13 +71,25 @@ class Averaged(Protocol):
     def adopt(self, live: list[torch.Tensor]) -> None: ...
 
 
+def to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``host`` copied to ``device`` without the host waiting: from pinned memory on CUDA (the
+    caching allocator keeps the pinned block until the copy that reads it is done)."""
+    if device.type != "cuda":
+        return host.to(device)
+    return host.pin_memory().to(device, non_blocking=True)
+
+
 class Updater:
     """The update of one ``AverageState``. Its public attributes are for tests and tools:
     ``groups`` (the fused groups, the same objects while nothing changes), ``stager``,
-    ``pending`` (updates whose device-side verdict is not read yet), ``on_device`` (True: keep
-    the non-finite check on the device, its verdict read later; see ``check_on_device``) and
+    ``pending`` (updates whose device-side verdict is not read yet), ``on_device`` (None: keep
+    the non-finite check on the device, its verdict read later, where the update's kernel runs
+    there; True or False to choose; see ``check_on_device``), ``kernel_devices`` (the device
+    types whose groups run the Triton kernel where it is available) and
     ``torn`` (in the background: why the average cannot be trusted, once a write it did not wait
     for was seen; None while it can)."""
+
+    kernel_devices: frozenset[str] = frozenset({"cuda"})
 
     def __init__(self, state: Averaged) -> None:
         self.state = state
@@ -90,7 +102,7 @@ class Updater:
         self.groups: list[UpdateGroup] = self._group()
         self.guard_forwards()
         self.stager = Stager()  # staging buffers for offloaded shadows and casts, kept between updates
-        self.on_device = False
+        self.on_device: bool | None = None
         # The check on an accelerator: verdicts not yet read, by step; each lerp rule's weights by
         # update count; the update count itself, as device tensors.
         self.pending: deque[tuple[int, list[Verdict]]] = deque()
@@ -201,7 +213,7 @@ class Updater:
                 steps: list[Step] = [None] * len(group.shadows)
             else:
                 steps = [self._step(average.rule, group) for average in state.averages.values()]
-            apply(group, steps, self.stager, gathered=True)
+            apply(group, steps, self.stager, gathered_staged=True)
 
     def _step(self, rule: Rule, group: UpdateGroup) -> Step:
         if isinstance(rule, LerpRule):
@@ -213,7 +225,7 @@ class Updater:
         device = group.shadows[0][0].device
         if device not in self.device_counters:
             self.settle()  # the count must be exact when it moves to the device
-            self.device_counters[device] = torch.tensor(self.state.num_updates, device=device)
+            self.device_counters[device] = to_device(torch.tensor(self.state.num_updates), device)
         return self.device_counters[device]
 
     # ------------------------------------------------------------------ the non-finite check
@@ -223,7 +235,7 @@ class Updater:
         state = self.state
         if state.options.on_nonfinite == "off":
             return False
-        bad = [state.infos[index].name for index in nonfinite(self.groups, gathered=True)]
+        bad = [state.infos[index].name for index in nonfinite(self.groups)]
         if not bad:
             return False
         self._nonfinite_found(
@@ -236,16 +248,22 @@ class Updater:
         return True
 
     def check_on_device(self) -> bool:
-        """Whether the non-finite check stays on the device, its verdict read by the host later:
-        only when asked (``on_device = True``), with the check on and built-in rules only. By
-        default the host reads one flag per group. Measured on an H200 (docs/benchmarks.md), the
-        masked update (two kernels per shard) cost a CUDA training loop that never syncs more than
-        that one wait: +51% of a step against +17% over 1,200 shards, +34% against +20% over a
-        270M-parameter bf16 model."""
+        """Whether the non-finite check stays on the device, its verdict read by the host later,
+        so that ``update()`` never waits for the device: with the check on, built-in rules only,
+        from the second update on (the first reads its verdict on the host), and by default
+        (``on_device`` None) where every group runs the Triton kernel (CUDA), which skips the
+        update on the device's flag in the same pass. Elsewhere a masked update costs a scratch
+        and a second kernel per piece: measured on an H200 (docs/benchmarks.md), more than the
+        host's one wait per update, so the host reads one flag per group there."""
         state = self.state
-        if not self.on_device or state.options.on_nonfinite == "off" or state.num_updates == 0:
+        if state.options.on_nonfinite == "off" or state.num_updates == 0:
             return False
-        return all(isinstance(average.rule, LerpRule) for average in state.averages.values())
+        if not all(isinstance(average.rule, LerpRule) for average in state.averages.values()):
+            return False
+        if self.on_device is None:
+            floating = [g for g in self.groups if g.live_tensors[0].dtype.is_floating_point]
+            return bool(floating) and all(group.kernel for group in floating)
+        return self.on_device
 
     def _apply_on_device(self) -> None:
         """The update with the non-finite check left on the device: screened, masked and counted
@@ -261,7 +279,7 @@ class Updater:
             if group.role == "copy":
                 weights: list[torch.Tensor | None] = [None]
             else:
-                dtype = group.shadows[0][0].dtype
+                dtype = torch.promote_types(group.shadows[0][0].dtype, torch.float32)  # as ATen's opmath
                 weights = [self._weight(name, counter, dtype) for name in state.averages]
             apply_masked(group, ok_here, weights, self.stager)
         for device, counter in self.device_counters.items():
@@ -271,14 +289,15 @@ class Updater:
 
     def _weight(self, name: str | None, counter: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """Average ``name``'s lerp weight after ``counter`` updates (a device tensor), looked up on
-        the device in a table the host extends before the count can outgrow it."""
+        the device in a table the host extends before the count can outgrow it. In ``dtype``: at
+        least fp32, as ATen takes a Python float weight (rounded once, from the double)."""
         key = (name, counter.device, dtype)
         table = self.weight_tables.get(key)
         needed = self.state.num_updates + len(self.pending) + 1
         if table is None or table.numel() <= needed:
             rule = self.state.averages[name].rule
             weights = [1.0] + [rule.weight(n) for n in range(1, 2 * needed + 64)]  # type: ignore[attr-defined]
-            table = self.weight_tables[key] = torch.tensor(weights, dtype=dtype, device=counter.device)
+            table = self.weight_tables[key] = to_device(torch.tensor(weights, dtype=dtype), counter.device)
         return table.index_select(0, counter.view(1))
 
     def settle(self, block: bool = True) -> None:
@@ -342,7 +361,8 @@ class Updater:
             self.snapshot_pointers = [data_ptr(state.live[index]) for index in buffers]
             live_tensors = [self.snapshots.get(index, live) for index, live in enumerate(state.live)]
             self._watch()
-        return group_tensors(state.roles, [a.shadows for a in state.averages.values()], live_tensors)
+        shadow_sets = [a.shadows for a in state.averages.values()]
+        return group_tensors(state.roles, shadow_sets, live_tensors, self.kernel_devices)
 
     def _watch(self) -> None:
         """What the thread reads of the live model, to check by version counter: each live shard

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
-from shardavg.fused import FUSED_CHUNK, apply, fuse, group_tensors, nonfinite
+from shardavg.fused import FUSED_CHUNK, SUMMED_NUMEL, apply, fuse, group_tensors, nonfinite
 from shardavg.staging import Stager
 
 SHAPES = [(3, 4), (0,), (5,), (2, 2), (7,)]
@@ -52,11 +53,7 @@ def test_the_fused_update_has_the_bits_of_one_call_per_tensor() -> None:
             with torch.no_grad():
                 torch._foreach_add_(lives, 0.5)
             apply(fused, [weight], Stager())
-            if live_dtype == torch.float32:
-                torch._foreach_lerp_(plain, lives, weight)
-            else:
-                torch._foreach_mul_(plain, 1 - weight)
-                torch._foreach_add_(plain, lives, alpha=weight)
+            torch._foreach_lerp_(plain, [live.float() for live in lives], weight)  # bf16: one pass, cast in cache
         assert all(torch.equal(a, b) for a, b in zip(fused.shadows[0], plain))
 
 
@@ -104,3 +101,42 @@ def test_a_strided_live_shard_is_updated_as_it_is_even_when_large() -> None:
     live.add_(1.0)
     apply(group, [0.1], Stager())
     assert torch.equal(group.shadows[0][0], plain.lerp_(live, 0.1))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("numel", [SUMMED_NUMEL * 2, SUMMED_NUMEL * 2 + 1])  # halves dotted, or summed
+def test_the_screen_of_large_pieces_finds_every_nonfinite_value_and_only_those(dtype, numel) -> None:
+    """NaN, +inf and -inf anywhere in a large piece (the screen's dot of halves, sum, or fp16's
+    min and max) name their tensor; finite values whose products or sums overflow do not."""
+    torch.manual_seed(0)
+    lives = [torch.randn(numel).to(dtype), torch.randn(5).to(dtype)]
+    groups = group_tensors(["average"] * 2, [[torch.zeros(numel), torch.zeros(5)]], lives)
+    assert nonfinite(groups) == []
+    for bad in (float("nan"), float("inf"), float("-inf")):
+        for where in (0, numel // 2, numel - 1):
+            lives[0][where] = bad
+            assert nonfinite(groups) == [0], (bad, where)
+            lives[0][where] = 0.5
+    huge = torch.finfo(dtype).max / 4
+    lives[0].fill_(huge)  # every product and the sum overflow: flagged by the screen, cleared by the exact check
+    assert nonfinite(groups) == []
+
+
+def test_small_shards_apart_are_screened_in_runs_through_a_scratch(monkeypatch) -> None:
+    """Shards too small to read alone and too large to gather (FSDP2's or an MoE's expert shards)
+    are copied run by run into a scratch and screened there: a NaN or an infinity in any of them,
+    in any run, names its own tensor."""
+    import shardavg.fused
+
+    monkeypatch.setattr(shardavg.fused, "SCREENED_ELEMENTS", 12_000)  # several runs of two shards
+    torch.manual_seed(0)
+    lives = [torch.randn(5000) for _ in range(7)]  # apart in memory, each above GATHER_NUMEL
+    groups = group_tensors(["average"] * 7, [[torch.zeros(5000) for _ in range(7)]], lives)
+    (group,) = groups
+    assert [len(run) for run, _ in group.screen.runs] == [2, 2, 2, 1] and not group.screen.large
+    assert nonfinite(groups) == []
+    for index in (0, 3, 6):
+        for bad in (float("nan"), float("-inf")):
+            lives[index][4999] = bad
+            assert nonfinite(groups) == [index]
+            lives[index][4999] = 0.25

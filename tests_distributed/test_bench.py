@@ -1,5 +1,6 @@
 """The benchmark cannot rot: a tiny run has every row, ours matches the engines' own gathers,
-communicates nothing per update and keeps less than the peers (counts, never timings)."""
+communicates nothing per update and keeps less than the peers; every update row counts the bytes
+it must move, the targets and the training loop are there (counts, never timings)."""
 
 from __future__ import annotations
 
@@ -15,7 +16,10 @@ ROOT = Path(__file__).resolve().parents[1]
 TINY = [
     "shapes.transformer.layers=2", "shapes.transformer.dim=32", "shapes.many_small.blocks=6",
     "shapes.many_small.width=16", "warmup=1", "repeats=2", "work_ms=2",
+    "loop.layers=1", "loop.dim=16", "loop.batch=8", "loop.steps=2", "loop.warmup=1", "loop.rounds=1",
 ]  # fmt: skip
+METRICS = {"check off / bytes floor", "check off / fastest peer", "check on / check-off bytes floor",
+           "check on / fastest peer", "check on / check off"}  # fmt: skip
 
 
 def test_a_tiny_bench_has_every_row_and_every_check_passes(tmp_path: Path) -> None:
@@ -25,7 +29,8 @@ def test_a_tiny_bench_has_every_row_and_every_check_passes(tmp_path: Path) -> No
         args += ["--set", override]
     launch = torchrun("-m tools.bench", 2, *args, timeout=540)
     assert launch.returncode == 0, launch.output[-20000:]
-    rows = json.loads(out.read_text())
+    record = json.loads(out.read_text())
+    rows = record["rows"]
     cases = {(r["engine"], r["shape"], r["dtype"]) for r in rows}
     assert len(cases) == 4 * 2 * 2, sorted(cases)
     for case in cases:
@@ -47,7 +52,49 @@ def test_a_tiny_bench_has_every_row_and_every_check_passes(tmp_path: Path) -> No
             assert row["check"] == ("bitwise" if "background" in name else "-"), (case, name, row["check"])
         if case[0] != "ddp":  # the gathering peers receive the model every update
             assert peer["comm_bytes_per_update"] > 0, (case, peer)
-    assert "| ours |" in launch.output and "copy bandwidth" in launch.output
+        assert_bytes_counted(case, methods)
+        goals = [t for t in record["targets"] if (t["engine"], t["shape"], t["dtype"]) == case]
+        assert {t["metric"] for t in goals} == METRICS and len(goals) == 5, goals
+        assert all(t["verdict"] == ("PASS" if t["value"] <= t["limit"] else "MISS") for t in goals), goals
+    assert [r["variant"] for r in record["loop"]] == ["no averager", "check on (default)", "check off",
+                                                     "background=True"]  # fmt: skip
+    assert all(r["parameters"] == 16 * 64 + 64 + 64 * 16 + 16 for r in record["loop"]), record["loop"]
+    for printed in ("| ours |", "copy bandwidth", "| torchtitan-style |", "targets: ", "| background=True |"):
+        assert printed in launch.output, printed
+
+
+def assert_bytes_counted(case: tuple, methods: dict[str, dict]) -> None:
+    """Every update row's bytes floor from one count of elements: ``itemsize + 8`` an element with
+    the check off, ``2 itemsize + 8`` on, 8 more per further average; the peers and the floors of
+    the same elements; the columns derived from one memory speed, the faster stream's."""
+    itemsize = 4 if case[2] == "float32" else 2
+    off = methods["ours, check off"]["floor_bytes"]
+    assert off > 0 and off % (itemsize + 8) == 0, (case, off)
+    elements = off // (itemsize + 8)
+    expected = {
+        "ours": elements * (2 * itemsize + 8),
+        "3 averages, one averager": elements * (2 * itemsize + 24),
+        "3 averages, three averagers": elements * (2 * itemsize + 24),
+        "floor": off,
+        "torchtitan-style": elements * 3 * itemsize,
+        "copy floor": off // 8 * 8,
+        "stream add floor": off // 12 * 12,
+    } | ({"hand-written fp32": off} if itemsize == 2 else {})
+    assert {name: methods[name]["floor_bytes"] for name in expected} == expected, case
+    assert ("hand-written fp32" in methods) == (itemsize == 2), case
+    peers = [r for r in methods.values() if r["role"] == "peer"]
+    assert {r["method"] for r in peers} <= {"torchtitan-style", "hand-written fp32"}, case
+    assert all(r["check"] == "peer" for r in peers), case
+    streams = [methods["copy floor"], methods["stream add floor"]]
+    memory = max(r["gb_per_s"] for r in streams)
+    assert max(r["of_memory"] for r in streams) == 1.0, (case, streams)
+    for name in expected:
+        row = methods[name]
+        assert row["bytes_floor_ms"] == pytest.approx(row["floor_bytes"] / memory / 1e6), (case, row)
+        assert row["x_bytes_floor"] == pytest.approx(row["ms_median"] / row["bytes_floor_ms"]), (case, row)
+        assert row["of_memory"] == pytest.approx(row["gb_per_s"] / memory), (case, row)
+    gathering = [r for r in methods.values() if r["role"] in ("reference", "replica", "blocked", "export")]
+    assert all(r["floor_bytes"] == 0 and r["x_bytes_floor"] == 0 for r in gathering), case
 
 
 def test_a_tiny_tensor_parallel_bench_at_four_processes(tmp_path: Path) -> None:
@@ -60,7 +107,7 @@ def test_a_tiny_tensor_parallel_bench_at_four_processes(tmp_path: Path) -> None:
         args += ["--set", override]
     launch = torchrun("-m tools.bench", 4, *args, timeout=540)
     assert launch.returncode == 0, launch.output[-20000:]
-    methods = {r["method"]: r for r in json.loads(out.read_text())}
+    methods = {r["method"]: r for r in json.loads(out.read_text())["rows"]}
     assert {r["engine"] for r in methods.values()} == {"fsdp2_tp"}, methods
     (peer,) = [r for r in methods.values() if r["check"] == "reference"]
     assert peer["method"] == "full_tensor() + full copy" and peer["comm_bytes_per_update"] > 0

@@ -4,6 +4,9 @@ Without CUDA every test here is skipped at collection, with the reason, in secon
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 import pytest
 import torch
 
@@ -16,3 +19,27 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     skip = pytest.mark.skip(reason="no CUDA device here: tests_gpu/ runs where torch.cuda.is_available()")
     for item in items:
         item.add_marker(skip)
+
+
+@contextlib.contextmanager
+def no_sync() -> Iterator[None]:
+    """A block in which anything that makes the host wait for the GPU raises (``.item()``, a
+    blocking copy to or from the host, a stream or device synchronize)."""
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        yield
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+
+
+@pytest.fixture
+def compiled_kernels(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """``shardavg.kernels`` compiled for the GPU (never the interpreter), built afresh."""
+    from shardavg import kernels
+
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    kernels.reset()
+    if not kernels.usable(torch.device("cuda")):
+        pytest.fail("triton does not import here: torch's CUDA wheels ship it (pip install -e '.[test]')")
+    yield
+    kernels.reset()

@@ -7,9 +7,12 @@ scenario itself is checked on a machine without a GPU. ENGINE is ddp, fsdp2, fsd
 (ZeRO-3 where DeepSpeed is installed). For each configuration (fp32 and bf16 live weights;
 FSDP1's ``use_orig_params``) the model trains for real on the device while these averagers run:
 
-- ``ema``: on the device, the non-finite check read on the host (one wait per update);
-- ``ema_deferred``: the check kept on the device, its verdict read later (``updater.on_device``);
-- ``ema_off``: the same with ``on_nonfinite="off"``;
+- ``ema``: on the device, as built by default: on CUDA the non-finite check's verdict stays on the
+  GPU, the update skipped there by the Triton kernel (``shardavg.kernels``) and the verdict read
+  later; on the CPU the host reads it;
+- ``ema_host``: the verdict read on the host at every update (``updater.on_device = False``);
+- ``ema_deferred``: the check kept on the device on any device (``updater.on_device = True``);
+- ``ema_off``: ``on_nonfinite="off"``;
 - ``ema_cpu``: ``device="cpu"``: pinned host shadows, the live shards staged on a side stream;
 - ``fn``: a ``multi_avg_fn`` (custom rules take the host path);
 - ``ema_background``, ``ema_cpu_background``: ``background=True``, the update on a thread of its
@@ -17,8 +20,8 @@ FSDP1's ``use_orig_params``) the model trains for real on the device while these
 
 Each is checked against ``AveragedModel`` with ``get_ema_multi_avg_fn`` over the live weights the
 engine's own API gathers, kept where the averager keeps its shadows: bitwise for fp32 live
-weights, within fp32 rounding for bf16. Then: the deferred check's update issues no device sync
-(``torch.cuda.set_sync_debug_mode("error")``); a NaN put in a live shard is refused by the update
+weights, within fp32 rounding for bf16. Then: the update with the check on the device, or off,
+issues no device sync (``torch.cuda.set_sync_debug_mode("error")``); a NaN put in a live shard is refused by the update
 (the host check) or masked on the device and reported at the next read (the deferred one),
 naming the tensor and the step; ``export``, ``save``/``load`` and
 ``dcp.save``/``dcp.load`` give back the average bitwise (CPU pieces sent through CUDA buffers
@@ -176,9 +179,10 @@ def check_equal(label: str, got: dict, want: dict, exact: bool) -> None:
     assert torch.equal(got["head.weight"], got["embed.weight"]), f"{label}: the tied weights differ"
 
 
-def deferred(averager: WeightAverager) -> WeightAverager:
-    """``averager`` with its non-finite check kept on the device, the verdict read later."""
-    averager.updater.on_device = True
+def checked_on(averager: WeightAverager, on_device: bool | None) -> WeightAverager:
+    """``averager`` with its non-finite check kept on the device (the verdict read later), read on
+    the host, or (None) as built."""
+    averager.updater.on_device = on_device
     return averager
 
 
@@ -186,7 +190,8 @@ def averagers(engine: Engine, device: torch.device) -> dict[str, tuple[WeightAve
     host = torch.device("cpu")
     return {
         "ema": (WeightAverager(engine.model, EMA(decay=DECAY)), Reference(DECAY, device)),
-        "ema_deferred": (deferred(WeightAverager(engine.model, EMA(decay=DECAY))), Reference(DECAY, device)),
+        "ema_host": (checked_on(WeightAverager(engine.model, EMA(decay=DECAY)), False), Reference(DECAY, device)),
+        "ema_deferred": (checked_on(WeightAverager(engine.model, EMA(decay=DECAY)), True), Reference(DECAY, device)),
         "ema_off": (WeightAverager(engine.model, EMA(decay=DECAY), on_nonfinite="off"), Reference(DECAY, device)),
         "ema_cpu": (WeightAverager(engine.model, EMA(decay=DECAY), device="cpu"), Reference(DECAY, host)),
         "ema_background": (WeightAverager(engine.model, EMA(decay=DECAY), background=True), Reference(DECAY, device)),
@@ -215,6 +220,9 @@ def no_sync(device: torch.device):
     return mode()
 
 
+SYNC_FREE = ("ema", "ema_deferred", "ema_off")  # on CUDA: update() never waits for the GPU
+
+
 def check_training(engine: Engine, device: torch.device) -> WeightAverager:
     """Every averager of ``averagers`` against its reference after ``STEPS`` steps; the device
     path taken and free of syncs where it should be. Returns the ``ema`` averager."""
@@ -225,14 +233,15 @@ def check_training(engine: Engine, device: torch.device) -> WeightAverager:
         live = engine.gather_live()
         for label, (averager, reference) in built.items():
             reference.update(live)
-            if label in ("ema_deferred", "ema_off") and step > 3:  # (the first updates build the device's tables)
+            if label in SYNC_FREE and step > 3:  # (the first updates build the device's tables)
                 with no_sync(device):
                     averager.update()
             else:
                 averager.update()
+    deferred = {"ema_deferred"} | ({"ema", "ema_background"} if device.type == "cuda" else set())
     for label, (averager, reference) in built.items():
         on_device = averager.updater.check_on_device()
-        assert on_device == (label == "ema_deferred"), f"{engine.name}/{label}: check on the device: {on_device}"
+        assert on_device == (label in deferred), f"{engine.name}/{label}: check on the device: {on_device}"
         assert averager.num_updates == STEPS, (engine.name, label, averager.num_updates)
         check_equal(f"{engine.name}/{label}", averager.full_state_dict(), reference.state(), exact)
     offloaded = built["ema_cpu"][0]
@@ -258,9 +267,8 @@ def check_nonfinite(engine: Engine, device: torch.device, step: int) -> None:
     update; the deferred one (no sync in the update) masks it on the device and reports it at the
     next read. Either names the tensor and the step, and ``skip`` leaves the average as it was."""
     for policy in ("skip", "raise"):
-        for on_device in (False, True):
-            averager = WeightAverager(engine.model, EMA(decay=DECAY), on_nonfinite=policy)
-            averager.updater.on_device = on_device
+        for on_device in (False, True, None):  # (None: as built, on the device on CUDA)
+            averager = checked_on(WeightAverager(engine.model, EMA(decay=DECAY), on_nonfinite=policy), on_device)
             check_one_nonfinite(engine, averager, device, step, policy)
 
 

@@ -15,19 +15,20 @@ SCENARIO = str(Path(__file__).resolve().parent / "scenario_cuda.py")
 ON_CUDA = {"DS_ACCELERATOR": "cuda", "OMP_NUM_THREADS": "4"}
 
 
-def engines() -> list[str]:
-    try:
-        import deepspeed  # noqa: F401
-    except ImportError:
-        return ["ddp", "fsdp2", "fsdp1"]
-    return ["ddp", "fsdp2", "fsdp1", "zero3"]
+TORCH_ENGINES = ["ddp", "fsdp2", "fsdp1"]
+NO_DEEPSPEED = (
+    "DeepSpeed is not installed here, so ZeRO-3 on CUDA did not run: pip install deepspeed (pure Python: on a "
+    "machine without a network, carry its wheel there and pip install it)"
+)
 
 
+@pytest.mark.parametrize("kinds", [TORCH_ENGINES, ["zero3"]], ids=["torch-engines", "zero3"])
 @pytest.mark.parametrize("world_size", [1, 2, 4])
-def test_every_engine_on_cuda_matches_the_references(world_size: int, tmp_path: Path) -> None:
+def test_every_engine_on_cuda_matches_the_references(world_size: int, kinds: list[str], tmp_path: Path) -> None:
     if world_size > GPUS:
         pytest.skip(f"{world_size} ranks need {world_size} GPUs (one per rank under NCCL); {GPUS} here")
-    kinds = engines()
+    if "zero3" in kinds:
+        pytest.importorskip("deepspeed", reason=NO_DEEPSPEED)
     launch = torchrun(SCENARIO, world_size, "cuda", ",".join(kinds), str(tmp_path), timeout=900, env=ON_CUDA)
     assert launch.returncode == 0, launch.output[-20000:]
     done = launch.reports("DONE")
@@ -38,21 +39,23 @@ def test_every_engine_on_cuda_matches_the_references(world_size: int, tmp_path: 
 
 def test_the_bench_on_cuda(tmp_path: Path) -> None:
     """A small bench on the GPU: ours bitwise the gathering peer, nothing communicated per update,
-    the achieved GB/s below the copy floor's, and the table printed for the docs."""
+    the achieved GB/s no more than a little above the copy floor's (both can run from the GPU's L2
+    cache on the small shapes; far above it, the bytes counted would be wrong), and the tables (the
+    training loop's too) printed for the docs."""
     world_size = min(GPUS, 2)
     out = tmp_path / "bench.json"
     args = ["--config", str(ROOT / "configs" / "bench.yaml"), "--json", str(out), "--set", "device=cuda",
-            "--set", f"engines={engines()[:3]}", "--set", "warmup=2", "--set", "repeats=5"]  # fmt: skip
+            "--set", f"engines={TORCH_ENGINES}", "--set", "warmup=2", "--set", "repeats=5"]  # fmt: skip
     launch = torchrun("-m tools.bench", world_size, *args, timeout=900, env=ON_CUDA)
     assert launch.returncode == 0, launch.output[-20000:]
     print(launch.output)  # (the tables, for docs/benchmarks.md)
-    rows = json.loads(out.read_text())
+    rows = json.loads(out.read_text())["rows"]
     copy_rates = {(r["engine"], r["shape"], r["dtype"]): r["gb_per_s"] for r in rows if r["method"] == "copy floor"}
     for row in rows:
         if row["method"] in ("ours", "ours, check off"):
             expected = ("bitwise",) if row["dtype"] == "float32" else ("bitwise", "close")
             assert row["check"].startswith(expected) and row["comm_bytes_per_update"] == 0, row
-            assert 0 < row["gb_per_s"] < copy_rates[row["engine"], row["shape"], row["dtype"]], row
+            assert 0 < row["gb_per_s"] < 1.25 * copy_rates[row["engine"], row["shape"], row["dtype"]], row
 
 
 def test_accelerate_fsdp2_save_state_and_load_state(tmp_path: Path) -> None:

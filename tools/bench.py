@@ -2,31 +2,50 @@
 
     torchrun --nproc_per_node 2 -m tools.bench --config configs/bench.yaml [--json bench.json]
     torchrun --nproc_per_node 4 -m tools.bench --config configs/bench.yaml --set "engines=[fsdp2_tp]"
+    python -m tools.bench --set device=cuda   # alone: one rank (on its GPU), every row
 
 For each engine, model shape and live dtype it times, on the slowest rank after warm-up:
-``ours`` (``WeightAverager.update()``, with the non-finite check and with ``on_nonfinite="off"``),
-the engine's gather-based peer (DDP: a full ``AveragedModel`` replica; FSDP1:
+``ours`` (``WeightAverager.update()``, with the non-finite check and with ``on_nonfinite="off"``;
+three averages in one averager and in three), the shard-local peers (``torchtitan-style``: a
+``torch._foreach_lerp_`` over EMA states cloned from the engine's own parameters, DTensors
+under FSDP2, in their dtype, as torchtitan's ``components/ema.py`` does; for bf16 weights
+``hand-written fp32``: ``_foreach_mul_`` + ``_foreach_add_`` of the local shards into fp32
+shadows), the engine's gather-based way (DDP: a full ``AveragedModel`` replica; FSDP1:
 ``summon_full_params``; FSDP2 and FSDP2 + tensor parallel: ``full_tensor()`` per parameter;
-ZeRO-3: ``GatheredParameters`` per parameter; each with an fp32 EMA into a full copy), and the floor
-(the same fused kernels
-over plain tensors of this rank's local-shard sizes) and the copy floor (a ``_foreach_copy_`` of
-the live shards into fp32 tensors: the least any update moves). ``device: cuda`` in the config
-runs it on each rank's GPU over NCCL (one GPU per rank), the clock stopped after a device sync;
-the achieved GB/s counts the bytes an update must move (read the live shard, read and write
-the fp32 shadow). The methods take turns on each new set of
-live weights, so every one sees the same sequence (and ours is checked against the reference's
-average) and a drift in the machine's speed falls on all of them alike. It also measures bytes received
-per update, the average's extra bytes per rank, and the consolidated export against torch's
-own full state dict (or DeepSpeed's) saved with safetensors.
+ZeRO-3: ``GatheredParameters`` per parameter; each with an fp32 EMA into a full copy, the
+reference ours is checked against), the kernel floor (the update's arithmetic in one pass over
+plain tensors of this rank's local-shard sizes) and two streams of the same bytes.
+
+Bytes, not kernels: every update row counts the bytes its result must move per rank at least
+(check off: the live shard read once, the fp32 shadow read and written once, ``itemsize + 8``
+an element; the check reads the live shard once more; each further average adds 8). The
+memory's speed for those bytes is measured in the same run, every rank at once and taking
+turns with the updates: the faster of a streaming copy and ``b += a`` (the update's own
+pattern, one tensor read, one read and written; on a CPU a copy's writes also read their lines
+first, unseen by the count, so it reaches about half of it). Each row reports ``bytes floor
+ms`` (its bytes at that speed), ``x bytes floor`` (ms / that), the GB/s achieved and its
+fraction of the memory's. A targets table (issue 38) sets ours against
+the bytes floor and the fastest shard-local peer. ``device: cuda`` runs it on each rank's GPU
+over NCCL (one GPU per rank), the clock stopped after a device sync.
+
+The methods take turns on each new set of live weights, so every one sees the same sequence
+(and ours is checked against the reference's average) and a drift in the machine's speed falls
+on all of them alike. It also measures bytes received per update, the average's extra bytes
+per rank, how long an update blocks the loop (in it and in the background), the consolidated
+export against torch's own full state dict (or DeepSpeed's) saved with safetensors, and with
+``loop:`` a real training loop without and with an averager (``tools/loop.py``).
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import importlib.util
 import json
 import logging
+import os
 import shutil
+import socket
 import statistics
 import sys
 import tempfile
@@ -85,10 +104,26 @@ class Method:
     """One way to keep an EMA: ``update()`` per step, ``result()`` the full fp32 average on rank 0."""
 
     name: str
-    role: str  # "ours", "reference" (an fp32 EMA of the full weights, what ours is checked against), "peer", "floor"
+    role: str  # "ours", "several", "peer" (shard-local), "reference" (an fp32 EMA of the full weights, what ours
+    # is checked against), "replica" (DDP's AveragedModel), "floor", "copy"
     update: Callable[[], object]
     result: Callable[[], dict | None]
     extra_bytes: Callable[[], int]  # what the average keeps on this rank, read after the updates
+    floor_bytes: int = 0  # the bytes its result must move on this rank at least (0: not an update of the shards)
+
+
+@dataclass(frozen=True)
+class Shards:
+    """What the byte counts need of this rank's local shards: elements (the most any rank holds,
+    as the timings are the slowest rank's) and the live dtype's bytes an element."""
+
+    elements: int
+    itemsize: int
+
+    def update_bytes(self, check: bool, averages: int = 1) -> int:
+        """The least an update moves: the live shard read once (twice with the non-finite check),
+        each fp32 shadow read and written once."""
+        return self.elements * ((2 if check else 1) * self.itemsize + 8 * averages)
 
 
 def ema_into(copies: dict[str, torch.Tensor] | None, full: dict[str, torch.Tensor], decay: float) -> dict:
@@ -100,24 +135,27 @@ def ema_into(copies: dict[str, torch.Tensor] | None, full: dict[str, torch.Tenso
     return copies
 
 
-def ours(wrapped: engines.Wrapped, decay: float, check: bool) -> Method:
+def ours(wrapped: engines.Wrapped, decay: float, check: bool, shards: Shards) -> Method:
     average = WeightAverager(wrapped.model, EMA(decay=decay), on_nonfinite="raise" if check else "off")
     name = "ours" if check else "ours, check off"
-    return Method(name, "ours", average.update, average.full_state_dict, average.shadow_bytes)
+    return Method(name, "ours", average.update, average.full_state_dict, average.shadow_bytes,
+                  shards.update_bytes(check))  # fmt: skip
 
 
 SEVERAL = {"ema": EMA(decay=0.999), "slow": EMA(decay=0.9999), "swa": SWA()}  # the first one is checked
 
 
-def several_in_one(wrapped: engines.Wrapped) -> Method:
+def several_in_one(wrapped: engines.Wrapped, shards: Shards) -> Method:
     """Three averages kept by one averager: one read, screen and staging of the live shards."""
     average = WeightAverager(wrapped.model, SEVERAL)
     result = lambda: average.full_state_dict("ema")  # noqa: E731
-    return Method("3 averages, one averager", "several", average.update, result, average.shadow_bytes)
+    return Method("3 averages, one averager", "several", average.update, result, average.shadow_bytes,
+                  shards.update_bytes(True, len(SEVERAL)))  # fmt: skip
 
 
-def several_apart(wrapped: engines.Wrapped) -> Method:
-    """The same three averages as three averagers, each reading the live shards itself."""
+def several_apart(wrapped: engines.Wrapped, shards: Shards) -> Method:
+    """The same three averages as three averagers, each reading the live shards itself (the
+    bytes floor is the same result's: the live shards read twice, not six times)."""
     averages = [WeightAverager(wrapped.model, rule) for rule in SEVERAL.values()]
 
     def update() -> None:
@@ -125,32 +163,116 @@ def several_apart(wrapped: engines.Wrapped) -> Method:
             average.update()
 
     extra = lambda: sum(a.shadow_bytes() for a in averages)  # noqa: E731
-    return Method("3 averages, three averagers", "several", update, averages[0].full_state_dict, extra)
+    bytes_floor = shards.update_bytes(True, len(SEVERAL))
+    return Method("3 averages, three averagers", "several", update, averages[0].full_state_dict, extra, bytes_floor)
 
 
-def floor(wrapped: engines.Wrapped, decay: float) -> Method:
-    """The update's kernels alone, over plain tensors shaped like this rank's local shards."""
-    lives = [shard.detach().clone() for shard in wrapped.local_shards() if shard.numel()]
-    shadows = [torch.zeros_like(live, dtype=torch.float32) for live in lives]
-    weight = 1 - decay
+PIECE = {"cpu": 128 * 1024, "cuda": 4 * 2**20}  # fp32 elements the one-pass floor casts at a time (in L2)
+
+
+def floor(wrapped: engines.Wrapped, decay: float, shards: Shards, piece: int) -> Method:
+    """The update's arithmetic alone in one pass (``one_pass``), over plain tensors shaped like
+    this rank's local shards (contiguous, as the pieces view them flat)."""
+    lives = [shard.detach().clone(memory_format=torch.contiguous_format) for shard in wrapped.local_shards()
+             if shard.numel()]  # fmt: skip
+    shadows = [torch.zeros(live.shape, dtype=torch.float32, device=live.device) for live in lives]
+    extra = lambda: sum(s.nbytes for s in shadows)  # noqa: E731
+    update = one_pass(shadows, lives, 1 - decay, piece)
+    return Method("floor", "floor", update, lambda: None, extra, shards.update_bytes(False))
+
+
+def one_pass(shadows: list[torch.Tensor], lives: list[torch.Tensor], weight: float, piece: int) -> Callable[[], None]:
+    """fp32 ``shadows`` lerped toward ``lives`` by ``weight``, the memory seeing the live read once
+    and each shadow read and written once. fp32 live: one ``_foreach_lerp_``; bf16 and fp16
+    (which ``lerp`` refuses to mix with fp32): the live shards cast to fp32 ``piece`` elements at a
+    time into a buffer that stays in cache, the shadows lerped from it (not ``mul_`` + ``add_``,
+    two passes)."""
+    if all(live.dtype == torch.float32 for live in lives):
+        return lambda: torch._foreach_lerp_(shadows, lives, weight)
+    batches = pieces(shadows, lives, torch.empty(piece, dtype=torch.float32, device=lives[0].device))
 
     def update() -> None:
-        if lives[0].dtype == torch.float32:
-            torch._foreach_lerp_(shadows, lives, weight)
-        else:  # what ours does for mixed dtypes
-            torch._foreach_mul_(shadows, 1 - weight)
-            torch._foreach_add_(shadows, lives, alpha=weight)
+        for shadow_views, live_views, buffer_views in batches:
+            torch._foreach_copy_(buffer_views, live_views)
+            torch._foreach_lerp_(shadow_views, buffer_views, weight)
 
-    return Method("floor", "floor", update, lambda: None, lambda: sum(s.nbytes for s in shadows))
+    return update
 
 
-def copy_floor(wrapped: engines.Wrapped) -> Method:
-    """A device-to-device copy of the live shards into fp32 tensors of their sizes: reading the
-    live weights and writing the shadows' bytes once, with nothing averaged."""
-    lives = [shard.detach().clone() for shard in wrapped.local_shards() if shard.numel()]
-    targets = [torch.zeros_like(live, dtype=torch.float32) for live in lives]
-    update = lambda: torch._foreach_copy_(targets, lives)  # noqa: E731
-    return Method("copy floor", "copy", update, lambda: None, lambda: sum(t.nbytes for t in targets))
+def pieces(shadows: list[torch.Tensor], lives: list[torch.Tensor], buffer: torch.Tensor) -> list[tuple]:
+    """The flattened shadows and live shards cut into batches of at most ``buffer.numel()``
+    elements (a large tensor split over several, small ones packed into one), each batch as
+    (shadow views, live views, the buffer's views of the same sizes): one ``_foreach_copy_`` and
+    one ``_foreach_lerp_`` a batch, however many tensors."""
+    batches, current, used = [], ([], [], []), 0
+    for shadow, live in zip(shadows, lives):
+        flat_shadow, flat_live, offset = shadow.view(-1), live.view(-1), 0
+        while offset < flat_live.numel():
+            take = min(buffer.numel() - used, flat_live.numel() - offset)
+            current[0].append(flat_shadow[offset : offset + take])
+            current[1].append(flat_live[offset : offset + take])
+            current[2].append(buffer[used : used + take])
+            offset, used = offset + take, used + take
+            if used == buffer.numel():
+                batches.append(current)
+                current, used = ([], [], []), 0
+    return batches + ([current] if used else [])
+
+
+def stream_copy(nbytes: int, device: torch.device) -> Method:
+    """One contiguous copy that moves ``nbytes`` (half read, half written), every rank at once
+    and taking its turn with the updates: the memory's speed as a copy sees it, in this run. (On
+    a CPU a copy's writes first read the line they write, unseen by the count: it reaches about
+    half the GB/s of ``stream_add``.)"""
+    source = torch.ones(max(1, nbytes // 8), device=device)
+    target = torch.empty_like(source)
+    update = lambda: target.copy_(source)  # noqa: E731
+    return Method("copy floor", "copy", update, lambda: None, lambda: target.nbytes, 2 * source.nbytes)
+
+
+def stream_add(nbytes: int, device: torch.device) -> Method:
+    """``b += a`` over one contiguous pair that moves ``nbytes`` (``a`` read, ``b`` read and
+    written, a third each): the update's own pattern of reads and writes at the memory's speed,
+    every rank at once and taking its turn with the updates."""
+    a = torch.ones(max(1, nbytes // 12), device=device)
+    b = torch.ones_like(a)
+    update = lambda: b.add_(a)  # noqa: E731
+    return Method("stream add floor", "copy", update, lambda: None, lambda: a.nbytes + b.nbytes, 3 * a.nbytes)
+
+
+def torchtitan_style(wrapped: engines.Wrapped, decay: float, shards: Shards) -> Method:
+    """A peer: torchtitan's EMA (``components/ema.py``): EMA states cloned from the engine's own
+    parameters (FSDP2: the DTensors; DDP: the full parameters; FSDP1: its flat parameters;
+    ZeRO-3: the ``ds_tensor`` partitions), one ``torch._foreach_lerp_`` toward them, in the
+    parameters' dtype, no check."""
+    if wrapped.kind in ("fsdp2", "fsdp2_tp"):
+        params = [p for p in wrapped.module.parameters()]
+    else:
+        params = [shard for shard in wrapped.local_shards() if shard.numel()]
+    states = [p.detach().clone() for p in params]
+    update = lambda: torch._foreach_lerp_(states, params, 1 - decay)  # noqa: E731
+    extra = lambda: sum(local(s).nbytes for s in states)  # noqa: E731
+    return Method("torchtitan-style", "peer", update, lambda: None, extra, shards.elements * 3 * shards.itemsize)
+
+
+def hand_written(wrapped: engines.Wrapped, decay: float, shards: Shards) -> Method:
+    """A peer, for bf16 and fp16 weights: fp32 shadows of the local shards updated by
+    ``_foreach_mul_`` + ``_foreach_add_`` (two passes over the shadows)."""
+    lives = [shard for shard in wrapped.local_shards() if shard.numel()]
+    shadows = [live.detach().float() for live in lives]
+
+    def update() -> None:
+        torch._foreach_mul_(shadows, decay)
+        torch._foreach_add_(shadows, lives, alpha=1 - decay)
+
+    extra = lambda: sum(s.nbytes for s in shadows)  # noqa: E731
+    return Method("hand-written fp32", "peer", update, lambda: None, extra, shards.update_bytes(False))
+
+
+def local(tensor: torch.Tensor) -> torch.Tensor:
+    from torch.distributed.tensor import DTensor
+
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
 def replica(wrapped: engines.Wrapped, decay: float) -> Method:
@@ -164,7 +286,7 @@ def replica(wrapped: engines.Wrapped, decay: float) -> Method:
 
     update = lambda: average.update_parameters(wrapped.module)  # noqa: E731
     extra = lambda: sum(t.nbytes for t in average.module.state_dict().values())  # noqa: E731
-    return Method("full replica (AveragedModel)", "peer", update, result, extra)
+    return Method("full replica (AveragedModel)", "replica", update, result, extra)
 
 
 def full_copy(wrapped: engines.Wrapped, decay: float) -> Method:
@@ -222,16 +344,19 @@ def ema_into_one(copies: dict | None, name: str, value: torch.Tensor, decay: flo
     return copies
 
 
-def methods(wrapped: engines.Wrapped, decay: float) -> list:
-    peers = [replica, full_copy] if wrapped.kind == "ddp" else [gathering]
+def methods(wrapped: engines.Wrapped, decay: float, shards: Shards, device: torch.device) -> list:
+    gathering_peers = [replica, full_copy] if wrapped.kind == "ddp" else [gathering]
+    local_peers = [torchtitan_style] + ([hand_written] if shards.itemsize < 4 else [])
     return [
-        lambda: ours(wrapped, decay, check=True),
-        lambda: ours(wrapped, decay, check=False),
-        lambda: several_in_one(wrapped),
-        lambda: several_apart(wrapped),
-        *(lambda peer=peer: peer(wrapped, decay) for peer in peers),
-        lambda: floor(wrapped, decay),
-        lambda: copy_floor(wrapped),
+        lambda: ours(wrapped, decay, True, shards),
+        lambda: ours(wrapped, decay, False, shards),
+        lambda: several_in_one(wrapped, shards),
+        lambda: several_apart(wrapped, shards),
+        *(lambda peer=peer: peer(wrapped, decay, shards) for peer in local_peers),
+        *(lambda peer=peer: peer(wrapped, decay) for peer in gathering_peers),
+        lambda: floor(wrapped, decay, shards, PIECE[device.type]),
+        lambda: stream_copy(shards.update_bytes(False), device),
+        lambda: stream_add(shards.update_bytes(False), device),
     ]
 
 
@@ -250,7 +375,11 @@ class Row:
     comm_bytes_per_update: int
     extra_bytes_per_rank: int
     check: str
-    gb_per_s: float = 0.0  # bytes an update must move (live read, shadow read and write) / time
+    gb_per_s: float = 0.0  # floor_bytes / ms median
+    floor_bytes: int = 0  # the least its result moves per rank (Shards.update_bytes; 0: not an update)
+    bytes_floor_ms: float = 0.0  # floor_bytes at the memory's GB/s (the faster stream of the same case and run)
+    x_bytes_floor: float = 0.0  # ms median / bytes_floor_ms
+    of_memory: float = 0.0  # gb_per_s / the memory's GB/s
 
 
 def compare(got: dict | None, want: dict | None, dtype: torch.dtype, failing: str) -> str:
@@ -273,7 +402,9 @@ def run_case(kind: str, shape_name: str, shape: dict, dtype: torch.dtype, cfg: d
     module, block = build_model(shape)
     wrapped = engines.wrap(kind, module, block, dtype, cfg["deepspeed"], parallel=cfg["parallel"], device=device)
     shards = [s for s in wrapped.local_shards() if s.numel()]
-    moved = sum(s.nbytes + 2 * 4 * s.numel() for s in shards)  # read live, read and write an fp32 shadow
+    elements = torch.tensor(sum(s.numel() for s in shards))
+    dist.all_reduce(elements, op=dist.ReduceOp.MAX)  # (the timings are the slowest rank's)
+    counted = Shards(int(elements), shards[0].element_size())
     synchronize = torch.cuda.synchronize if device.type == "cuda" else lambda: None
 
     def next_weights() -> None:  # what an optimizer step would do: every live shard changes in place
@@ -282,13 +413,13 @@ def run_case(kind: str, shape_name: str, shape: dict, dtype: torch.dtype, cfg: d
             torch._foreach_add_(shards, 0.001)
 
     initial = [s.detach().clone() for s in shards]
-    built = [make() for make in methods(wrapped, cfg["decay"])]
+    built = [make() for make in methods(wrapped, cfg["decay"], counted, device)]
     # The gathering peers change the engine's state (FSDP1 re-registers its parameters, which
     # makes our next update re-verify the model): they take their turns apart from ours, on the
     # same sequence of live weights from the same start.
     phases = [
-        [m for m in built if m.role in ("ours", "floor", "copy", "several")],
-        [m for m in built if m.role in ("reference", "peer")],
+        [m for m in built if m.role in ("ours", "floor", "copy", "several", "peer")],
+        [m for m in built if m.role in ("reference", "replica")],
     ]
     measured = {}
     for phase in phases:
@@ -311,16 +442,12 @@ def run_case(kind: str, shape_name: str, shape: dict, dtype: torch.dtype, cfg: d
         result = method.result()
         reference = result if method.role == "reference" else reference
         results.append((method.role, result))
-        rate = moved / timing.median_ms / 1e6 if method.role in ("ours", "floor", "copy") else 0.0
         rows.append(
             Row(kind, shape_name, str(dtype)[6:], method.name, method.role, timing.median_ms, timing.p90_ms, int(comm),
-                int(extra), "", rate)
+                int(extra), "", floor_bytes=method.floor_bytes)
         )  # fmt: skip
-    checks = {
-        "ours": "FAIL",
-        "several": "FAIL",
-        "peer": "differs",
-    }  # a peer in bf16 (AveragedModel's copy) loses the average
+    against_memory(rows)
+    checks = {"ours": "FAIL", "several": "FAIL", "replica": "differs"}  # (AveragedModel's bf16 copy loses the average)
     for row, (role, result) in zip(rows, results):
         row.check = compare(result, reference, dtype, checks[role]) if role in checks else role.replace("floor", "-")
         row.check = "-" if role == "copy" else row.check
@@ -329,6 +456,18 @@ def run_case(kind: str, shape_name: str, shape: dict, dtype: torch.dtype, cfg: d
     )
     rows.extend(export_rows(wrapped, kind, shape_name, dtype, cfg) if cfg["export"] else [])
     return rows
+
+
+def against_memory(rows: list[Row]) -> None:
+    """Fill each update row's GB/s, bytes floor ms, x bytes floor and fraction of the memory's
+    GB/s: the faster of the case's two streams (``rows``: one case)."""
+    memory = max(r.floor_bytes / r.ms_median / 1e6 for r in rows if r.role == "copy")  # GB/s
+    for row in rows:
+        if row.floor_bytes:
+            row.gb_per_s = row.floor_bytes / row.ms_median / 1e6
+            row.bytes_floor_ms = row.floor_bytes / memory / 1e6
+            row.x_bytes_floor = row.ms_median / row.bytes_floor_ms
+            row.of_memory = row.gb_per_s / memory
 
 
 def blocked_rows(
@@ -452,27 +591,33 @@ def export_rows(wrapped: engines.Wrapped, kind: str, shape_name: str, dtype: tor
 
 
 def table(rows: list[Row], bandwidth: float, world: int, device: torch.device) -> str:
-    """Markdown: times, ratios to the floor and of the peer to ours, achieved GB/s, bytes."""
+    """Markdown: times, ratios to the kernel floor and of the peers to ours, the bytes floor and
+    the fraction of the memory's GB/s reached, bytes."""
     floor_ms = {(r.engine, r.shape, r.dtype): r.ms_median for r in rows if r.method == "floor"}
     ours_ms = {(r.engine, r.shape, r.dtype): r.ms_median for r in rows if r.method == "ours"}
     lines = [
-        f"copy bandwidth on {device.type} with {world} ranks streaming: {bandwidth / 1e9:.1f} GB/s per rank",
+        f"copy bandwidth on {device.type} with {world} ranks streaming: {bandwidth / 1e9:.1f} GB/s per rank "
+        "(256 MiB); each case's memory speed: the faster of its streams over the same bytes as the update, "
+        "a copy (copy floor) and b += a (stream add floor)",
         "",
-        "| engine | shape | live | method | ms median | ms p90 | x floor | peer / ours | GB/s | MB recv / update "
-        "| extra MiB / rank | check |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| engine | shape | live | method | ms median | ms p90 | x floor | peer / ours | MB floor | bytes floor ms "
+        "| x bytes floor | GB/s | of memory | MB recv / update | extra MiB / rank | check |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         key = (r.engine, r.shape, r.dtype)
         update = r.role not in ("export", "blocked")
         x_floor = f"{r.ms_median / floor_ms[key]:.2f}" if update and key in floor_ms else ""
-        is_peer = update and r.role in ("reference", "peer")
-        peer = f"{r.ms_median / ours_ms[key]:.1f}" if is_peer and key in ours_ms else ""
+        is_peer = update and r.role in ("reference", "replica", "peer")
+        peer = f"{r.ms_median / ours_ms[key]:.2f}" if is_peer and key in ours_ms else ""
         extra = f"{r.extra_bytes_per_rank / 2**20:.1f}"
-        rate = f"{r.gb_per_s:.1f}" if r.gb_per_s else ""
+        counted = (
+            f"{r.floor_bytes / 1e6:.1f} | {r.bytes_floor_ms:.2f} | {r.x_bytes_floor:.2f} | {r.gb_per_s:.1f} | "
+            f"{r.of_memory:.2f}" if r.floor_bytes else " |  |  |  | "
+        )  # fmt: skip
         lines.append(
             f"| {r.engine} | {r.shape} | {r.dtype} | {r.method} | {r.ms_median:.2f} | {r.ms_p90:.2f} | {x_floor} | "
-            f"{peer} | {rate} | {r.comm_bytes_per_update / 1e6:.1f} | {extra} | {r.check} |"
+            f"{peer} | {counted} | {r.comm_bytes_per_update / 1e6:.1f} | {extra} | {r.check} |"
         )
     return "\n".join(lines)
 
@@ -482,24 +627,19 @@ def summary(rows: list[Row]) -> str:
     lines = [
         "| engine | shape | live | ours / floor | check off / floor | peer / ours | MB recv / update, ours : peer "
         "| extra MiB / rank, ours : peer | export ms, ours : torch | export rank-0 peak MiB, ours : torch "
-        "| 3 averages, one averager / three | GB/s, ours : copy floor | ms blocked, loop : background "
+        "| 3 averages, one averager / three | GB/s, ours : memory | ms blocked, loop : background "
         "(shadows on cpu) | check |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
-    cases = dict.fromkeys((r.engine, r.shape, r.dtype) for r in rows)
-    for case in cases:
-        by_role: dict[str, list[Row]] = {}
-        for r in rows:
-            if (r.engine, r.shape, r.dtype) == case:
-                by_role.setdefault(r.role, []).append(r)
+    for case, by_role in cases(rows).items():
         ours, off = by_role["ours"]
         (floor_row,), (peer,) = by_role["floor"], by_role["reference"]
-        peer = next((r for r in by_role.get("peer", [])), peer)  # DDP: the AveragedModel replica
+        peer = next((r for r in by_role.get("replica", [])), peer)  # DDP: the AveragedModel replica
         exports = by_role.get("export", [])
         export_ms = " : ".join(f"{r.ms_median:.0f}" for r in exports) or "-"
         export_mib = " : ".join(f"{r.extra_bytes_per_rank / 2**20:.1f}" for r in exports) or "-"
         one, three = by_role["several"]
-        rates = f"{ours.gb_per_s:.1f} : {by_role['copy'][0].gb_per_s:.1f}" if "copy" in by_role else "-"
+        rates = f"{ours.gb_per_s:.1f} : {max(r.gb_per_s for r in by_role['copy']):.1f}" if "copy" in by_role else "-"
         blocked = by_role.get("blocked", [])
         waits = f"{blocked[0].ms_median:.2f} : {blocked[1].ms_median:.2f} ({blocked[2].ms_median:.2f} : " \
             f"{blocked[3].ms_median:.2f})" if blocked else "-"  # fmt: skip
@@ -513,10 +653,99 @@ def summary(rows: list[Row]) -> str:
     return "\n".join(lines)
 
 
+def cases(rows: list[Row]) -> dict[tuple[str, str, str], dict[str, list[Row]]]:
+    """The rows of each (engine, shape, live dtype), by role, in their order."""
+    grouped: dict[tuple[str, str, str], dict[str, list[Row]]] = {}
+    for r in rows:
+        grouped.setdefault((r.engine, r.shape, r.dtype), {}).setdefault(r.role, []).append(r)
+    return grouped
+
+
+# (metric, limit on the transformer, limit on many small tensors): issue 38's targets, at most
+TARGETS = (
+    ("check off / bytes floor", 1.05, 1.25),
+    ("check off / fastest peer", 1.0, 1.0),
+    ("check on / check-off bytes floor", 1.35, 1.35),
+    ("check on / fastest peer", 1.35, 1.35),
+    ("check on / check off", 1.35, 1.35),
+)
+# on a GPU also, at least: the fraction of the memory's GB/s each of ours reaches
+GPU_TARGETS = (("check on, of memory", 0.8, 0.5), ("check off, of memory", 0.8, 0.5))
+
+
+def targets(rows: list[Row], kinds: dict[str, str], device_type: str = "cpu") -> list[dict]:
+    """One record per case and target: the value, its limit and PASS or MISS. ``kinds``: each
+    shape's kind (``many_small`` has the looser limits). The peers are the shard-local ones
+    (torchtitan-style, hand-written fp32); on ``cuda`` the fractions of the memory's GB/s too."""
+    records = []
+    for (engine, shape, dtype), by_role in cases(rows).items():
+        (on, off), peers = by_role["ours"], by_role.get("peer", [])
+        fastest = min((r.ms_median for r in peers), default=float("nan"))
+        at_most = (
+            off.x_bytes_floor,
+            off.ms_median / fastest,
+            on.ms_median / off.bytes_floor_ms,
+            on.ms_median / fastest,
+            on.ms_median / off.ms_median,
+        )
+        measured = [(target, value, True) for target, value in zip(TARGETS, at_most)]
+        if device_type == "cuda":
+            measured += [(target, row.of_memory, False) for target, row in zip(GPU_TARGETS, (on, off))]
+        for (metric, large, small), value, most in measured:
+            limit = small if kinds.get(shape) == "many_small" else large
+            passed = value <= limit if most else value >= limit  # (nan, no peer: MISS)
+            records.append({"engine": engine, "shape": shape, "dtype": dtype, "metric": metric, "value": value,
+                            "limit": limit, "at_most": most, "verdict": "PASS" if passed else "MISS"})  # fmt: skip
+    return records
+
+
+def targets_table(records: list[dict]) -> str:
+    """Markdown, one line per case: each target's value, limit and verdict."""
+    metrics = list(dict.fromkeys(record["metric"] for record in records))
+    lines = ["| engine | shape | live | " + " | ".join(metrics) + " |", "|---|---|---|" + "---|" * len(metrics)]
+    by_case: dict[tuple, dict[str, dict]] = {}
+    for record in records:
+        by_case.setdefault((record["engine"], record["shape"], record["dtype"]), {})[record["metric"]] = record
+    for case, cells in by_case.items():
+        shown = (
+            f"{c['value']:.2f} ({'<=' if c['at_most'] else '>='} {c['limit']:.2f}) {c['verdict']}"
+            for c in (cells[m] for m in metrics)
+        )
+        lines.append(f"| {' | '.join(case)} | " + " | ".join(shown) + " |")
+    missed = sum(r["verdict"] == "MISS" for r in records)
+    lines += ["", f"targets: {len(records) - missed} of {len(records)} PASS, {missed} MISS"]
+    return "\n".join(lines)
+
+
+def alone_at_one_rank() -> None:
+    """Started without ``torchrun``: the environment of a one-rank launch (a free local port)."""
+    if "RANK" in os.environ:
+        return
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    defaults = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1",
+                "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}  # fmt: skip
+    for key, value in defaults.items():
+        os.environ.setdefault(key, value)
+
+
+def training_loop(cfg: dict, device: torch.device) -> tuple[list, str]:
+    """The ``loop:`` key: ``tools.loop`` on every rank at once, each on its own device (rank 0's
+    rows reported); ``run: false`` skips it."""
+    from tools import loop
+
+    if not cfg["loop"]["run"]:
+        return [], ""
+    config = loop.configured(device, cfg["loop"])
+    rows = loop.measure(config, device, align=dist.barrier)
+    return [asdict(r) for r in rows], loop.table(rows, config)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--config", default="configs/bench.yaml")
-    parser.add_argument("--json", help="write one record per row here")
+    parser.add_argument("--json", help="write {rows, targets, loop, copy_gb_per_s} here")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config key")
     args = parser.parse_args()
     cfg = configs.load(args.config, args.set)
@@ -524,11 +753,17 @@ def main() -> None:
     unknown = [e for e in cfg["engines"] if e not in known]
     if unknown:
         raise configs.ConfigError(f"engines: unknown {unknown}; expected some of {', '.join(known)}")
+    if "zero3" in cfg["engines"] and importlib.util.find_spec("deepspeed") is None:
+        raise configs.ConfigError(
+            "engines: zero3 needs DeepSpeed, not installed here: pip install deepspeed (pure Python), "
+            'or --set "engines=[ddp,fsdp1,fsdp2]"'
+        )
+    alone_at_one_rank()
     device = engines.init_distributed("zero3" if "zero3" in cfg["engines"] else "ddp", cfg["device"])
     rank, world = dist.get_rank(), dist.get_world_size()
     logging.basicConfig(level=logging.INFO if rank == 0 else logging.WARNING, format="%(message)s")
     torch.set_num_threads(1)
-    cases = [
+    runs = [
         (kind, name, shape, getattr(torch, dtype))
         for name, shape in cfg["shapes"].items()
         for dtype in cfg["dtypes"]
@@ -538,13 +773,18 @@ def main() -> None:
     from tqdm import tqdm
 
     rows: list[Row] = []
-    for kind, name, shape, dtype in tqdm(cases, disable=rank != 0, desc="bench", file=sys.stderr):
+    for kind, name, shape, dtype in tqdm(runs, disable=rank != 0, desc="bench", file=sys.stderr):
         rows.extend(run_case(kind, name, shape, dtype, cfg, device))
     bandwidth = copy_bandwidth(device=device)
+    loop_rows, loop_table = training_loop(cfg, device)
     if rank == 0:
-        log.info("%s\n\n%s", table(rows, bandwidth, world, device), summary(rows))
+        goals = targets(rows, {name: shape["kind"] for name, shape in cfg["shapes"].items()}, device.type)
+        tables = [table(rows, bandwidth, world, device), summary(rows), targets_table(goals), loop_table]
+        log.info("%s", "\n\n".join(t for t in tables if t))
         if args.json:
-            Path(args.json).write_text(json.dumps([asdict(r) for r in rows], indent=1))
+            record = {"rows": [asdict(r) for r in rows], "targets": goals, "loop": loop_rows,
+                      "copy_gb_per_s": bandwidth / 1e9}  # fmt: skip
+            Path(args.json).write_text(json.dumps(record, indent=1))
     dist.barrier()
     dist.destroy_process_group()
 

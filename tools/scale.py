@@ -537,6 +537,25 @@ def update_ms(averager: Any) -> float:
     return statistics.median(times)
 
 
+def bytes_floor_ms(averager: Any) -> float:
+    """The least an update with the non-finite check can take here: the bytes it must move (each
+    live shard read twice, by the screen and by the update; each shadow read and written once)
+    at the memory's speed measured now, in this process, as ``tools/bench.py`` measures it: the
+    faster of a streaming copy and ``b += a`` (the update's own pattern) over 64 MiB."""
+    live = sum(info.local_numel * info.dtype.itemsize for info in averager.tensors)
+    moved = 2 * live + 2 * averager.shadow_bytes()
+    a, b = torch.ones(64 * 2**20 // 4), torch.ones(64 * 2**20 // 4)
+    rates = []
+    for stream, nbytes in ((lambda: b.copy_(a), 2 * a.nbytes), (lambda: b.add_(a), 3 * a.nbytes)):
+        best = float("inf")
+        for _ in range(5):
+            start = time.perf_counter()
+            stream()
+            best = min(best, time.perf_counter() - start)
+        rates.append(nbytes / best)
+    return moved / max(rates) * 1e3
+
+
 def measure_averager(model: nn.Module, directory: Path, record: Record) -> None:
     """Build a ``WeightAverager`` over ``model`` and use it (``measure_built``), build it again under
     tracemalloc, and last (the slowest, and failing under the fake group) ``dcp.save`` it; each stage
@@ -565,6 +584,7 @@ def measure_built(averager: Any, directory: Path, record: Record) -> None:
     milliseconds = attempt(record, "update", lambda: update_ms(averager))
     if milliseconds is not FAILED:
         record["update_ms"] = milliseconds
+        record["update_floor_ms"] = bytes_floor_ms(averager)
     saved = directory / "averager"
     if attempt(record, "save", lambda: averager.save(saved), "save_s") is not FAILED:
         manifest = saved / "shardavg.json"
@@ -769,6 +789,7 @@ COLUMNS = (
     "peak traced MiB",
     "RSS MiB",
     "update ms",
+    "update x bytes floor",
     "save rank0 s",
     "save other s",
     "load s",
@@ -852,6 +873,8 @@ def row(ranks: list[dict[str, Any]]) -> list[str]:
         "DCP save s": "dcp_save_s",
     }
     values |= {column: slowest(ranks, key) for column, key in slowest_of.items()}
+    floors = [r["update_floor_ms"] for r in ranks if r.get("update_floor_ms")]  # the slowest update, the most bytes
+    values["update x bytes floor"] = values["update ms"] / max(floors) if floors and values["update ms"] else None
     cells = {column: cell(value) for column, value in values.items()}
     failures: dict[str, list[str]] = {}
     for record in ranks:

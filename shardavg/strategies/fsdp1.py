@@ -11,6 +11,7 @@ of its group.
 
 from __future__ import annotations
 
+import operator
 from itertools import accumulate
 
 import torch
@@ -21,6 +22,8 @@ from ..parts import Part
 from ..tensor_layout import FlatLayout, Grid, MeshLayout
 from .base import ModuleStrategy, TensorInfo, canonical_name, group_grid
 from .dtensor import grid_of
+
+_LOCAL_SHARD = operator.attrgetter("_local_shard")
 
 
 def _join(*parts: str) -> str:
@@ -64,7 +67,7 @@ class FSDP1(ModuleStrategy):
 
     def _scan_params(self) -> list[TensorInfo]:
         infos: list[TensorInfo] = []
-        self._flat_params = []
+        self._flat_params, self._views_key = [], None
         for prefix, unit in self._units():
             handle = unit._handle
             flat = handle.flat_param
@@ -121,8 +124,11 @@ class FSDP1(ModuleStrategy):
         ]
 
     def _param_views(self) -> list[torch.Tensor]:
-        key = [(id(flat), self._local_shard(flat).data_ptr()) for flat in self._flat_params]
-        if key != self._views_key:  # new flat parameters, or FSDP moved a local shard: slice again
+        try:  # (read at every update: at C speed, once FSDP's lazy init gave each its local shard)
+            key = list(map(torch.Tensor.data_ptr, map(_LOCAL_SHARD, self._flat_params)))
+        except AttributeError:
+            key = [self._local_shard(flat).data_ptr() for flat in self._flat_params]
+        if key != self._views_key:  # FSDP moved a local shard (a rescan starts again): slice again
             self._views = [view for flat in self._flat_params for view in self._slices(flat)]
             self._views_key = key
         return self._views

@@ -9,6 +9,8 @@ the padding is uninitialised memory. Works for a
 
 from __future__ import annotations
 
+import operator
+
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -17,6 +19,8 @@ from ..errors import StrategyError
 from ..parts import Part
 from ..tensor_layout import FlatLayout
 from .base import ModuleStrategy, TensorInfo, group_grid, grouped_by_identity, is_deepspeed_engine, unwrap
+
+_DS_TENSOR = operator.attrgetter("ds_tensor")
 
 
 def _partition_info(names: list[str], param: torch.Tensor, master: bool) -> TensorInfo:
@@ -93,6 +97,7 @@ class Zero3(ModuleStrategy):
         self._params = [tensor for _, tensor in groups]
         infos = [_partition_info(names, tensor, self.master) for names, tensor in groups]
         self._lengths = [info.local_numel for info in infos]
+        self._views_key = None
         return infos
 
     def _param_views(self) -> list[torch.Tensor]:
@@ -118,8 +123,8 @@ class Zero3(ModuleStrategy):
         return self._live_views() + self.local_views()[len(self._params) :]
 
     def _live_views(self) -> list[torch.Tensor]:
-        key = [(p.ds_tensor.data_ptr(), n) for p, n in zip(self._params, self._lengths)]
-        if key != self._views_key:  # new parameters, or DeepSpeed re-allocated partitions (building its optimizer)
+        key = list(map(torch.Tensor.data_ptr, map(_DS_TENSOR, self._params)))  # (at C speed: read every update)
+        if key != self._views_key:  # DeepSpeed re-allocated partitions (building its optimizer; a rescan starts again)
             self._views = [p.ds_tensor.detach().narrow(0, 0, n) for p, n in zip(self._params, self._lengths)]
             self._views_key = key
         return self._views

@@ -1,0 +1,167 @@
+"""The bench's arithmetic, in one process: the bytes an update must move, the one-pass floor for
+bf16 weights, the columns derived from the copy, the targets' verdicts and the training loop's
+rows (counts and exact values, never wall time)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from tools import bench, loop
+
+
+class Stub:
+    """What ``floor()`` needs of an engine: this rank's local shards."""
+
+    def __init__(self, shards: list[torch.Tensor]) -> None:
+        self.shards = shards
+
+    def local_shards(self):
+        return iter(self.shards)
+
+
+@pytest.mark.parametrize(
+    ("itemsize", "check", "averages", "per_element"),
+    [(4, False, 1, 12), (4, True, 1, 16), (2, False, 1, 10), (2, True, 1, 12), (2, True, 3, 28), (4, True, 3, 32)],
+)
+def test_the_bytes_an_update_must_move(itemsize: int, check: bool, averages: int, per_element: int) -> None:
+    assert bench.Shards(1000, itemsize).update_bytes(check, averages) == 1000 * per_element
+
+
+def test_pieces_cover_every_element_once_in_batches_of_the_buffer() -> None:
+    sizes = [5, 300, 7, 1, 64]
+    shadows = [torch.zeros(n) for n in sizes]
+    lives = [torch.arange(n, dtype=torch.bfloat16) for n in sizes]
+    buffer = torch.empty(64)
+    batches = bench.pieces(shadows, lives, buffer)
+    assert [sum(v.numel() for v in batch[1]) for batch in batches] == [64] * 5 + [57]
+    assert [len(batch[0]) for batch in batches] == [2, 1, 1, 1, 4, 1]  # 300 split over five, the small ones packed
+    for shadow_views, live_views, buffer_views in batches:
+        assert [v.numel() for v in live_views] == [v.numel() for v in shadow_views] == [v.numel() for v in buffer_views]
+        assert all(v.data_ptr() >= buffer.data_ptr() for v in buffer_views)
+    in_order = torch.cat([v for batch in batches for v in batch[1]])
+    assert torch.equal(in_order, torch.cat(lives))
+    assert sum(v.numel() for batch in batches for v in batch[0]) == sum(sizes)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_the_one_pass_floor_is_bitwise_a_lerp_toward_the_weights_in_fp32(dtype: torch.dtype) -> None:
+    torch.manual_seed(0)
+    sizes = (1000, 3, 257, 4096)
+    lives = [torch.randn(n).to(dtype) for n in sizes]
+    shadows, want = [torch.zeros(n) for n in sizes], [torch.zeros(n) for n in sizes]
+    update = bench.one_pass(shadows, lives, 1 - 0.999, piece=128)
+    for _ in range(3):
+        update()
+        torch._foreach_lerp_(want, [live.float() for live in lives], 1 - 0.999)
+    assert all(torch.equal(got, expected) for got, expected in zip(shadows, want))
+
+
+def test_the_floor_counts_the_bytes_of_one_pass() -> None:
+    lives = [torch.randn(n).to(torch.bfloat16) for n in (1000, 24)]
+    method = bench.floor(Stub(lives), 0.999, bench.Shards(1024, 2), piece=128)
+    assert (method.role, method.floor_bytes, method.extra_bytes()) == ("floor", 1024 * 10, 1024 * 4)
+
+
+def rows_of_a_case(shape: str, ms: dict[str, float], peers: dict[str, float]) -> list[bench.Row]:
+    shards = bench.Shards(1_000_000, 2)
+    made = [
+        ("ours", "ours", shards.update_bytes(True)),
+        ("ours, check off", "ours", shards.update_bytes(False)),
+        ("floor", "floor", shards.update_bytes(False)),
+        ("copy floor", "copy", shards.update_bytes(False)),
+        ("stream add floor", "copy", shards.update_bytes(False)),
+    ]
+    made += [(name, "peer", shards.update_bytes(False)) for name in peers]
+    times = {**ms, **peers}
+    return [bench.Row("fsdp2", shape, "bfloat16", name, role, times[name], times[name], 0, 0, "", floor_bytes=nbytes)
+            for name, role, nbytes in made]  # fmt: skip
+
+
+def test_the_columns_against_the_faster_stream() -> None:
+    """10 MB in 1 ms (10 GB/s, the add; the copy's 5 GB/s left aside): the check-off update in
+    2 ms is 2x its bytes floor, 0.5 of the memory's GB/s."""
+    ms = {"ours": 3.0, "ours, check off": 2.0, "floor": 1.5, "copy floor": 2.0, "stream add floor": 1.0}
+    rows = rows_of_a_case("transformer", ms, {})
+    bench.against_memory(rows)
+    by = {r.method: r for r in rows}
+    assert by["stream add floor"].gb_per_s == pytest.approx(10.0) and by["stream add floor"].of_memory == 1.0
+    assert by["copy floor"].gb_per_s == pytest.approx(5.0) and by["copy floor"].x_bytes_floor == pytest.approx(2.0)
+    off, on = by["ours, check off"], by["ours"]
+    assert (off.bytes_floor_ms, off.x_bytes_floor, off.gb_per_s, off.of_memory) == pytest.approx((1.0, 2.0, 5.0, 0.5))
+    assert (on.bytes_floor_ms, on.x_bytes_floor, on.gb_per_s, on.of_memory) == pytest.approx((1.2, 2.5, 4.0, 0.4))
+    on_gpu = {r["metric"]: r["verdict"] for r in bench.targets(rows, {}, "cuda") if not r["at_most"]}
+    assert on_gpu == {"check on, of memory": "MISS", "check off, of memory": "MISS"}  # (0.4 and 0.5 of 0.8)
+
+
+def test_the_targets_and_their_verdicts() -> None:
+    ms = {"ours": 1.3, "ours, check off": 1.1, "floor": 1.0, "copy floor": 1.5, "stream add floor": 1.0}
+    rows = rows_of_a_case("transformer", ms, {"torchtitan-style": 1.2, "hand-written fp32": 1.0})
+    rows += rows_of_a_case("many_small", ms, {})
+    for case in bench.cases(rows).values():
+        bench.against_memory([r for role in case.values() for r in role])
+    records = bench.targets(rows, {"transformer": "transformer", "many_small": "many_small"})
+    assert all(r["at_most"] for r in records)
+    got = {(r["shape"], r["metric"]): (round(r["value"], 6), r["limit"], r["verdict"]) for r in records}
+    assert got == {
+        ("transformer", "check off / bytes floor"): (1.1, 1.05, "MISS"),
+        ("transformer", "check off / fastest peer"): (1.1, 1.0, "MISS"),
+        ("transformer", "check on / check-off bytes floor"): (1.3, 1.35, "PASS"),
+        ("transformer", "check on / fastest peer"): (1.3, 1.35, "PASS"),
+        ("transformer", "check on / check off"): (round(1.3 / 1.1, 6), 1.35, "PASS"),
+        ("many_small", "check off / bytes floor"): (1.1, 1.25, "PASS"),
+        ("many_small", "check off / fastest peer"): (pytest.approx(float("nan"), nan_ok=True), 1.0, "MISS"),
+        ("many_small", "check on / check-off bytes floor"): (1.3, 1.35, "PASS"),
+        ("many_small", "check on / fastest peer"): (pytest.approx(float("nan"), nan_ok=True), 1.35, "MISS"),
+        ("many_small", "check on / check off"): (round(1.3 / 1.1, 6), 1.35, "PASS"),
+    }
+    text = bench.targets_table(records)
+    assert "| fsdp2 | transformer | bfloat16 | 1.10 (<= 1.05) MISS |" in text
+    assert text.endswith("targets: 6 of 10 PASS, 4 MISS")
+    on_gpu = bench.targets(rows, {"transformer": "transformer", "many_small": "many_small"}, "cuda")
+    fractions = {(r["shape"], r["metric"]): (round(r["value"], 4), r["limit"], r["verdict"])
+                 for r in on_gpu if not r["at_most"]}  # fmt: skip
+    assert fractions == {  # 12 MB in 1.3 ms and 10 MB in 1.1 ms, where the memory moves 10 MB in 1 ms
+        ("transformer", "check on, of memory"): (0.9231, 0.8, "PASS"),
+        ("transformer", "check off, of memory"): (0.9091, 0.8, "PASS"),
+        ("many_small", "check on, of memory"): (0.9231, 0.5, "PASS"),
+        ("many_small", "check off, of memory"): (0.9091, 0.5, "PASS"),
+    }
+    assert "| 0.92 (>= 0.80) PASS | 0.91 (>= 0.80) PASS |" in bench.targets_table(on_gpu)
+
+
+def test_a_bench_started_alone_is_a_one_rank_launch(monkeypatch: pytest.MonkeyPatch) -> None:
+    for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.setenv(key, "")  # (recorded, so that what alone_at_one_rank sets is undone after the test)
+        monkeypatch.delenv(key)
+    bench.alone_at_one_rank()
+    assert (os.environ["RANK"], os.environ["WORLD_SIZE"], os.environ["LOCAL_RANK"]) == ("0", "1", "0")
+    assert 0 < int(os.environ["MASTER_PORT"]) < 65536
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("MASTER_PORT", "1")
+    bench.alone_at_one_rank()  # (under torchrun: left alone)
+    assert os.environ["MASTER_PORT"] == "1"
+
+
+def test_the_training_loop_times_every_variant() -> None:
+    config = loop.LoopConfig(layers=1, dim=8, dtype="float32", batch=4, steps=2, warmup=1, rounds=2)
+    rows = loop.measure(config, torch.device("cpu"))
+    assert [r.variant for r in rows] == ["no averager", "check on (default)", "check off", "background=True"]
+    assert all(r.parameters == 8 * 32 + 32 + 32 * 8 + 8 and r.ms_per_step > 0 for r in rows)
+    assert rows[0].added_percent == 0.0
+    text = loop.table(rows, config)
+    assert "| no averager |" in text and "| background=True |" in text and "0.0M parameters" in text
+    on_gpu = loop.LoopRow("background=True", 10.0, 2.5, 1, "bfloat16", "cuda")
+    assert (loop.verdict(on_gpu), loop.verdict(rows[3]), loop.verdict(rows[0])) == ("<= +2% MISS", "<= +2%", "-")
+
+
+def test_the_loop_defaults_are_issue_38s_model_on_a_gpu() -> None:
+    config = loop.defaults(torch.device("cuda"))
+    model = loop.build(config, torch.device("meta"))
+    assert sum(p.numel() for p in model.parameters()) == 268_517_376
+    assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
+    assert loop.configured(torch.device("cpu"), {"run": True, "dim": 64, "steps": None}).dim == 64
+    with pytest.raises(ValueError, match=r"loop: unknown keys \['width'\]"):
+        loop.configured(torch.device("cpu"), {"width": 3})
