@@ -126,15 +126,17 @@ class Screen:
         small = [p.view(-1) for p in pieces if 0 < p.numel() < SUMMED_NUMEL and p.is_contiguous()]
         runs: list[tuple[list[torch.Tensor], torch.Tensor]] = []
         if small:
-            scratch = torch.empty(min(SCREENED_ELEMENTS, sum(p.numel() for p in small)), dtype=small[0].dtype,
-                                  device=small[0].device)  # fmt: skip
+            size = max(min(SCREENED_ELEMENTS, sum(p.numel() for p in small)), max(p.numel() for p in small))
+            scratch = torch.empty(size, dtype=small[0].dtype, device=small[0].device)
             run: list[torch.Tensor] = []
+            filled = 0
             for piece in small:
-                if run and sum(p.numel() for p in run) + piece.numel() > scratch.numel():
-                    runs.append((run, scratch[: sum(p.numel() for p in run)]))
-                    run = []
+                if run and filled + piece.numel() > scratch.numel():
+                    runs.append((run, scratch[:filled]))
+                    run, filled = [], 0
                 run.append(piece)
-            runs.append((run, scratch[: sum(p.numel() for p in run)]))
+                filled += piece.numel()
+            runs.append((run, scratch[:filled]))
         return cls(large, runs, strided)
 
     def values(self) -> list[torch.Tensor]:

@@ -67,7 +67,7 @@ class FSDP1(ModuleStrategy):
 
     def _scan_params(self) -> list[TensorInfo]:
         infos: list[TensorInfo] = []
-        self._flat_params, self._views_key = [], None
+        self._flat_params = []
         for prefix, unit in self._units():
             handle = unit._handle
             flat = handle.flat_param
@@ -125,10 +125,11 @@ class FSDP1(ModuleStrategy):
 
     def _param_views(self) -> list[torch.Tensor]:
         try:  # (read at every update: at C speed, once FSDP's lazy init gave each its local shard)
-            key = list(map(torch.Tensor.data_ptr, map(_LOCAL_SHARD, self._flat_params)))
+            pointers = list(map(torch.Tensor.data_ptr, map(_LOCAL_SHARD, self._flat_params)))
         except AttributeError:
-            key = [self._local_shard(flat).data_ptr() for flat in self._flat_params]
-        if key != self._views_key:  # FSDP moved a local shard (a rescan starts again): slice again
+            pointers = [self._local_shard(flat).data_ptr() for flat in self._flat_params]
+        key = [*map(id, self._flat_params), *pointers]
+        if key != self._views_key:  # new flat parameters, or FSDP moved a local shard: slice again
             self._views = [view for flat in self._flat_params for view in self._slices(flat)]
             self._views_key = key
         return self._views

@@ -97,7 +97,6 @@ class Zero3(ModuleStrategy):
         self._params = [tensor for _, tensor in groups]
         infos = [_partition_info(names, tensor, self.master) for names, tensor in groups]
         self._lengths = [info.local_numel for info in infos]
-        self._views_key = None
         return infos
 
     def _param_views(self) -> list[torch.Tensor]:
@@ -123,8 +122,8 @@ class Zero3(ModuleStrategy):
         return self._live_views() + self.local_views()[len(self._params) :]
 
     def _live_views(self) -> list[torch.Tensor]:
-        key = list(map(torch.Tensor.data_ptr, map(_DS_TENSOR, self._params)))  # (at C speed: read every update)
-        if key != self._views_key:  # DeepSpeed re-allocated partitions (building its optimizer; a rescan starts again)
+        key = [*map(torch.Tensor.data_ptr, map(_DS_TENSOR, self._params)), *self._lengths]  # (at C speed)
+        if key != self._views_key:  # new parameters, or DeepSpeed re-allocated partitions (building its optimizer)
             self._views = [p.ds_tensor.detach().narrow(0, 0, n) for p, n in zip(self._params, self._lengths)]
             self._views_key = key
         return self._views
