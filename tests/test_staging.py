@@ -56,10 +56,13 @@ def test_each_bucket_is_copied_ahead_into_the_other_buffer(monkeypatch) -> None:
     assert stager.buffer_bytes() == 2 * 4 * 4
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("on_device", [False, True])
-def test_a_staged_update_has_the_bits_of_the_unstaged_one(model, trainer, monkeypatch, on_device) -> None:
+def test_a_staged_update_has_the_bits_of_the_unstaged_one(model, trainer, monkeypatch, on_device, dtype) -> None:
     """Every live shard staged (as for shadows on the host) in buckets of 40 bytes, smaller than
-    most shards: each average is bitwise the one updated in place, and the buffers stay bounded."""
+    most shards: each average is bitwise the one updated in place, and the buffers stay bounded
+    (bf16 weights too: staged in bf16, cast piece by piece on the host as beside the shards)."""
+    model.to(dtype)
     direct = WeightAverager(model, RULES, buffers="average")
     staged = WeightAverager(model, RULES, buffers="average")
     staged.updater.on_device = on_device
