@@ -169,30 +169,30 @@ def plan(reads: Sequence[torch.Tensor], shadow_sets: Sequence[Sequence[torch.Ten
     reads = [reads[p] for p in kept]
     shadow_sets = [[shadows[p] for p in kept] for shadows in shadow_sets]
     pointers = [[read.data_ptr() for read in reads]] + [[s.data_ptr() for s in shadows] for shadows in shadow_sets]
-    addresses = _to_device(torch.tensor(pointers, dtype=torch.int64).reshape(len(pointers), len(reads)), device)
+    addresses = to_device(torch.tensor(pointers, dtype=torch.int64).reshape(len(pointers), len(reads)), device)
     numels = torch.tensor([read.numel() for read in reads], dtype=torch.int64)
     counts = (numels + BLOCK - 1) // BLOCK
     pieces = torch.repeat_interleave(torch.arange(len(reads)), counts)
     firsts = torch.repeat_interleave(torch.cumsum(counts, 0) - counts, counts)
-    blocks = _to_device(torch.stack([pieces, torch.arange(pieces.numel()) - firsts]), device)
+    blocks = to_device(torch.stack([pieces, torch.arange(pieces.numel()) - firsts]), device)
     return Plan(
         reads=tuple(reads),
         shadow_sets=tuple(map(tuple, shadow_sets)),
         live_table=addresses[0],
         shadow_tables=tuple(addresses[1:]),
-        numels=_to_device(numels, device),
+        numels=to_device(numels, device),
         piece_of_block=blocks[0],
         index_in_piece=blocks[1],
         align=math.gcd(16, *(pointer for row in pointers for pointer in row)),
     )
 
 
-def _to_device(table: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """``table`` on ``device`` without the host waiting: through pinned memory to CUDA (torch's
+def to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``host`` on ``device`` without the host waiting: through pinned memory to CUDA (torch's
     host allocator keeps the pinned block until the copy is done)."""
     if device.type != "cuda":
-        return table
-    return table.pin_memory().to(device, non_blocking=True)
+        return host.to(device)
+    return host.pin_memory().to(device, non_blocking=True)
 
 
 def masked_update_many_(plan: Plan, weights: Sequence[torch.Tensor | None], ok: torch.Tensor) -> None:

@@ -43,6 +43,7 @@ from .fused import (
     screen_on_device,
     stage_gathered,
 )
+from .kernels import to_device
 from .options import Options, Role
 from .rules import LerpRule, Rule
 from .staging import Stager
@@ -69,14 +70,6 @@ class Averaged(Protocol):
     def current_views(self) -> list[torch.Tensor]: ...
 
     def adopt(self, live: list[torch.Tensor]) -> None: ...
-
-
-def to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """``host`` copied to ``device`` without the host waiting: from pinned memory on CUDA (the
-    caching allocator keeps the pinned block until the copy that reads it is done)."""
-    if device.type != "cuda":
-        return host.to(device)
-    return host.pin_memory().to(device, non_blocking=True)
 
 
 class Updater:
