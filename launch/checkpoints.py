@@ -33,8 +33,8 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 import shardavg
 from launch.engines import Wrapped
 from shardavg import WeightAverager
-from shardavg.format import step_directory
-from shardavg.storage import commit_directory, staging_path
+from shardavg.checkpoints.format import step_directory
+from shardavg.checkpoints.storage import commit_directory, staging_path
 
 MARKER = "train.json"
 STEP = re.compile(r"step-(\d{8,9})")  # (eight digits: checkpoints of runs before the library's naming)

@@ -1,7 +1,7 @@
 """shardavg: shard-local weight averaging (EMA, SWA, power-function EMA) for distributed training."""
 
 from .averager import WeightAverager
-from .errors import (
+from .base.errors import (
     CheckpointError,
     ExportError,
     LayoutError,
@@ -10,9 +10,9 @@ from .errors import (
     ProvenanceError,
     StrategyError,
 )
-from .merge import merge
-from .offline import check_dcp
-from .ownership import TargetLock
+from .checkpoints.ownership import TargetLock
+from .offline.merge import merge
+from .offline.saved_average import check_dcp
 from .posthoc import PostHocEMA
 from .rules import (
     EMA,

@@ -5,8 +5,8 @@ where this rank's shard of each is (its *local view*); the averager keeps a shad
 local view and updates it in place with a few fused ``torch._foreach_*`` calls, with no
 communication. Full tensors are gathered only on request (``full_state_dict``, ``copy_to``,
 ``export``), one bounded bucket at a time. This class is the front: the state lives in
-``state.py``, the update in ``update.py``, swapping in ``swap.py``, gathers and exports in
-``export.py``, checkpoints in ``checkpoint.py`` and ``stateful.py``.
+``state/average_state.py``, the update in ``update/updater.py``, swapping in ``state/swap.py``, gathers and exports in
+``output/export.py``, checkpoints in ``checkpoints/checkpoint.py`` and ``checkpoints/stateful.py``.
 """
 
 from __future__ import annotations
@@ -22,13 +22,16 @@ from typing import Any, TypeVar
 import torch
 from torch import nn
 
-from . import checkpoint, export, stateful, swap, validate
-from .background import wait_for_every_update
-from .logs import built_by_user, log
-from .options import BufferPolicy, NonfinitePolicy, Options
+from .base import validate
+from .base.logs import built_by_user, log
+from .checkpoints import checkpoint, stateful
+from .output import export
 from .rules import EMA, MultiAvgFn, Rule, named_rules
-from .state import AverageState
+from .state import swap
+from .state.average_state import AverageState
 from .strategies import make_strategy
+from .update.background import wait_for_every_update
+from .update.options import BufferPolicy, NonfinitePolicy, Options
 
 DEFAULT_RULE = EMA(decay=0.999)
 
@@ -66,15 +69,15 @@ class WeightAverager:
             ``"fsdp1"``, ``"fsdp2"``, ``"zero3"``; a forced strategy that does not fit the model is
             refused.
         every_n_steps: Update cadence. This argument and the seven after it are
-            [`Options`][shardavg.options.Options] fields, documented there.
-        start_step: The first step that updates ([`Options`][shardavg.options.Options]).
-        dtype: The shadows' floating dtype ([`Options`][shardavg.options.Options]).
-        buffers: What is kept of buffers ([`Options`][shardavg.options.Options]).
-        device: Where the shadows live ([`Options`][shardavg.options.Options]).
-        include_frozen: Whether frozen parameters are averaged ([`Options`][shardavg.options.Options]).
+            [`Options`][shardavg.update.options.Options] fields, documented there.
+        start_step: The first step that updates ([`Options`][shardavg.update.options.Options]).
+        dtype: The shadows' floating dtype ([`Options`][shardavg.update.options.Options]).
+        buffers: What is kept of buffers ([`Options`][shardavg.update.options.Options]).
+        device: Where the shadows live ([`Options`][shardavg.update.options.Options]).
+        include_frozen: Whether frozen parameters are averaged ([`Options`][shardavg.update.options.Options]).
         on_nonfinite: What a NaN or infinity in the live weights does
-            ([`Options`][shardavg.options.Options]).
-        background: Whether updates run on a thread of their own ([`Options`][shardavg.options.Options]).
+            ([`Options`][shardavg.update.options.Options]).
+        background: Whether updates run on a thread of their own ([`Options`][shardavg.update.options.Options]).
         source: ``"live"`` (the weights the model holds) or ``"master"`` (a DeepSpeed ZeRO-1/2/3
             engine's fp32 masters: this rank's part of them).
         pipeline: The process group or mesh of this rank's pipeline, as ``PipelineStage`` gets it;
@@ -84,7 +87,7 @@ class WeightAverager:
     Attributes:
         rule: The rule of the only average.
         rules: Each average's rule, by name (``None`` for a single unnamed average).
-        options: The settings ([`Options`][shardavg.options.Options]) it was built with.
+        options: The settings ([`Options`][shardavg.update.options.Options]) it was built with.
         strategy: The engine adapter in use.
         layout: Which rank holds which part of every tensor.
         step: The last step seen by ``update()`` (restored by ``load``).

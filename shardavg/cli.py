@@ -22,17 +22,18 @@ from typing import Any, NoReturn
 
 import torch
 
-from . import provenance
-from .errors import CheckpointError
-from .export import export_metadata, write_model
-from .format import DCP_METADATA, MANIFEST, WEIGHTS_FILE, WEIGHTS_INDEX, Description, TensorEntry
-from .logs import log
-from .model_folder import folder_export_id
-from .offline import SavedAverage
-from .progress import Progress
-from .provenance import made_by, of_input
-from .storage import DTYPES, dtype_name
-from .weight_files import check_output_folder
+from .base.dtypes import DTYPES, dtype_name
+from .base.errors import CheckpointError
+from .base.logs import log
+from .base.progress import Progress
+from .checkpoints.format import DCP_METADATA, MANIFEST, WEIGHTS_FILE, WEIGHTS_INDEX
+from .offline.saved_average import SavedAverage
+from .output import provenance
+from .output.export import export_metadata, write_model
+from .output.model_folder import folder_export_id
+from .output.provenance import made_by, of_input
+from .output.weight_files import check_output_folder
+from .state.description import Description, TensorEntry
 
 EXPORT_DTYPES = ("float32", "bfloat16", "float16")
 QUIET_HELP = "show no progress (shown on stderr when it is a terminal: bytes written, rate, time left)"
@@ -168,7 +169,7 @@ def _merge_parser(commands: Any) -> None:  # (argparse's subparsers action)
 
 
 def _merge(args: argparse.Namespace, together: bool, lead: bool) -> str:
-    from .merge import merge
+    from .offline.merge import merge
 
     inputs, last = args.inputs, None
     if args.last is not None:

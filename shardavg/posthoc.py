@@ -25,15 +25,16 @@ from typing import Any
 import torch
 from torch import nn
 
-from . import validate
 from .averager import WeightAverager
-from .dist import agree_or_raise, all_gathered, rank
-from .errors import CheckpointError
-from .format import MANIFEST, SNAPSHOT_DIR, Description, TensorEntry, snapshot_directory
-from .logs import internal
-from .provenance import made_by, of_input
-from .reading import read_manifest
+from .base import validate
+from .base.dist import agree_or_raise, all_gathered, rank
+from .base.errors import CheckpointError
+from .base.logs import internal
+from .checkpoints.format import MANIFEST, SNAPSHOT_DIR, snapshot_directory
+from .checkpoints.reading import read_manifest
+from .output.provenance import made_by, of_input
 from .rules import PowerEMA, gamma_to_sigma_rel, rule_from_config, shown, sigma_rel_to_gamma
+from .state.description import Description, TensorEntry
 
 FIT_TOLERANCE = 0.05  # the largest relative least-squares residual a synthesis may have
 MAX_T = 2**53  # updates a snapshot may record: exact in the float64 the coefficients are solved in
@@ -461,7 +462,7 @@ def synthesized_tensors(
     synthesized tensor)`` one tensor at a time, accumulated in the order and dtype of the
     in-process synthesis (so both give the same bits). Averaged tensors are the combination;
     copied and live ones the last snapshot's."""
-    from .offline import SavedAverage
+    from .offline.saved_average import SavedAverage
 
     terms, _ = plan(snapshots(directory), target_gamma(gamma=gamma), step)
     readers = {s.path: SavedAverage(s.path) for s, _, _ in terms}

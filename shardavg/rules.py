@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from . import validate
+from .base import validate
 
 MultiAvgFn = Callable[[list[torch.Tensor], list[torch.Tensor], torch.Tensor], None]
 

@@ -16,7 +16,7 @@ from harness import TiedNet
 from safetensors.torch import save_file
 
 from shardavg import EMA, WeightAverager
-from shardavg.format import with_checksum
+from shardavg.state.description import with_checksum
 
 
 def trained(trainer, steps: int = 5, **kwargs) -> WeightAverager:
@@ -76,8 +76,8 @@ def as_chunk_tables(meta: dict) -> dict:
     """A manifest of format 6 rewritten as format 5 wrote it: each tensor's chunk table (every
     owner's boxes, back to back in its file) in place of its layout, files by name, and no grids;
     in place."""
-    from shardavg.format import chunk_table
-    from shardavg.tensor_layout import grid_from_json, layout_from_json
+    from shardavg.checkpoints.format import chunk_table
+    from shardavg.layouts.tensor_layout import grid_from_json, layout_from_json
 
     if isinstance(meta.get("files"), int):  # each file by name, each digest spelt out
         meta["files"] = [f"rank-{r:05d}-of-{meta['files']:05d}.safetensors" for r in range(meta["files"])]
@@ -95,7 +95,7 @@ def as_chunk_tables(meta: dict) -> dict:
 def as_flat_ranges(meta: dict, version: int) -> dict:
     """A manifest of this version rewritten as format ``version`` (4 or earlier) wrote it: each
     chunk a range of the flattened tensor (``{file, start, end}``), not a box."""
-    from shardavg.parts import box_range
+    from shardavg.layouts.parts import box_range
 
     meta = as_chunk_tables(meta)
     for entry in meta["tensors"]:

@@ -47,7 +47,7 @@ def main() -> None:
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     import shardavg
-    from shardavg import tensor_layout
+    from shardavg.layouts import tensor_layout
 
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=args.world)
     gathered: list[int] = []

@@ -13,7 +13,7 @@ from harness import TiedNet
 from torch import nn
 from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 
-import shardavg.staging
+import shardavg.update.staging
 from shardavg import (
     EMA,
     SWA,
@@ -116,7 +116,7 @@ def test_custom_rule_gets_num_updates_like_averaged_model(model, trainer, monkey
     def record(shadows, lives, num_updates):
         seen.append((num_updates.item(), num_updates.dtype))
 
-    monkeypatch.setattr(shardavg.staging, "STAGING_BYTES", 64)  # cast the bf16 lives in many buckets
+    monkeypatch.setattr(shardavg.update.staging, "STAGING_BYTES", 64)  # cast the bf16 lives in many buckets
     model.to(torch.bfloat16)
     averager = WeightAverager(model, record)
     for _ in range(4):

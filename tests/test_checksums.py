@@ -15,7 +15,7 @@ from safetensors import safe_open
 
 from shardavg import CheckpointError
 from shardavg.cli import main as cli_main
-from shardavg.format import with_checksum
+from shardavg.state.description import with_checksum
 
 SHARD = "rank-00000-of-00001.safetensors"
 
@@ -96,7 +96,7 @@ def test_loading_reads_without_mapping_and_into_the_shadows(trainer, tmp_path, m
     monkeypatch.setattr(mmap, "mmap", lambda *a, **k: pytest.fail("a checkpoint file was mapped"))
     averager = trained(trainer, steps=3)
     path = averager.save(tmp_path / "bf16", dtype=torch.bfloat16)
-    monkeypatch.setattr("shardavg.storage.READ_PIECE", 8)  # two elements at a time
+    monkeypatch.setattr("shardavg.checkpoints.storage.READ_PIECE", 8)  # two elements at a time
     restored = fresh()
     restored.load(path, verify=True)
     got, want = restored.full_state_dict(), averager.full_state_dict()

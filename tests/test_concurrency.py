@@ -18,9 +18,9 @@ from harness import TiedNet
 from helpers import fresh, trained
 
 from shardavg import SWA, CheckpointError, PostHocEMA, WeightAverager
+from shardavg.checkpoints.ownership import TargetLock
 from shardavg.cli import main as cli_main
-from shardavg.offline import SavedAverage
-from shardavg.ownership import TargetLock
+from shardavg.offline.saved_average import SavedAverage
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -122,7 +122,7 @@ RACE = """
 import sys, time
 from pathlib import Path
 from shardavg import CheckpointError
-from shardavg.ownership import TargetLock
+from shardavg.checkpoints.ownership import TargetLock
 target, rounds = Path(sys.argv[1]), int(sys.argv[2])
 won = busy = 0
 deadline = time.monotonic() + 60
@@ -241,7 +241,7 @@ def test_a_reader_refuses_a_shard_of_another_save_under_the_right_name(trainer, 
 
 def test_a_checkpoint_pruned_while_opened_is_followed_to_the_newest(trainer, tmp_path) -> None:
     """The reader opened a step checkpoint that a save then pruned: it reads the newer save instead."""
-    from shardavg.reading import OpenCheckpoint, open_checkpoint
+    from shardavg.checkpoints.reading import OpenCheckpoint, open_checkpoint
 
     averager = trained(trainer, steps=2)
     averager.save(tmp_path, keep_last=1)

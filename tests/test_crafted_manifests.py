@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 from helpers import trained
 
-from shardavg.format import with_checksum
+from shardavg.state.description import with_checksum
 
 ADDRESS_SPACE = 2 * 2**30  # bytes the child may map: torch and the test model need about 1 GiB
 DEADLINE = 5  # seconds each call may take in the child
@@ -190,7 +190,7 @@ def test_a_split_factor_up_to_the_dims_size_or_the_ranks_cuts_as_torch_does(spli
     """Within the bound, a layout's parts are DTensor's (a factor beyond the dim's 10 rows cuts it
     into single rows, as 10 does: no more pieces are worked out than rows), and the owned parts
     tile the tensor."""
-    from shardavg.tensor_layout import MeshLayout, make_grid
+    from shardavg.layouts.tensor_layout import MeshLayout, make_grid
 
     layout = MeshLayout((10, 3), make_grid((12,), range(12)), (("strided_shard", 0, split_factor),))
     layout.check("t")
@@ -201,8 +201,8 @@ def test_a_split_factor_up_to_the_dims_size_or_the_ranks_cuts_as_torch_does(spli
 
 
 def test_a_bounded_read_refuses_what_is_past_its_limit_or_not_a_file(tmp_path) -> None:
-    from shardavg.errors import CheckpointError
-    from shardavg.storage import read_bounded
+    from shardavg.base.errors import CheckpointError
+    from shardavg.checkpoints.storage import read_bounded
 
     def too_large(size: int) -> CheckpointError:
         return CheckpointError(f"{size} bytes")

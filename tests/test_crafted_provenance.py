@@ -15,10 +15,11 @@ import pytest
 from helpers import trained
 
 from shardavg import CheckpointError
+from shardavg.base.errors import ProvenanceError
+from shardavg.checkpoints.format import PROVENANCE_DEPTH
 from shardavg.cli import main as cli_main
-from shardavg.errors import ProvenanceError
-from shardavg.format import PROVENANCE_DEPTH, with_checksum
-from shardavg.provenance import load, of_input, read
+from shardavg.output.provenance import load, of_input, read
+from shardavg.state.description import with_checksum
 
 DEEP = "[" * 100_000 + "]" * 100_000  # json.loads raises RecursionError on it
 

@@ -11,9 +11,10 @@ import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from shardavg import EMA, SWA, NonFiniteError, PowerEMA, WeightAverager, kernels
+from shardavg import EMA, SWA, NonFiniteError, PowerEMA, WeightAverager
 from shardavg.rules import InverseGammaWarmup
-from shardavg.update import Updater
+from shardavg.update import kernels
+from shardavg.update.updater import Updater
 
 HOST_READS = {"item", "__bool__", "tolist", "__int__", "__float__", "__index__", "numpy"}
 

@@ -16,11 +16,11 @@ import pytest
 import torch
 from helpers import trained
 
-import shardavg.weight_files
+import shardavg.output.weight_files
 from shardavg import CheckpointError, ExportError
-from shardavg.model_folder import folder_export_id
-from shardavg.storage import Entry
-from shardavg.weight_files import EXPORT_ID, Slots, WeightPlan, check_one_export, create_staged
+from shardavg.checkpoints.storage import Entry
+from shardavg.output.model_folder import folder_export_id
+from shardavg.output.weight_files import EXPORT_ID, Slots, WeightPlan, check_one_export, create_staged
 
 INDEX = "model.safetensors.index.json"
 SPLIT = 300  # bytes per file: TiedNet's export in several files
@@ -80,7 +80,7 @@ def test_a_reader_of_the_previous_index_gets_the_previous_files_or_none_during_t
     trainer.step()
     averager.update()
     seen: list[list[int | None]] = []
-    real_commit = shardavg.weight_files.commit_file
+    real_commit = shardavg.output.weight_files.commit_file
 
     def commit_then_read(path: Path) -> None:
         real_commit(path)
@@ -92,7 +92,7 @@ def test_a_reader_of_the_previous_index_gets_the_previous_files_or_none_during_t
                 found.append(None)
         seen.append(found)
 
-    monkeypatch.setattr(shardavg.weight_files, "commit_file", commit_then_read)
+    monkeypatch.setattr(shardavg.output.weight_files, "commit_file", commit_then_read)
     averager.export(out, max_shard_size=SPLIT)
     assert len(seen) == len(held_index) + 2  # every weight file, the index, the provenance
     assert all(found == [before] * len(held_index) for found in seen), seen  # never a mix

@@ -11,16 +11,17 @@ import pytest
 from helpers import trained
 
 from shardavg import EMA, CheckpointError, PostHocEMA
+from shardavg.checkpoints.format import MANIFEST, check_description, parse_manifest
 from shardavg.cli import main as cli_main
-from shardavg.format import MANIFEST, Description, TensorEntry, parse_manifest, with_checksum
-from shardavg.provenance import read as read_provenance
-from shardavg.tensor_layout import MeshLayout
+from shardavg.layouts.tensor_layout import MeshLayout
+from shardavg.output.provenance import read as read_provenance
+from shardavg.state.description import TensorEntry, with_checksum
 
 
 def test_a_description_parses_back_to_itself(trainer) -> None:
     averager = trained(trainer, steps=3, rule={"fast": EMA(decay=0.9), "slow": EMA(decay=0.99)})
     described = averager._state.describe()
-    parsed = Description.from_json(json.loads(json.dumps(described.to_json())), "test")
+    parsed = check_description(json.loads(json.dumps(described.to_json())), "test")
     assert replace(parsed, checksum=None) == described
     assert parsed.average_names == ["fast", "slow"] and parsed.rule("slow") == EMA(decay=0.99).to_config()
     by_name = parsed.by_name()
@@ -46,7 +47,7 @@ def test_a_bool_is_no_count(trainer, key: str) -> None:
     raw = trained(trainer, steps=1)._state.describe().to_json()
     raw[key] = True  # (checksummed again: a crafted description, not a damaged one)
     with pytest.raises(CheckpointError, match=f"'{key}' must be an integer"):
-        Description.from_json(with_checksum(raw), "crafted")
+        check_description(with_checksum(raw), "crafted")
 
 
 def test_posthoc_output_records_the_snapshots_it_combines(trainer, tmp_path, capsys) -> None:

@@ -27,7 +27,7 @@ from safetensors.torch import load_file
 
 from shardavg import CheckpointError
 from shardavg.cli import main as cli_main
-from shardavg.format import with_checksum
+from shardavg.state.description import with_checksum
 
 CASES = 200  # per family: damaged manifest bytes, crafted manifest values, damaged shard headers
 SHARD = "rank-00000-of-00001.safetensors"

@@ -17,7 +17,7 @@ from transformers import GPT2LMHeadModel, Trainer, TrainingArguments
 
 from shardavg import EMA, CheckpointError
 from shardavg.integrations.transformers import WeightAveragingCallback, with_weight_averaging
-from shardavg.offline import SavedAverage
+from shardavg.offline.saved_average import SavedAverage
 
 STEPS = 6
 

@@ -14,7 +14,8 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from shardavg import WeightAverager, kernels
+from shardavg import WeightAverager
+from shardavg.update import kernels
 
 # numpy, under the interpreter, about infinities and NaN the tests put there on purpose
 pytestmark = pytest.mark.filterwarnings("ignore:(overflow|invalid value) encountered:RuntimeWarning:triton.*")

@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from shardavg import kernels
+from shardavg.update import kernels
 
 pytestmark = pytest.mark.filterwarnings("ignore:TRITON_DEFAULT_FP_FUSION is unset")
 

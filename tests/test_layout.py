@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from shardavg import LayoutError
-from shardavg.layout import tiling
-from shardavg.parts import Part, place, tiles
-from shardavg.strategies.base import TensorInfo
+from shardavg.layouts.parts import Part, place, tiles
+from shardavg.layouts.shard_layout import tiling
+from shardavg.layouts.tensor_info import TensorInfo
 
 
 def info(name: str, shape: tuple[int, ...]) -> TensorInfo:
@@ -97,8 +97,8 @@ def test_strided_index_runs_become_boxes_in_local_order() -> None:
 def test_a_part_its_layout_does_not_describe_is_gathered_and_tiled() -> None:
     """A tensor with no layout, or whose layout says this rank holds something else, is gathered
     (here from the one process) and checked like any listed layout; the others stay derived."""
-    from shardavg.layout import ShardLayout
-    from shardavg.tensor_layout import ListedLayout, MeshLayout, world_grid
+    from shardavg.layouts.shard_layout import ShardLayout
+    from shardavg.layouts.tensor_layout import ListedLayout, MeshLayout, world_grid
 
     whole = MeshLayout((4, 6), world_grid(1), (("replicate",),))
     infos = [

@@ -16,8 +16,8 @@ from helpers import fresh, in_process_cli, trained
 from safetensors.torch import load_file, save_file
 
 from shardavg import EMA, CheckpointError, PostHocEMA, WeightAverager
+from shardavg.checkpoints.ownership import TargetLock
 from shardavg.cli import main as cli_main
-from shardavg.ownership import TargetLock
 
 USER_FILES = {"config.json": "{}", "train.log": "step 1\n", "model_ckpt/optimizer.pt": "opaque"}
 HF_FOLDER = {"config.json": "{}", "tokenizer.json": "{}", "generation_config.json": "{}", "README.md": "# a model\n"}
@@ -208,7 +208,7 @@ def test_a_second_writer_is_refused_while_the_first_holds_the_lock(trainer, tmp_
 HOLD_LOCK = """
 import sys, time
 from pathlib import Path
-from shardavg.ownership import TargetLock
+from shardavg.checkpoints.ownership import TargetLock
 with TargetLock.inside(Path(sys.argv[1])):
     print("locked", flush=True)
     time.sleep(600)

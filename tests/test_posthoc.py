@@ -15,7 +15,7 @@ from safetensors.torch import load_file
 
 from shardavg import CheckpointError, PowerEMA, WeightAverager
 from shardavg.cli import main as cli_main
-from shardavg.offline import SavedAverage
+from shardavg.offline.saved_average import SavedAverage
 from shardavg.posthoc import PostHocEMA, snapshots, solve_coefficients, synthesize
 from shardavg.rules import sigma_rel_to_gamma
 

@@ -16,7 +16,7 @@ from safetensors.torch import save_file
 
 import shardavg
 import shardavg.cli
-from shardavg.progress import Progress, duration, size
+from shardavg.base.progress import Progress, duration, size
 
 
 class Terminal:

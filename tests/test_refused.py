@@ -23,7 +23,7 @@ from safetensors.torch import load_file
 
 from shardavg import CheckpointError, WeightAverager
 from shardavg.cli import main as cli_main
-from shardavg.format import with_checksum
+from shardavg.state.description import with_checksum
 
 SHARD = "rank-00000-of-00001.safetensors"
 HUGE = 10**24  # elements: no allocator could serve it

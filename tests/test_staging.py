@@ -6,10 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-import shardavg.fused
-import shardavg.staging
+import shardavg.update.fused
+import shardavg.update.staging
 from shardavg import EMA, SWA, PowerEMA, WeightAverager
-from shardavg.staging import Stager, _plan
+from shardavg.update.staging import Stager, _plan
 
 RULES = {"ema": EMA(decay=0.9), "swa": SWA(), "power": PowerEMA(gamma=4.0)}
 
@@ -42,7 +42,7 @@ def test_each_bucket_is_copied_ahead_into_the_other_buffer(monkeypatch) -> None:
         return real_issue(self, bucket, lives, buffer, stream)
 
     monkeypatch.setattr(Stager, "_issue", issue)
-    monkeypatch.setattr(shardavg.staging, "STAGING_BYTES", 4 * 4)  # four fp32 elements per bucket
+    monkeypatch.setattr(shardavg.update.staging, "STAGING_BYTES", 4 * 4)  # four fp32 elements per bucket
     lives = [torch.full((4,), float(k)) for k in range(4)]
     shadows = [[torch.zeros(4) for _ in lives]]
     stager = Stager()
@@ -74,13 +74,13 @@ def test_a_staged_update_has_the_bits_of_the_unstaged_one(model, trainer, monkey
             staged_buckets.append(len(bucket[1]))
             yield bucket
 
-    monkeypatch.setattr(shardavg.staging, "STAGING_BYTES", 40)
+    monkeypatch.setattr(shardavg.update.staging, "STAGING_BYTES", 40)
     monkeypatch.setattr(Stager, "stage", counted_stage)
     for _ in range(6):
         trainer.step()
         direct.update()
         with monkeypatch.context() as forced:  # as if every live shard were on another device
-            forced.setattr(shardavg.fused, "needs_staging", lambda group, dtype: True)
+            forced.setattr(shardavg.update.fused, "needs_staging", lambda group, dtype: True)
             staged.update()
     assert len(staged_buckets) > 6 * 10, "few buckets were staged: the check is vacuous"
     assert 0 < staged.updater.stager.buffer_bytes() <= 2 * 40 * 2  # two buckets each of fp32 and int64 (a counter)

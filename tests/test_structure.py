@@ -1,34 +1,53 @@
-"""The package's structure: every module imports only modules below it (the order here is the
-layering, bottom first), and none reaches into another object's private attributes, except the
-engine internals listed in ``ENGINE_INTERNALS`` (each with why: the engines offer no public way).
-The checks run on every module of the package and the integrations, and on planted sources
-that must fail them."""
+"""The package's structure: its parts are folders (``base``, ``layouts``, ``update``, ...), each
+imports only the parts below it, and inside a part every module imports only modules below it
+(the order here is the layering, bottom first). Each part's ``__init__`` says in its docstring what
+it may import, and the imports agree. No module reaches into another object's private attributes,
+except the engine internals listed in ``ENGINE_INTERNALS`` (each with why: the engines offer no
+public way). The checks run on every module of the package and the integrations, and on planted
+sources that must fail them."""
 
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 import pytest
 
 PACKAGE = Path(__file__).resolve().parents[1] / "shardavg"
 
-ORDER = [  # bottom first: a module may import only modules before it
-    "errors", "parts", "tensor_layout", "validate", "dist", "logs", "progress", "storage",
-    "strategies.dtensor", "strategies.base", "strategies.fsdp1", "strategies.fsdp2", "strategies.zero3",
-    "strategies.zero12", "strategies.replicated", "strategies.pipeline", "strategies",
-    "rules", "options", "format", "provenance", "ownership", "weight_files", "reading", "layout", "staging",
-    "masked_lerp", "kernels", "fused", "watch", "background", "update",
-    "state", "swap", "export", "checkpoint", "stateful", "offline", "model_folder", "sources", "averager", "posthoc",
-    "merge", "cli",
-    "__init__", "__main__",
-    "integrations", "integrations.accelerate", "integrations.deepspeed", "integrations.lightning",
-    "integrations.transformers",
-]  # fmt: skip
+PARTS = {  # bottom first: a part imports only parts before it; a module, only modules before it
+    "base": ["base.errors", "base.validate", "base.dtypes", "base.dist", "base.logs", "base.progress", "base"],
+    "rules": ["rules"],
+    "layouts": ["layouts.parts", "layouts.tensor_layout", "layouts.tensor_info", "layouts.shard_layout", "layouts"],
+    "strategies": [
+        "strategies.dtensor", "strategies.base", "strategies.fsdp1", "strategies.fsdp2", "strategies.zero3",
+        "strategies.zero12", "strategies.replicated", "strategies.pipeline", "strategies",
+    ],
+    "update": [
+        "update.options", "update.staging", "update.masked_lerp", "update.kernels", "update.fused", "update.watch",
+        "update.background", "update.updater", "update",
+    ],
+    "state": ["state.description", "state.average_state", "state.swap", "state"],
+    "checkpoints": [
+        "checkpoints.storage", "checkpoints.format", "checkpoints.ownership", "checkpoints.reading",
+        "checkpoints.checkpoint", "checkpoints.stateful", "checkpoints",
+    ],
+    "output": ["output.provenance", "output.weight_files", "output.model_folder", "output.export", "output"],
+    "offline": ["offline.saved_average", "offline.sources", "offline.merge", "offline"],
+    "face": ["averager", "posthoc", "cli", "__init__", "__main__"],
+    "integrations": [
+        "integrations", "integrations.accelerate", "integrations.deepspeed", "integrations.lightning",
+        "integrations.transformers",
+    ],
+}  # fmt: skip
+ORDER = [module for modules in PARTS.values() for module in modules]
+PART_OF = {module: part for part, modules in PARTS.items() for module in modules}
+FOLDERS = [part for part in PARTS if (PACKAGE / part / "__init__.py").exists()]
 
 # Private names of other libraries shardavg reads, by module: (the expression or name, why).
 ENGINE_INTERNALS = {
-    "update": {
+    "update.updater": {
         "_version": "a tensor's version counter, which every in-place write through it moves: how a write the "
         "background update did not wait for is seen (torch offers no public accessor)",
     },
@@ -63,7 +82,7 @@ ENGINE_INTERNALS = {
         "_reshard": "that function",
     },
     "strategies.zero12": {"_hp_mapping": "DeepSpeed ZeRO-1/2's link from a parameter to its fp32 master fragment"},
-    "stateful": {
+    "checkpoints.stateful": {
         "torch.distributed.tensor._shards_wrapper": "LocalShardsWrapper, the DTensor payload DCP reads for "
         "arbitrary shards (torchrec's way); no public path"
     },
@@ -140,6 +159,43 @@ def test_every_module_is_placed_in_the_layering() -> None:
     assert sorted(modules()) == sorted(ORDER), f"place these in ORDER: {sorted(set(modules()) ^ set(ORDER))}"
 
 
+def imports_by_module() -> dict[str, set[str]]:
+    """Each module's imports of the package, a name from a package's ``__init__`` as that package."""
+    found = {}
+    for name, path in modules().items():
+        targets = internal_imports(name, ast.parse(path.read_text()))
+        found[name] = {target if target in ORDER else target.rsplit(".", 1)[0] for target in targets}
+    return found
+
+
+def test_every_part_is_a_folder_that_says_what_it_may_import() -> None:
+    """Each folder's docstring ends with the parts it may import: exactly those below it that its
+    modules do import (so the sentence stays true), never one above it."""
+    imported: dict[str, set[str]] = {}
+    for name, targets in imports_by_module().items():
+        imported.setdefault(PART_OF[name], set()).update(PART_OF[t] for t in targets if PART_OF[t] != PART_OF[name])
+    for part in FOLDERS:
+        docstring = ast.get_docstring(ast.parse((PACKAGE / part / "__init__.py").read_text())) or ""
+        said = re.search(r"It may import: (.*)\.$", docstring.strip())
+        assert said, f"shardavg/{part}/__init__.py: end its docstring with 'It may import: PARTS.'"
+        may = set() if said.group(1) == "nothing" else set(said.group(1).split(", "))
+        below = list(PARTS)[: list(PARTS).index(part)]
+        assert may <= set(below), f"{part} says it may import {sorted(may - set(below))}, which are not below it"
+        assert imported.get(part, set()) == may, (
+            f"{part} imports {sorted(imported.get(part, set()))}, says {sorted(may)}"
+        )
+
+
+def test_no_part_depends_on_another_both_ways() -> None:
+    edges = {
+        (PART_OF[name], PART_OF[target])
+        for name, targets in imports_by_module().items()
+        for target in targets
+        if PART_OF[name] != PART_OF[target]
+    }
+    assert not {(a, b) for a, b in edges if (b, a) in edges}
+
+
 def test_no_import_runs_back_up() -> None:
     upward = []
     for name, path in modules().items():
@@ -175,5 +231,6 @@ def test_a_planted_private_access_is_found(source: str) -> None:
 
 
 def test_a_planted_upward_import_is_found() -> None:
-    tree = ast.parse("from .averager import WeightAverager")
-    assert "averager" in internal_imports("state", tree) and ORDER.index("averager") > ORDER.index("state")
+    tree = ast.parse("from ..averager import WeightAverager")
+    found = internal_imports("state.average_state", tree)
+    assert found == {"averager"} and ORDER.index("averager") > ORDER.index("state.average_state")

@@ -16,8 +16,8 @@ from torch.distributed.tensor import Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
 from shardavg import LayoutError
-from shardavg.parts import Part, intersect, tiles
-from shardavg.tensor_layout import FlatLayout, MeshLayout, make_grid
+from shardavg.layouts.parts import Part, intersect, tiles
+from shardavg.layouts.tensor_layout import FlatLayout, MeshLayout, make_grid
 
 SHAPES = [(11, 6), (4, 6), (7,), (2, 3, 5), (0, 3), (1, 1)]
 PLACEMENTS = {  # grid shape -> placements per grid dim

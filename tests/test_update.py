@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from shardavg.fused import FUSED_CHUNK, SUMMED_NUMEL, apply, fuse, group_tensors, nonfinite
-from shardavg.staging import Stager
+from shardavg.update.fused import FUSED_CHUNK, SUMMED_NUMEL, apply, fuse, group_tensors, nonfinite
+from shardavg.update.staging import Stager
 
 SHAPES = [(3, 4), (0,), (5,), (2, 2), (7,)]
 
@@ -126,9 +126,9 @@ def test_small_shards_apart_are_screened_in_runs_through_a_scratch(monkeypatch) 
     """Shards too small to read alone and too large to gather (FSDP2's or an MoE's expert shards)
     are copied run by run into a scratch and screened there: a NaN or an infinity in any of them,
     in any run, names its own tensor."""
-    import shardavg.fused
+    import shardavg.update.fused
 
-    monkeypatch.setattr(shardavg.fused, "SCREENED_ELEMENTS", 12_000)  # several runs of two shards
+    monkeypatch.setattr(shardavg.update.fused, "SCREENED_ELEMENTS", 12_000)  # several runs of two shards
     torch.manual_seed(0)
     lives = [torch.randn(5000) for _ in range(7)]  # apart in memory, each above GATHER_NUMEL
     groups = group_tensors(["average"] * 7, [[torch.zeros(5000) for _ in range(7)]], lives)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from shardavg.model_folder import folder_export_id
+from shardavg.output.model_folder import folder_export_id
 
 PLACEHOLDER = "0" * 12
 

@@ -442,9 +442,9 @@ def die_while_writing_shards(rank: int) -> None:
         return
     import signal
 
-    import shardavg.checkpoint
+    import shardavg.checkpoints.checkpoint
 
-    real_write = shardavg.checkpoint.write_safetensors
+    real_write = shardavg.checkpoints.checkpoint.write_safetensors
 
     def write_then_die(path, entries, tensors, metadata=None):
         def first_tensor_then_sigkill():
@@ -453,14 +453,14 @@ def die_while_writing_shards(rank: int) -> None:
 
         real_write(path, entries, first_tensor_then_sigkill(), metadata)
 
-    shardavg.checkpoint.write_safetensors = write_then_die
+    shardavg.checkpoints.checkpoint.write_safetensors = write_then_die
 
 
 def check_derived_layout(averager, gathered: Callable[[str], bool] = lambda name: False) -> None:
     """Collective: the layout each rank derived (no gather) equals the one gathered from every
     rank as the library did before: every rank's part of every tensor, the owned chunks and the
     replicas; and only the tensors ``gathered`` names had to be gathered."""
-    from shardavg.layout import tiling
+    from shardavg.layouts.shard_layout import tiling
 
     layout, infos = averager.layout, averager._state.infos
     everyone: list = [None] * dist.get_world_size()

@@ -163,14 +163,14 @@ def kill_export(kind: str, root: Path) -> None:
     if dist.get_rank() == 1:
         import signal
 
-        import shardavg.weight_files
+        import shardavg.output.weight_files
 
         def first_then_sigkill(self, slot, flat, first):  # (every write, held or received, comes here)
             real_write(self, slot, flat, first)
             os.kill(os.getpid(), signal.SIGKILL)
 
-        real_write = shardavg.weight_files.Slots.write_elements
-        shardavg.weight_files.Slots.write_elements = first_then_sigkill
+        real_write = shardavg.output.weight_files.Slots.write_elements
+        shardavg.output.weight_files.Slots.write_elements = first_then_sigkill
     avg.export(root / "export", max_shard_size=300, average="ema")
     raise AssertionError("rank 1 should have been killed during the export")
 

@@ -31,7 +31,7 @@ from transformers import GPT2Config, GPT2LMHeadModel
 from transformers.models.gpt2.modeling_gpt2 import GPT2Block
 
 from shardavg import EMA, WeightAverager
-from shardavg.offline import SavedAverage
+from shardavg.offline.saved_average import SavedAverage
 
 CONFIG = GPT2Config(
     vocab_size=67,  # not divisible by the world size

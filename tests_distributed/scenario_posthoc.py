@@ -20,7 +20,7 @@ import torch.distributed as dist
 from scenario_checkpoint import build
 
 from shardavg import PostHocEMA
-from shardavg.offline import SavedAverage
+from shardavg.offline.saved_average import SavedAverage
 from shardavg.posthoc import snapshots, synthesize
 from shardavg.rules import sigma_rel_to_gamma
 

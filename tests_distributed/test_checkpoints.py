@@ -171,7 +171,7 @@ def test_a_checkpoint_of_four_ranks_merges_with_one_of_two_offline(saved: Path, 
     DCP checkpoint written at 2, weighted 1:3, in one process: the fp32 weighted sum of their
     references, bitwise, as a model folder and as a checkpoint that loads whole."""
     import shardavg
-    from shardavg.offline import SavedAverage
+    from shardavg.offline.saved_average import SavedAverage
 
     inputs = [saved / "saved" / "fsdp2-ws4" / "avg", saved / "saved" / "zero3-ws2" / "dcp"]
     references = [load_file(str(p.parent / "reference.safetensors")) for p in inputs]
@@ -198,7 +198,7 @@ def test_rows_of_a_tensor_read_from_sharded_checkpoints_are_those_of_the_whole(s
     ``avg.save`` of 4 ranks (row shards), a ZeRO-3 averager inside DCP of 2 ranks (flat ranges)
     and a Hugging Face export; each range is what the whole tensor holds there, bitwise."""
     import shardavg
-    from shardavg.sources import open_source
+    from shardavg.offline.sources import open_source
 
     fsdp2 = saved / "saved" / "fsdp2-ws4" / "avg"
     model = shardavg.merge(fsdp2, tmp_path / "model", average="ema", max_shard_size="20KB")

@@ -35,7 +35,7 @@ def no_sync() -> Iterator[None]:
 @pytest.fixture
 def compiled_kernels(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     """``shardavg.kernels`` compiled for the GPU (never the interpreter), built afresh."""
-    from shardavg import kernels
+    from shardavg.update import kernels
 
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     kernels.reset()

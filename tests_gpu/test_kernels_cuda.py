@@ -8,7 +8,7 @@ import pytest
 import torch
 from conftest import no_sync
 
-from shardavg import kernels
+from shardavg.update import kernels
 
 pytestmark = pytest.mark.usefixtures("compiled_kernels")
 

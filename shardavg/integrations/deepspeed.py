@@ -20,9 +20,9 @@ from pathlib import Path
 from typing import Any
 
 from ..averager import WeightAverager
-from ..dist import agree_or_raise, gather_or_raise, rank
-from ..errors import CheckpointError
-from ..storage import atomic_file
+from ..base.dist import agree_or_raise, gather_or_raise, rank
+from ..base.errors import CheckpointError
+from ..checkpoints.storage import atomic_file
 
 AVERAGE_DIR = "shardavg"  # inside the tag's directory
 LATEST = "latest"  # DeepSpeed's pointer to the newest tag

@@ -26,8 +26,8 @@ from typing import Any
 from lightning.pytorch.callbacks import Callback
 
 from ..averager import WeightAverager
-from ..errors import CheckpointError
-from ..ownership import is_own_checkpoint
+from ..base.errors import CheckpointError
+from ..checkpoints.ownership import is_own_checkpoint
 from ..rules import EMA, MultiAvgFn, Rule
 
 SUFFIX = ".shardavg"  # the sidecar of checkpoint PATH is PATH.shardavg/

@@ -35,10 +35,10 @@ from typing import Any
 from transformers import TrainerCallback
 
 from ..averager import WeightAverager
-from ..dist import rank
-from ..errors import CheckpointError
-from ..model_folder import declare_dtype
-from ..reading import read_manifest, resolve
+from ..base.dist import rank
+from ..base.errors import CheckpointError
+from ..checkpoints.reading import read_manifest, resolve
+from ..output.model_folder import declare_dtype
 from ..rules import MultiAvgFn, Rule
 
 DIRECTORY = "shardavg"  # inside each checkpoint-<step> folder

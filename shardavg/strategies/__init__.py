@@ -1,4 +1,7 @@
-"""One adapter per engine, and ``detect`` to pick the one that fits a model."""
+"""One adapter per engine, and ``detect`` to pick the one that fits a model.
+
+It may import: base, layouts.
+"""
 
 from __future__ import annotations
 
@@ -7,7 +10,7 @@ from typing import Any
 
 from torch import nn
 
-from ..errors import StrategyError
+from ..base.errors import StrategyError
 from .base import ModuleStrategy, Strategy, TensorInfo, canonical_name, unwrap
 from .fsdp1 import FSDP1
 from .fsdp2 import FSDP2

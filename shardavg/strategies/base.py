@@ -2,7 +2,7 @@
 
 An adapter lists each tensor of the plain (unwrapped) model once, as a ``TensorInfo``: its
 canonical name and aliases, global shape and dtype, and the ``Part`` of the global tensor that
-this rank's *local view* holds (``parts.py``: boxes of the global tensor; a flat range
+this rank's *local view* holds (``layouts/parts.py``: boxes of the global tensor; a flat range
 ``[start, end)`` of the flattened tensor is the one-dimensional case). The local view is a
 tensor the engine already owns (a DTensor's local shard, the real part of a ZeRO-3 partition,
 a slice of an FSDP1 flat parameter, or the tensor itself) with exactly ``part.numel``
@@ -16,19 +16,17 @@ import functools
 import sys
 from abc import ABC, abstractmethod
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
-from typing import Any, ClassVar, Literal
+from typing import Any, ClassVar
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..dist import world_size
-from ..parts import Part
-from ..tensor_layout import Grid, MeshLayout, TensorLayout, make_grid, world_grid
+from ..base.dist import world_size
+from ..layouts.parts import Part
+from ..layouts.tensor_info import TensorInfo, TensorKind
+from ..layouts.tensor_layout import Grid, MeshLayout, TensorLayout, make_grid, world_grid
 from .dtensor import dtensor_layout, dtensor_part, is_dtensor, local_view
-
-TensorKind = Literal["param", "buffer"]
 
 # Submodule names that wrappers insert into parameter paths (FSDP1, activation checkpointing,
 # torch.compile); the plain model has none of them.
@@ -48,46 +46,6 @@ def canonical_name(name: str) -> str:
         The path without ``_fsdp_wrapped_module``, ``_checkpoint_wrapped_module`` and ``_orig_mod``.
     """
     return ".".join(segment for segment in name.split(".") if segment not in WRAPPER_SEGMENTS)
-
-
-@dataclass(frozen=True)
-class TensorInfo:
-    """One tensor of the plain model and the part of it this rank holds.
-
-    Attributes:
-        name: Its canonical name in the plain model.
-        aliases: Other names of the same tensor (tied weights).
-        kind: ``"param"`` or ``"buffer"``.
-        shape: The global shape.
-        dtype: The dtype of its local view (fp32 for DeepSpeed masters).
-        requires_grad: Whether it is a trained parameter (False for buffers).
-        part: What of the global tensor this rank's local view holds.
-        layout: Every rank's part, where the engine's rule tells; None: found by a gather.
-    """
-
-    name: str
-    aliases: tuple[str, ...]
-    kind: TensorKind
-    shape: torch.Size
-    dtype: torch.dtype
-    requires_grad: bool
-    part: Part
-    layout: TensorLayout | None = None
-
-    @property
-    def numel(self) -> int:
-        """Elements of the global tensor."""
-        return self.shape.numel()
-
-    @property
-    def local_numel(self) -> int:
-        """Elements of this rank's part (and of its local view)."""
-        return self.part.numel
-
-    @property
-    def names(self) -> tuple[str, ...]:
-        """Its name, then its aliases."""
-        return (self.name, *self.aliases)
 
 
 def is_deepspeed_engine(model: object) -> bool:

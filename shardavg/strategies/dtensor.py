@@ -20,9 +20,9 @@ import torch
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.placement_types import Placement, _StridedShard
 
-from ..errors import StrategyError
-from ..parts import Part
-from ..tensor_layout import Grid, MeshLayout, make_grid
+from ..base.errors import StrategyError
+from ..layouts.parts import Part
+from ..layouts.tensor_layout import Grid, MeshLayout, make_grid
 
 KNOWN = (Replicate, Shard, _StridedShard)
 

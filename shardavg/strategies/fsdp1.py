@@ -18,8 +18,8 @@ import torch
 from torch import nn
 from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 
-from ..parts import Part
-from ..tensor_layout import FlatLayout, Grid, MeshLayout
+from ..layouts.parts import Part
+from ..layouts.tensor_layout import FlatLayout, Grid, MeshLayout
 from .base import ModuleStrategy, TensorInfo, canonical_name, group_grid
 from .dtensor import grid_of
 

@@ -34,9 +34,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..errors import LayoutError, ModelChangedError
-from ..parts import Part
-from ..tensor_layout import MeshLayout, TensorLayout, make_grid
+from ..base.errors import LayoutError, ModelChangedError
+from ..layouts.parts import Part
+from ..layouts.tensor_layout import MeshLayout, TensorLayout, make_grid
 from .base import Strategy, TensorInfo
 
 

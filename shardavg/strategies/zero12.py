@@ -21,8 +21,8 @@ from itertools import accumulate
 import torch
 from torch import nn
 
-from ..parts import Part
-from ..tensor_layout import FlatLayout
+from ..layouts.parts import Part
+from ..layouts.tensor_layout import FlatLayout
 from .base import ModuleStrategy, TensorInfo, group_grid, grouped_by_identity, is_deepspeed_engine, tensor_info
 
 

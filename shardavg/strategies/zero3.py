@@ -15,9 +15,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..errors import StrategyError
-from ..parts import Part
-from ..tensor_layout import FlatLayout
+from ..base.errors import StrategyError
+from ..layouts.parts import Part
+from ..layouts.tensor_layout import FlatLayout
 from .base import ModuleStrategy, TensorInfo, group_grid, grouped_by_identity, is_deepspeed_engine, unwrap
 
 _DS_TENSOR = operator.attrgetter("ds_tensor")

@@ -29,7 +29,7 @@ import warnings
 from pathlib import Path
 from typing import Any
 
-from .errors import CheckpointError
+from ..base.errors import CheckpointError
 from .format import CHECKPOINT_FILE, MANIFEST, WEIGHTS_INDEX
 from .storage import INCOMPLETE, safetensors_metadata
 

@@ -23,11 +23,12 @@ from typing import Any
 
 import torch
 
-from .errors import CheckpointError
-from .format import DCP_METADATA, MANIFEST, MANIFEST_LIMIT, STEP_DIR, TensorEntry, decode_description, tensor_key
-from .parts import Box, Part, tiles, within
-from .reading import open_checkpoint
-from .validate import is_count
+from ..base.errors import CheckpointError
+from ..base.validate import is_count
+from ..checkpoints.format import DCP_METADATA, MANIFEST, MANIFEST_LIMIT, STEP_DIR, decode_description
+from ..checkpoints.reading import open_checkpoint
+from ..layouts.parts import Box, Part, tiles, within
+from ..state.description import TensorEntry, tensor_key
 
 StoredChunk = tuple[list[Box], Callable[[torch.Tensor, int], None]]  # a chunk on disk: its boxes, fill(slab, first row)
 Rows = tuple[int, int] | None  # rows [start, stop) of a tensor; None: all of it

@@ -21,9 +21,10 @@ from typing import Any
 
 import torch
 
-from .errors import CheckpointError
-from .format import WEIGHTS_FILE, WEIGHTS_INDEX
-from .storage import SafetensorsFile, atomic_file, dtype_name
+from ..base.dtypes import dtype_name
+from ..base.errors import CheckpointError
+from ..checkpoints.format import WEIGHTS_FILE, WEIGHTS_INDEX
+from ..checkpoints.storage import SafetensorsFile, atomic_file
 from .weight_files import check_one_export
 
 CONFIG = "config.json"

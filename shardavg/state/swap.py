@@ -17,8 +17,8 @@ from collections.abc import Iterator
 
 import torch
 
-from .background import wait_for_every_update
-from .state import AverageState
+from ..update.background import wait_for_every_update
+from .average_state import AverageState
 
 
 @contextlib.contextmanager

@@ -32,7 +32,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from .errors import LayoutError
+from ..base.errors import LayoutError
 from .parts import Block, Box, Part, intersect, tiles
 
 LAYOUT_BOXES = 2**22  # boxes a layout read from a file may cut a tensor into, over all its parts

@@ -15,11 +15,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ..base.dist import agree_or_raise, distributed, rank
+from ..base.errors import CheckpointError
+from ..state.average_state import AverageState
+from ..state.description import Description
 from .checkpoint import ToLoad, check_compatible, loadable
-from .dist import agree_or_raise, distributed, rank
-from .errors import CheckpointError
-from .format import Description, decode_description, encode_description
-from .state import AverageState
+from .format import decode_description, encode_description
 
 
 def dcp_shape(shape: torch.Size) -> torch.Size:

@@ -27,9 +27,12 @@ from typing import Protocol
 
 import torch
 
+from ..base.dist import rank
+from ..base.errors import NonFiniteError
+from ..rules import LerpRule, Rule
+from ..strategies import Strategy
+from ..strategies.dtensor import is_dtensor, local_view
 from .background import Background
-from .dist import rank
-from .errors import NonFiniteError
 from .fused import (
     Step,
     UpdateGroup,
@@ -45,10 +48,7 @@ from .fused import (
 )
 from .kernels import to_device
 from .options import Options, Role
-from .rules import LerpRule, Rule
 from .staging import Stager
-from .strategies import Strategy
-from .strategies.dtensor import is_dtensor, local_view
 
 MAX_PENDING = 64  # updates whose non-finite verdict the host may not have read yet
 

@@ -1,6 +1,6 @@
 """Sharded checkpoints of a ``WeightAverager``: ``save``/``load`` and DCP's Stateful protocol.
 
-Both forms store every tensor as the parts the ranks own (see ``layout.py``): boxes of the
+Both forms store every tensor as the parts the ranks own (see ``layouts/shard_layout.py``): boxes of the
 global tensor, with a JSON description of the averager (``AverageState.describe``). Because a
 chunk is a box of the tensor itself, a checkpoint loads under any layout, world size and
 strategy: each rank reads the parts of the saved boxes that overlap its own.
@@ -30,21 +30,14 @@ from typing import Any, NamedTuple
 
 import torch
 
-from . import validate
-from .dist import agree_or_raise, all_gathered, gather_or_raise, rank, world_size
-from .errors import CheckpointError
-from .format import (
-    MANIFEST,
-    SAVE_ID_KEY,
-    STEP_DIR,
-    Description,
-    TensorEntry,
-    manifest_json,
-    saved_length,
-    shard_file,
-    step_directory,
-    tensor_key,
-)
+from ..base import validate
+from ..base.dist import agree_or_raise, all_gathered, gather_or_raise, rank, world_size
+from ..base.errors import CheckpointError
+from ..layouts.parts import Part, box_slices, intersect
+from ..layouts.tensor_layout import MeshLayout, world_grid
+from ..state.average_state import AverageState
+from ..state.description import Description, TensorEntry, tensor_key
+from .format import MANIFEST, SAVE_ID_KEY, STEP_DIR, manifest_json, saved_length, shard_file, step_directory
 from .ownership import (
     STAGING_MARKER,
     TargetLock,
@@ -54,7 +47,6 @@ from .ownership import (
     is_own_staging,
     target_path,
 )
-from .parts import Part, box_slices, intersect
 from .reading import (
     ATTEMPTS,
     CheckpointReplaced,
@@ -64,7 +56,6 @@ from .reading import (
     open_checkpoint,
     reserve_descriptors,
 )
-from .state import AverageState
 from .storage import (
     INCOMPLETE,
     Entry,
@@ -75,7 +66,6 @@ from .storage import (
     staging_path,
     write_safetensors,
 )
-from .tensor_layout import MeshLayout, world_grid
 
 
 def check_compatible(state: AverageState, saved_state: Description, where: str, strict: bool) -> dict[str, TensorEntry]:

@@ -27,8 +27,10 @@ from typing import Any
 
 import torch
 
-from .errors import ExportError, ProvenanceError
-from .format import (
+from ..base.errors import ExportError, ProvenanceError
+from ..base.logs import log
+from ..base.validate import nesting
+from ..checkpoints.format import (
     DCP_METADATA,
     MANIFEST,
     PROVENANCE_DEPTH,
@@ -39,9 +41,7 @@ from .format import (
     parse_manifest,
     read_manifest_bytes,
 )
-from .logs import log
-from .storage import atomic_file, open_regular, read_bounded
-from .validate import nesting
+from ..checkpoints.storage import atomic_file, open_regular, read_bounded
 
 FILE = "provenance.json"
 NESTED = 3  # levels a record nests an input's record under: the record, its inputs, one input
@@ -64,7 +64,7 @@ def made_by(what: str, world: int, **details: Any) -> dict[str, Any]:
 
 def _version() -> str:
     """The package's version (read from the loaded package: importing it here would be a cycle)."""
-    return getattr(sys.modules.get(__package__ or "shardavg"), "__version__", "unknown")
+    return getattr(sys.modules.get(__name__.split(".")[0]), "__version__", "unknown")
 
 
 def of_input(path: Path, step: int | None, weight: float, run_id: str | None = None) -> dict[str, Any]:

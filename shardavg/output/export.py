@@ -33,14 +33,16 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from . import provenance, validate
-from .dist import agree_or_raise, comm_device, distributed, rank, same_everywhere, world_size
-from .errors import ExportError
-from .format import Description, TensorEntry
-from .ownership import TargetLock, target_path
+from ..base import validate
+from ..base.dist import agree_or_raise, comm_device, distributed, rank, same_everywhere, world_size
+from ..base.dtypes import dtype_name
+from ..base.errors import ExportError
+from ..checkpoints.ownership import TargetLock, target_path
+from ..checkpoints.storage import Entry
+from ..state.average_state import AverageState
+from ..state.description import Description, TensorEntry
+from . import provenance
 from .provenance import made_by
-from .state import AverageState
-from .storage import Entry, dtype_name
 from .weight_files import (
     Slot,
     Slots,

@@ -7,9 +7,9 @@ from typing import Any, Literal
 
 import torch
 
-from . import validate
-from .storage import dtype_name
-from .strategies.base import TensorInfo
+from ..base import validate
+from ..base.dtypes import dtype_name
+from ..layouts.tensor_info import TensorInfo
 
 Role = Literal["average", "copy", "live"]  # averaged; copied at each update; not stored (live value exported)
 BufferPolicy = Literal["copy", "average", "ignore"]

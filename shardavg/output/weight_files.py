@@ -39,13 +39,11 @@ from typing import Any
 
 import torch
 
-from .dist import rank
-from .errors import CheckpointError, ExportError
-from .format import DCP_METADATA, MANIFEST, WEIGHTS_FILE, WEIGHTS_INDEX
-from .ownership import enclosing_checkpoint, export_files
-from .provenance import FILE as PROVENANCE
-from .provenance import check_replaceable
-from .storage import (
+from ..base.dist import rank
+from ..base.errors import CheckpointError, ExportError
+from ..checkpoints.format import DCP_METADATA, MANIFEST, WEIGHTS_FILE, WEIGHTS_INDEX
+from ..checkpoints.ownership import enclosing_checkpoint, export_files
+from ..checkpoints.storage import (
     Entry,
     commit_file,
     discard_staged,
@@ -54,6 +52,8 @@ from .storage import (
     safetensors_header,
     staging_path,
 )
+from .provenance import FILE as PROVENANCE
+from .provenance import check_replaceable
 
 EXPORT_ID = "export_id"  # the metadata key of an export's id, in every weight file and the index
 EXPORT_ID_FORM = re.compile(r"^[0-9a-f]{12}$")  # fixed length: the headers' sizes do not depend on it

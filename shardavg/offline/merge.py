@@ -30,24 +30,26 @@ from typing import Literal
 
 import torch
 
-from . import validate
-from .checkpoint import save_whole
-from .dist import agree_or_raise, all_gathered, distributed, rank, same_everywhere, world_size
-from .errors import CheckpointError, ProvenanceError
-from .export import cast, cast_dtype, parse_size, provenance_file, write_spread
-from .format import WEIGHTS_FILE, WEIGHTS_INDEX, DescribedAverage, Description, TensorEntry
-from .logs import log
-from .model_folder import CONFIG, NOT_CARRIED, TOKENIZER_FILES, carried_files, files_dtype, write_config
-from .offline import PLAIN_NAME, Rows, slab_shape
-from .options import Options
-from .ownership import LOCK_FILE, export_files, target_path
-from .progress import Progress
-from .provenance import FILE as PROVENANCE
-from .provenance import made_by, manifest_sha256, of_input
-from .rules import SWA
+from ..base import validate
+from ..base.dist import agree_or_raise, all_gathered, distributed, rank, same_everywhere, world_size
+from ..base.dtypes import dtype_name
+from ..base.errors import CheckpointError, ProvenanceError
+from ..base.logs import log
+from ..base.progress import Progress
+from ..checkpoints.checkpoint import save_whole
+from ..checkpoints.format import WEIGHTS_FILE, WEIGHTS_INDEX
+from ..checkpoints.ownership import LOCK_FILE, export_files, target_path
+from ..checkpoints.storage import Entry, atomic_file, open_regular, safetensors_metadata
+from ..output.export import cast, cast_dtype, parse_size, provenance_file, write_spread
+from ..output.model_folder import CONFIG, NOT_CARRIED, TOKENIZER_FILES, carried_files, files_dtype, write_config
+from ..output.provenance import FILE as PROVENANCE
+from ..output.provenance import made_by, manifest_sha256, of_input
+from ..output.weight_files import Slots, WeightPlan, assign, check_output_folder, row_pieces
+from ..rules import SWA
+from ..state.description import DescribedAverage, Description, TensorEntry
+from ..update.options import Options
+from .saved_average import PLAIN_NAME, Rows, slab_shape
 from .sources import SafetensorsSource, Source, Spec, confined, finished_checkpoints, open_source
-from .storage import Entry, atomic_file, dtype_name, open_regular, safetensors_metadata
-from .weight_files import Slots, WeightPlan, assign, check_output_folder, row_pieces
 
 Output = Literal["safetensors", "shardavg"]
 HF_CONFIGS = ("config.json", "generation_config.json")  # what merges before 0.4 carried, unrecorded

@@ -29,33 +29,12 @@ from typing import Any, BinaryIO
 
 import torch
 
-from .errors import CheckpointError
-from .parts import box_range, contiguous_strides
-from .validate import is_count
+from ..base.dtypes import CODE_DTYPES, DTYPE_CODES, DTYPES
+from ..base.errors import CheckpointError
+from ..base.validate import is_count
+from ..layouts.parts import box_range, contiguous_strides
+from ..state.description import FileDigest
 
-DTYPE_CODES = {
-    torch.float64: "F64",
-    torch.float32: "F32",
-    torch.float16: "F16",
-    torch.bfloat16: "BF16",
-    torch.int64: "I64",
-    torch.int32: "I32",
-    torch.int16: "I16",
-    torch.int8: "I8",
-    torch.uint8: "U8",
-    torch.bool: "BOOL",
-    torch.float8_e4m3fn: "F8_E4M3",
-    torch.float8_e5m2: "F8_E5M2",
-}
-
-
-def dtype_name(dtype: torch.dtype) -> str:
-    """``float32`` for ``torch.float32``: how descriptions and the CLI spell a dtype."""
-    return str(dtype).removeprefix("torch.")
-
-
-DTYPES = {dtype_name(dtype): dtype for dtype in DTYPE_CODES}
-CODE_DTYPES = {code: dtype for dtype, code in DTYPE_CODES.items()}
 HEADER_LIMIT = 2**27  # bytes of JSON header a reader accepts (the safetensors library's own bound is 100 MB)
 READ_PIECE = 16 * 2**20  # bytes read at a time when a range must be converted on its way in
 
@@ -80,14 +59,6 @@ def fsync_dir(path: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
-
-
-@dataclass(frozen=True)
-class FileDigest:
-    """A written file's size and SHA-256, recorded so that a reader can tell it is the same file."""
-
-    bytes: int
-    sha256: str
 
 
 class _HashingWriter:

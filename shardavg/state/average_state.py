@@ -1,8 +1,8 @@
 """``AverageState``: the averager's tensors and counters, and the one interface the I/O modules use.
 
 ``WeightAverager`` (``averager.py``) builds an ``AverageState`` and drives it (``update``,
-``swapped``); checkpoints (``checkpoint.py``), DCP (``stateful.py``) and export (``export.py``)
-read and restore it through the attributes and methods documented here, and nothing else:
+``swapped``); checkpoints (``checkpoints/checkpoint.py``), DCP (``checkpoints/stateful.py``) and
+export (``output/export.py``) read and restore it through the attributes and methods documented here, and nothing else:
 
 - ``infos``, ``roles``, ``layout``: what each tensor is, whether it is averaged, copied or not
   stored, and which rank holds which part of it;
@@ -14,7 +14,7 @@ read and restore it through the attributes and methods documented here, and noth
 - ``describe()`` and ``resume(description, saved)`` for everything but the tensors' values.
 
 It also keeps the local views it was built on current (``current_views``, ``adopt``), checking
-that the model's structure did not change; its ``updater`` (``update.py``) does the update.
+that the model's structure did not change; its ``updater`` (``update/updater.py``) does the update.
 """
 
 from __future__ import annotations
@@ -24,18 +24,18 @@ from dataclasses import dataclass
 
 import torch
 
-from .dist import all_gathered, same_everywhere, world_size
-from .errors import ModelChangedError
-from .format import DescribedAverage, Description, TensorEntry, tensor_key
-from .fused import gatherable
-from .layout import DEFAULT_BUCKET_BYTES, ShardLayout, Wanted, gather_rounds, iter_gathered
-from .options import Options, Role
-from .rules import Rule
-from .storage import dtype_name
-from .strategies import Strategy
-from .strategies.base import TensorInfo
-from .update import Updater
-from .watch import StructureWatch
+from ..base.dist import all_gathered, same_everywhere, world_size
+from ..base.dtypes import dtype_name
+from ..base.errors import ModelChangedError
+from ..layouts.shard_layout import DEFAULT_BUCKET_BYTES, ShardLayout, Wanted, gather_rounds, iter_gathered
+from ..layouts.tensor_info import TensorInfo
+from ..rules import Rule
+from ..strategies import Strategy
+from ..update.fused import gatherable
+from ..update.options import Options, Role
+from ..update.updater import Updater
+from ..update.watch import StructureWatch
+from .description import DescribedAverage, Description, TensorEntry, tensor_key
 
 
 @dataclass
@@ -60,7 +60,7 @@ class AverageState:
         self.num_skipped = 0  # updates skipped for non-finite live weights
         self.run_id: str | None = None  # which run wrote a checkpoint, when the user says (PostHocEMA does)
         self.gather_bucket_bytes = DEFAULT_BUCKET_BYTES
-        self.swapped = False  # whether the live model holds an average now (``swap.py``)
+        self.swapped = False  # whether the live model holds an average now (``state/swap.py``)
 
         self.infos: list[TensorInfo] = strategy.tensors()
         self.live: list[torch.Tensor] = strategy.local_views()

@@ -20,11 +20,12 @@ import os
 import warnings
 from pathlib import Path
 
-from .errors import CheckpointError
-from .format import MANIFEST, SAVE_ID_KEY, STEP_DIR, Description, parse_manifest, read_manifest_bytes
+from ..base.errors import CheckpointError
+from ..base.validate import is_count
+from ..state.description import Description
+from .format import MANIFEST, SAVE_ID_KEY, STEP_DIR, parse_manifest, read_manifest_bytes
 from .ownership import is_own_checkpoint
 from .storage import SafetensorsFile, replaced_path
-from .validate import is_count
 
 ATTEMPTS = 10  # newer saves a reader follows before it gives up
 

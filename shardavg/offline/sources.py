@@ -25,13 +25,13 @@ from typing import Any
 
 import torch
 
-from .errors import CheckpointError
-from .format import DCP_METADATA, MANIFEST, STEP_DIR, STEP_NAME, WEIGHTS_FILE
-from .model_folder import weights_of
-from .offline import PLAIN_NAME, DcpFolder, Rows, SavedAverage, check_dcp_items, slab_shape
-from .storage import SafetensorsFile
-from .validate import is_count
-from .weight_files import check_one_export
+from ..base.errors import CheckpointError
+from ..base.validate import is_count
+from ..checkpoints.format import DCP_METADATA, MANIFEST, STEP_DIR, STEP_NAME, WEIGHTS_FILE
+from ..checkpoints.storage import SafetensorsFile
+from ..output.model_folder import weights_of
+from ..output.weight_files import check_one_export
+from .saved_average import PLAIN_NAME, DcpFolder, Rows, SavedAverage, check_dcp_items, slab_shape
 
 RUN_MARKER = "train.json"  # a main-job checkpoint: its step, and every file's hash
 DEEPSPEED_FILE = re.compile(r"^(?:zero_pp_rank_\d+_)?(?:mp_rank_\d+_)?(?:model|optim)_states\.pt$")

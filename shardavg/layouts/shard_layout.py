@@ -30,10 +30,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .dist import all_gathered, comm_device, distributed, rank, same_everywhere
-from .errors import LayoutError
+from ..base.dist import all_gathered, comm_device, distributed, rank, same_everywhere
+from ..base.errors import LayoutError
+from ..layouts.tensor_info import TensorInfo
 from .parts import Part, place
-from .strategies.base import TensorInfo
 from .tensor_layout import ListedLayout, Owned, TensorLayout
 
 DEFAULT_BUCKET_BYTES = 64 * 2**20

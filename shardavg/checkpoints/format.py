@@ -31,24 +31,20 @@ bounded and typed the same way, in a manifest or in a model folder's ``provenanc
 
 from __future__ import annotations
 
-import hashlib
 import json
 import math
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal, get_args
+from typing import Any, get_args
 
-import torch
-
-from .errors import CheckpointError, LayoutError, ProvenanceError
-from .options import BufferPolicy
-from .parts import Block, Part, contiguous_strides, tiles
-from .rules import rule_from_config
-from .storage import DTYPES, FileDigest, read_bounded
-from .strategies import ADAPTERS
-from .tensor_layout import (
+from ..base.dtypes import DTYPES
+from ..base.errors import CheckpointError, LayoutError, ProvenanceError
+from ..base.validate import AVERAGE_NAME, RUN_ID, is_count, nesting
+from ..layouts.parts import Block, Part, contiguous_strides, tiles
+from ..layouts.tensor_info import TensorKind
+from ..layouts.tensor_layout import (
     LAYOUT_BOXES,
     Grid,
     ListedLayout,
@@ -59,13 +55,21 @@ from .tensor_layout import (
     layout_from_json,
     most_boxes,
 )
-from .validate import AVERAGE_NAME, RUN_ID, is_count, nesting
-
-FORMAT, VERSION = "shardavg", 6  # the description's format, shared by checkpoints, DCP and exports
-# (2: checksummed; 3: "averages", several named averages, in place of one "rule"; 4: a checkpoint's
-# manifest records its save's id and every file's size and SHA-256; 5: chunks are boxes of the
-# tensor, not ranges of the flattened tensor, and DCP holds each tensor in its own shape; 6: a
-# manifest gives each tensor's layout over the ranks, and the grids of ranks once, not its chunks)
+from ..rules import rule_from_config
+from ..state.description import (
+    CHECKSUM,
+    FORMAT,
+    VERSION,
+    DescribedAverage,
+    Description,
+    FileDigest,
+    TensorEntry,
+    checksum,
+    with_checksum,
+)
+from ..strategies import ADAPTERS
+from ..update.options import BufferPolicy, Role
+from .storage import read_bounded
 
 MANIFEST = "shardavg.json"  # a checkpoint's description, chunk tables and files; written last
 CHECKPOINT_FILE = re.compile(r"^(shardavg\.json|rank-\d{5}-of-\d{5}\.safetensors)$")
@@ -100,18 +104,9 @@ def snapshot_directory(updates: int) -> str:
     return f"snapshot-{updates:09d}"
 
 
-def tensor_key(average: str | None, name: str) -> str:
-    """The key a tensor of an average is saved under: its name, prefixed by the average's name for
-    averaged tensors of a named average (``"slow/fc.weight"``)."""
-    return name if average is None else f"{average}/{name}"
-
-
 # ------------------------------------------------------------------------- the description, typed
 
-Kind = Literal["param", "buffer"]
-Role = Literal["average", "copy", "live"]  # averaged; copied from the live weights; the live weights themselves
-KINDS, ROLES = get_args(Kind), get_args(Role)
-CHECKSUM = "checksum"
+KINDS, ROLES = get_args(TensorKind), get_args(Role)
 REQUIRED = ("step", "num_updates", "num_skipped", "averages", "strategy", "world_size", "options", "tensors")
 REQUIRED_V2 = tuple("rule" if key == "averages" else key for key in REQUIRED)
 REQUIRED_V1 = ("step", "num_updates", "rule", "tensors")
@@ -131,135 +126,19 @@ class Chunk:
         return {"file": self.file, "offsets": list(self.offsets), "sizes": list(self.sizes), "at": self.at}
 
 
-@dataclass(frozen=True)
-class TensorEntry:
-    """One tensor of a description: its name and tied aliases, parameter or buffer, its role, its
-    shape and stored dtype; in a manifest also where it lies across the files (``layout``)."""
-
-    name: str
-    aliases: tuple[str, ...]
-    kind: Kind
-    role: Role
-    shape: tuple[int, ...]
-    dtype: str
-    layout: TensorLayout | None = None
-
-    @property
-    def names(self) -> tuple[str, ...]:
-        return (self.name, *self.aliases)
-
-    @property
-    def numel(self) -> int:
-        return math.prod(self.shape)
-
-    @property
-    def torch_dtype(self) -> torch.dtype:
-        return DTYPES[self.dtype]
-
-    @property
-    def nbytes(self) -> int:
-        return self.numel * self.torch_dtype.itemsize
-
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "name": self.name,
-            "aliases": list(self.aliases),
-            "kind": self.kind,
-            "role": self.role,
-            "shape": list(self.shape),
-            "dtype": self.dtype,
-        }
-
-
-@dataclass(frozen=True)
-class DescribedAverage:
-    """One average of a description: its name (``None`` for an averager's one unnamed average) and
-    its rule's ``to_config()`` (a custom rule: ``{"kind": "custom", "name": ...}``)."""
-
-    name: str | None
-    rule: dict[str, Any]
-
-
-@dataclass(frozen=True)
-class Description:
-    """What a saved averager is, everything but the tensors' values: counters, averages, options
-    and one entry per tensor. A manifest (``avg.save``) adds its files, their digests, its save's
-    id and sequence number, and each entry's layout. ``from_json`` checks it whole; ``to_json``
-    writes it in this version's format, checksummed."""
-
-    step: int
-    num_updates: int
-    num_skipped: int
-    averages: tuple[DescribedAverage, ...]
-    tensors: tuple[TensorEntry, ...]
-    strategy: str | None = None  # None: written before version 2 recorded it
-    world_size: int | None = None
-    options: dict[str, Any] | None = None
-    run: str | None = None  # the run that wrote it (a PostHocEMA's run id), when it had one
-    provenance: dict[str, Any] | None = None  # what a merge records of its inputs
-    version: int = VERSION
-    checksum: str | None = None
-    sequence: int | None = None  # a manifest's, from here on
-    save_id: str | None = None
-    files: tuple[str, ...] = ()
-    digests: tuple[FileDigest, ...] = ()
-
-    @property
-    def average_names(self) -> list[str | None]:
-        return [average.name for average in self.averages]
-
-    def rule(self, average: str | None) -> dict[str, Any]:
-        """The rule config of ``average`` (one of ``average_names``)."""
-        return next(a.rule for a in self.averages if a.name == average)
-
-    def by_name(self) -> dict[str, TensorEntry]:
-        """Every tensor under each of its names (a tied tensor's aliases too)."""
-        return {name: entry for entry in self.tensors for name in entry.names}
-
-    def to_json(self) -> dict[str, Any]:
-        """The description as JSON-able data with its checksum (the manifest's fields left out:
-        ``manifest_json`` adds them)."""
-        meta = {
-            "format": FORMAT,
-            "version": VERSION,
-            "step": self.step,
-            "num_updates": self.num_updates,
-            "num_skipped": self.num_skipped,
-            "averages": [{"name": a.name, "rule": a.rule} for a in self.averages],
-            "strategy": self.strategy,
-            "world_size": self.world_size,
-            "options": self.options,
-            **({} if self.run is None else {"run": self.run}),
-            **({} if self.provenance is None else {"provenance": self.provenance}),
-            "tensors": [entry.to_json() for entry in self.tensors],
-        }
-        return with_checksum(meta)
-
-    @classmethod
-    def from_json(cls, meta: Any, where: str) -> Description:
-        """Refuse anything that is not a complete, well-typed description written by a shardavg
-        (``where`` names its origin in the message); older versions' one ``"rule"`` becomes one
-        unnamed average."""
-        try:
-            return _typed(_checked_description(meta, where))
-        except RecursionError:  # (a value nested ~1,000 deep: its checksum, or its message, recurses)
-            raise invalid(where, "a value is nested too deeply to be a description shardavg wrote") from None
+def check_description(meta: Any, where: str) -> Description:
+    """Refuse anything that is not a complete, well-typed description written by a shardavg
+    (``where`` names its origin in the message); older versions' one ``"rule"`` becomes one
+    unnamed average."""
+    try:
+        return _typed(_checked_description(meta, where))
+    except RecursionError:  # (a value nested ~1,000 deep: its checksum, or its message, recurses)
+        raise invalid(where, "a value is nested too deeply to be a description shardavg wrote") from None
 
 
 def invalid(where: str, what: str) -> CheckpointError:
     """The error for a description that ``where`` holds and that is wrong in ``what``."""
     return CheckpointError(f"{where}: {what}")
-
-
-def checksum(meta: dict[str, Any]) -> str:
-    """SHA-256 of the description without its checksum, in one canonical JSON spelling."""
-    content = {key: value for key, value in meta.items() if key != CHECKSUM}
-    canonical = json.dumps(content, sort_keys=True, separators=(",", ":"))
-    return "sha256:" + hashlib.sha256(canonical.encode()).hexdigest()
-
-
-def with_checksum(meta: dict[str, Any]) -> dict[str, Any]:
-    return meta | {CHECKSUM: checksum(meta)}
 
 
 def _check_rule(config: Any, where: str) -> None:
@@ -414,7 +293,7 @@ def decode_description(value: Any, where: str) -> Description:
         meta = json.loads(value)
     except (ValueError, RecursionError) as error:
         raise CheckpointError(f"{where}: 'meta' is not valid JSON: {error}") from None
-    return Description.from_json(meta, where)
+    return check_description(meta, where)
 
 
 # ------------------------------------------------------------------------- the manifest and chunk tables

@@ -37,9 +37,9 @@ from typing import NamedTuple
 
 import torch
 
+from ..rules import MultiAvgFn
 from . import kernels
 from .options import Role
-from .rules import MultiAvgFn
 from .staging import Stager
 
 # Fused views are cut into pieces of at most this many elements: on CPU a bf16 sum or norm over

@@ -1,0 +1,6 @@
+"""Work on saved checkpoints in one process, without a process group: reading an averager's save or DCP
+entry tensor by tensor (``saved_average``), the kinds of checkpoint a merge reads (``sources``), and
+the merge itself.
+
+It may import: base, rules, layouts, update, state, checkpoints, output.
+"""
