@@ -12,6 +12,7 @@ communication. Full tensors are gathered only on request (``full_state_dict``, `
 from __future__ import annotations
 
 import functools
+import inspect
 import os
 import warnings
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -31,9 +32,29 @@ from .state import swap
 from .state.average_state import AverageState
 from .strategies import make_strategy
 from .update.background import wait_for_every_update
-from .update.options import BufferPolicy, NonfinitePolicy, Options
+from .update.options import Options
 
 DEFAULT_RULE = EMA(decay=0.999)
+
+
+def checked_options(keywords: Mapping[str, Any]) -> Options:
+    """The ``Options`` that ``WeightAverager``'s keyword arguments name (its own ``strategy``,
+    ``source`` and ``pipeline`` left out), checked: what integrations call where they take an
+    averager's keywords, so that a bad one is refused there rather than when the averager is built.
+
+    Args:
+        keywords: ``WeightAverager``'s keyword arguments.
+
+    Returns:
+        The options.
+
+    Raises:
+        TypeError: A keyword that is neither an option nor one of ``WeightAverager``'s own.
+        ValueError: An option out of its range or not one of its choices.
+    """
+    own = tuple(p.name for p in inspect.signature(WeightAverager).parameters.values() if p.kind is p.KEYWORD_ONLY)
+    return Options.from_keywords(keywords, "WeightAverager", own)
+
 
 Method = TypeVar("Method", bound=Callable[..., Any])
 
@@ -68,21 +89,14 @@ class WeightAverager:
         strategy: ``"auto"`` (detect, see [`detect`][shardavg.detect]) or one of ``"replicated"``,
             ``"fsdp1"``, ``"fsdp2"``, ``"zero3"``; a forced strategy that does not fit the model is
             refused.
-        every_n_steps: Update cadence. This argument and the seven after it are
-            [`Options`][shardavg.update.options.Options] fields, documented there.
-        start_step: The first step that updates ([`Options`][shardavg.update.options.Options]).
-        dtype: The shadows' floating dtype ([`Options`][shardavg.update.options.Options]).
-        buffers: What is kept of buffers ([`Options`][shardavg.update.options.Options]).
-        device: Where the shadows live ([`Options`][shardavg.update.options.Options]).
-        include_frozen: Whether frozen parameters are averaged ([`Options`][shardavg.update.options.Options]).
-        on_nonfinite: What a NaN or infinity in the live weights does
-            ([`Options`][shardavg.update.options.Options]).
-        background: Whether updates run on a thread of their own ([`Options`][shardavg.update.options.Options]).
         source: ``"live"`` (the weights the model holds) or ``"master"`` (a DeepSpeed ZeRO-1/2/3
             engine's fp32 masters: this rank's part of them).
         pipeline: The process group or mesh of this rank's pipeline, as ``PipelineStage`` gets it;
             every stage's tensors are then gathered, exported and saved, the stage's own updated.
             None: a model not cut into stages.
+        **options: The settings (the update's cadence, the shadows' dtype and device, what is kept
+            of buffers and frozen parameters, non-finite weights, the background thread), keyword
+            only: each is a field of [`Options`][shardavg.update.options.Options], documented there.
 
     Attributes:
         rule: The rule of the only average.
@@ -99,7 +113,7 @@ class WeightAverager:
             list of parts without ``pipeline``, or tensors this rank's engine holds in a way
             shardavg cannot read (a ``Partial`` DTensor, ZeRO++ or NVMe offload).
         ValueError: An option out of its range, or a dict of rules with no or badly named averages.
-        TypeError: ``rule`` is neither a rule nor a callable.
+        TypeError: ``rule`` is neither a rule nor a callable, or a keyword is not one of its own nor an option.
         LayoutError: The ranks track different tensors, or their parts do not tile a tensor.
 
     Examples:
@@ -125,23 +139,18 @@ class WeightAverager:
         rule: Rule | MultiAvgFn | Mapping[str, Rule | MultiAvgFn] = DEFAULT_RULE,
         *,
         strategy: str = "auto",
-        every_n_steps: int = 1,
-        start_step: int = 0,
-        dtype: torch.dtype | None = torch.float32,
-        buffers: BufferPolicy = "copy",
-        device: torch.device | str | None = None,
-        include_frozen: bool = False,
-        on_nonfinite: NonfinitePolicy = "raise",
-        background: bool = False,
         source: str = "live",
         pipeline: Any = None,
+        **options: Any,
     ) -> None:
-        options = Options(every_n_steps, start_step, dtype, buffers, device, include_frozen, on_nonfinite, background)
+        settings = checked_options(options)
         adapter = make_strategy(model, strategy, source, pipeline)
-        self._state = state = AverageState(adapter, named_rules(rule), options)
+        self._state = state = AverageState(adapter, named_rules(rule), settings)
         narrowed = state.narrowed()
         if narrowed:
-            warnings.warn(f"{len(narrowed)} shadows are {dtype}, below their live dtype: {narrowed}", stacklevel=2)
+            warnings.warn(
+                f"{len(narrowed)} shadows are {settings.dtype}, below their live dtype: {narrowed}", stacklevel=2
+            )
         if built_by_user():  # (not the averagers post-hoc synthesis builds for itself)
             log.info("shardavg: %s", state.summary())
 

@@ -10,30 +10,21 @@ from __future__ import annotations
 import argparse
 import contextlib
 import datetime
-import json
 import logging
 import os
 import sys
-from collections import Counter
-from collections.abc import Iterator, Sequence
-from dataclasses import replace
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, NoReturn
 
 import torch
 
-from .base.dtypes import DTYPES, dtype_name
+from .base.dtypes import DTYPES
 from .base.errors import CheckpointError
 from .base.logs import log
 from .base.progress import Progress
-from .checkpoints.format import DCP_METADATA, MANIFEST, WEIGHTS_FILE, WEIGHTS_INDEX
 from .offline.saved_average import SavedAverage
-from .output import provenance
-from .output.export import export_metadata, write_model
-from .output.model_folder import folder_export_id
-from .output.provenance import made_by, of_input
-from .output.weight_files import check_output_folder
-from .state.description import Description, TensorEntry
+from .output.model_folder import folder_summary, is_model_folder
 
 EXPORT_DTYPES = ("float32", "bfloat16", "float16")
 QUIET_HELP = "show no progress (shown on stderr when it is a terminal: bytes written, rate, time left)"
@@ -115,11 +106,13 @@ def _merge_parser(commands: Any) -> None:  # (argparse's subparsers action)
         "merge",
         help="average checkpoints already on disk (uniform, weighted, last K, EMA over steps)",
         description="Write the weighted average of checkpoints IN to OUT, one tensor at a time in fp32: "
-        "shardavg checkpoints (any average), DCP checkpoints (their --prefix tensors, or an averager with --key), "
+        "shardavg checkpoints (any average), DCP checkpoints (their --prefix tensors, or an averager with --key; "
+        "Megatron-Core torch_dist ones too), DeepSpeed ZeRO tags and universal checkpoints (their fp32 masters), "
         "Hugging Face safetensors models; freely mixed when names and shapes agree, written at any world size. "
         "Integer tensors come from the last input. Every input and OUT are checked before anything is written.",
-        epilog="A DeepSpeed ZeRO checkpoint is refused (its states are pickles): convert it with zero_to_fp32.py "
-        "--safe_serialization first.",
+        epilog="OUT is a model folder, an averager's checkpoint (--format shardavg), or a DCP checkpoint under the "
+        "inputs' keys (--format dcp). A format that cannot be read as data is refused naming the command that "
+        "converts it.",
     )
     merge.add_argument("inputs", metavar="IN", nargs="*", help="checkpoints, oldest first")
     merge.add_argument("--out", required=True, metavar="OUT", help="the folder to write")
@@ -156,8 +149,10 @@ def _merge_parser(commands: Any) -> None:  # (argparse's subparsers action)
     merge.add_argument("--accumulate", choices=("float32", "float64"), default="float32", help="(default float32)")
     merge.add_argument("--max-shard-size", default="5GB", help="largest file before splitting (default 5GB)")
     merge.add_argument(
-        "--format", choices=("safetensors", "shardavg"), default="safetensors",
-        help="a model folder (default), or an averager's checkpoint that avg.load restores at any world size",
+        "--format", choices=("safetensors", "shardavg", "dcp"), default="safetensors",
+        help="a model folder (default); an averager's checkpoint that avg.load restores at any world size; or a "
+        "DCP checkpoint under the inputs' keys that their trainer loads back (from Megatron-Core inputs with "
+        "metadata.json, common.pt and *._extra_state carried: load it with --no-load-optim --no-load-rng)",
     )  # fmt: skip
     merge.add_argument(
         "--collective", action=argparse.BooleanOptionalAction,
@@ -185,7 +180,7 @@ def _merge(args: argparse.Namespace, together: bool, lead: bool) -> str:
         inputs, args.out, weights=args.weights, last=last, ema=args.ema, schedule=args.schedule,
         normalize=not args.raw_weights, key=args.key, average=args.average,
         prefix=args.prefix, include=args.include, exclude=args.exclude,
-        dtype=None if args.dtype is None else DTYPES[args.dtype],
+        dtype=_dtype(args.dtype),
         accumulate=DTYPES[args.accumulate], max_shard_size=args.max_shard_size, output=args.format,
         collective=together, progress=Progress("merge", quiet=args.quiet or not lead),
     )  # fmt: skip
@@ -246,7 +241,7 @@ def _started_by_torchrun() -> bool:
 
 
 def _posthoc(args: argparse.Namespace) -> str:
-    from .posthoc import snapshots, synthesizable, synthesized_dtype, synthesized_tensors, target_gamma
+    from .posthoc import export_synthesized, snapshots, synthesizable
     from .rules import gamma_to_sigma_rel
 
     if args.list:
@@ -258,130 +253,39 @@ def _posthoc(args: argparse.Namespace) -> str:
         return "\n".join([*rows, synthesizable(found)])
     if args.out is None or args.sigma_rel is None:
         raise ValueError("posthoc needs OUT and --sigma-rel (or --list)")
-    check_output_folder(args.out)
-    gamma = target_gamma(sigma_rel=args.sigma_rel)
-    description, tensors = synthesized_tensors(args.snapshots, gamma, args.step)
-    dtype = None if args.dtype is None else DTYPES[args.dtype]
-    entries = [replace(e, dtype=dtype_name(synthesized_dtype(e))) for e in description.tensors]
-
-    def values() -> Iterator[torch.Tensor]:
-        for _, full in tensors:
-            yield full
-            del full  # before the next tensor is synthesized
-
-    metadata = {"format": "pt", "shardavg": json.dumps({"posthoc": {"sigma_rel": args.sigma_rel, "step": args.step}})}
-    with Progress("posthoc", quiet=args.quiet) as progress:
-        counted = progress.counted(values(), sum(entry.nbytes for entry in entries))
-        path = write_model(args.out, entries, counted, metadata, args.max_shard_size, dtype, description.provenance)
-    written = sum(len(entry.names) for entry in entries)
+    path, written = export_synthesized(
+        args.snapshots, args.out, args.sigma_rel, step=args.step, dtype=_dtype(args.dtype),
+        max_shard_size=args.max_shard_size, progress=Progress("posthoc", quiet=args.quiet),
+    )  # fmt: skip
     return f"wrote the post-hoc EMA of sigma_rel {args.sigma_rel} ({written} tensors) to {path}"
 
 
+def _dtype(name: str | None) -> torch.dtype | None:
+    return None if name is None else DTYPES[name]
+
+
 def _inspect(saved: SavedAverage, verify: bool) -> str:
-    description = saved.description
-    tensors = description.tensors
-    size = sum(t.nbytes for t in tensors)
-    roles = Counter(t.role for t in tensors)
-    where = f"{saved.path}" + (" (torch.distributed.checkpoint)" if saved.kind == "dcp" else "")
-    rows = [
-        ("checkpoint", where),
-        ("step", description.step),
-        ("num_updates", _updates(description)),
-        *(
-            ("rule" if average.name is None else f"average {average.name}", json.dumps(average.rule))
-            for average in description.averages
-        ),
-        ("strategy", f"{description.strategy} on {description.world_size} rank(s)"),
-        ("tensors", f"{len(tensors)}: " + ", ".join(f"{n} {role}" for role, n in sorted(roles.items()))),
-        ("bytes", f"{size} ({size / 2**20:.1f} MiB)"),
-        *(("layout", line) for line in _layouts(tensors)),
-    ]
-    if verify:
-        files, checked = saved.verify_contents()
-        rows.append(("verified", f"{files} file(s), {checked} bytes: every SHA-256 matches the manifest"))
-    if description.provenance is not None:
-        rows += [("provenance", line) for line in provenance.shown(description.provenance)]
-    return "\n".join(f"{label:<12} {value}" for label, value in rows)
-
-
-def _model_folder(path: Path) -> bool:
-    """A folder of safetensors weights (an export, a merge), not a checkpoint."""
-    has_weights = (path / WEIGHTS_FILE).is_file() or (path / WEIGHTS_INDEX).is_file()
-    return path.is_dir() and has_weights and not (path / MANIFEST).exists() and not (path / DCP_METADATA).exists()
+    return "\n".join(f"{label:<12} {value}" for label, value in saved.summary(verify))
 
 
 def _inspect_folder(path: Path) -> int:
-    """A model folder: its weight files, and the provenance shardavg recorded beside them. What
-    can be read is printed; each file that cannot (a crafted ``provenance.json``) gets one error
-    line on stderr, and the exit code says so."""
-    weights = sorted(p.name for p in path.glob("model*.safetensors"))
-    problems, size = [], 0
-    for name in weights:
-        try:
-            size += (path / name).stat().st_size
-        except OSError as error:
-            problems.append(f"cannot read {path / name}: {error.strerror}")
-    rows = [("model", str(path)), ("files", f"{len(weights)} weight file(s), {size} bytes")]
-    try:
-        export_id = folder_export_id(path) if weights else None
-    except (CheckpointError, OSError) as error:  # (a mix of two exports, a missing file)
-        problems.append(str(error))
-    else:
-        rows.append(("export", export_id or "no export id (not written by shardavg 0.8+)"))
-    try:
-        record = provenance.read(path)
-    except CheckpointError as error:
-        problems.append(str(error))
-        lines = ["unreadable (the error below)"]
-    else:
-        lines = provenance.shown(record) if record is not None else ["none recorded (not written by shardavg 0.6+)"]
-    rows += [("provenance", line) for line in lines]
+    """A model folder: what can be read is printed; each file that cannot (a crafted
+    ``provenance.json``) gets one error line on stderr, and the exit code says so."""
+    rows, problems = folder_summary(path)
     print("\n".join(f"{label:<12} {value}" for label, value in rows))
     for problem in problems:
         print(f"shardavg: error: {problem}", file=sys.stderr)
     return 2 if problems else 0
 
 
-def _layouts(tensors: Sequence[TensorEntry]) -> list[str]:
-    """How the saving ranks held the tensors, in words, the commonest first (a checkpoint of
-    ``avg.save``; DCP's chunks are its own)."""
-    shown = Counter(entry.layout.shown() for entry in tensors if entry.layout is not None)
-    return [f"{count} tensor{'s' if count > 1 else ''}: {words}" for words, count in shown.most_common()]
-
-
-def _updates(description: Description) -> str:
-    if description.num_updates == 0:
-        return "0 (saved before the first update: no average yet, nothing to export)"
-    return f"{description.num_updates} ({description.num_skipped} skipped for non-finite weights)"
-
-
 def _export(saved: SavedAverage, args: argparse.Namespace) -> str:
-    out, average = args.out, args.average
-    check_output_folder(out, inputs=[saved.path], beside=True)
-    average = saved.average(average)
-    description = saved.description
-    if description.num_updates == 0:
-        raise CheckpointError(f"{saved.path} was saved before any update was applied: it holds no average to export")
-    saved.verify()  # a damaged chunk table is refused before anything is written
-    if args.verify:
-        saved.verify_contents()
-    dtype = None if args.dtype is None else DTYPES[args.dtype]
-    progress = Progress("export", quiet=args.quiet)
-    total = sum(entry.nbytes for entry in description.tensors)
-    values = progress.counted((saved.read(entry.name, average) for entry in description.tensors), total)
-    metadata = export_metadata(description, average)
-    record = made_by(
-        "export",
-        1,
-        average=average,
-        step=description.step,
-        dtype=args.dtype,
-        inputs=[of_input(saved.path, description.step, 1.0, description.run)],
-    )
-    with progress:
-        path = write_model(out, description.tensors, values, metadata, args.max_shard_size, dtype, record)
+    path = saved.export(
+        args.out, average=args.average, dtype=_dtype(args.dtype), max_shard_size=args.max_shard_size,
+        verify=args.verify, progress=Progress("export", quiet=args.quiet),
+    )  # fmt: skip
+    average = saved.average(args.average)
     which = "" if average is None else f" of average {average!r}"
-    return f"wrote {sum(len(e.names) for e in description.tensors)} tensors{which} to {path}"
+    return f"wrote {sum(len(e.names) for e in saved.description.tensors)} tensors{which} to {path}"
 
 
 def _out_of_memory(error: BaseException) -> bool:
@@ -416,7 +320,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "posthoc":
             print(_posthoc(args))
             return 0
-        if args.command == "inspect" and _model_folder(Path(args.checkpoint)):
+        if args.command == "inspect" and is_model_folder(Path(args.checkpoint)):
             return _inspect_folder(Path(args.checkpoint))
         saved = SavedAverage(args.checkpoint, key=args.key)
         if args.command == "inspect":

@@ -28,11 +28,16 @@ from torch import nn
 from .averager import WeightAverager
 from .base import validate
 from .base.dist import agree_or_raise, all_gathered, rank
+from .base.dtypes import dtype_name
 from .base.errors import CheckpointError
 from .base.logs import internal
+from .base.progress import Progress
 from .checkpoints.format import MANIFEST, SNAPSHOT_DIR, snapshot_directory
 from .checkpoints.reading import read_manifest
+from .output.model_writer import write_model
 from .output.provenance import made_by, of_input
+from .output.record import FolderRecord
+from .output.target import check_out
 from .rules import PowerEMA, gamma_to_sigma_rel, rule_from_config, shown, sigma_rel_to_gamma
 from .state.description import Description, TensorEntry
 
@@ -172,11 +177,11 @@ def snapshots(directory: str | os.PathLike) -> list[Snapshot]:
         raise CheckpointError(f"{directory} holds no committed snapshot-<t> directory")
     found.sort(key=lambda s: s.t)
     first = found[0]
-    runs = {s.run for s in found}
-    if len(runs) > 1:
+    run_ids = {s.run for s in found}
+    if len(run_ids) > 1:
         other = next(s for s in found if s.run != first.run)
         raise CheckpointError(
-            f"{directory} mixes the snapshots of {len(runs)} runs ({first.path.name} is run {first.run}, "
+            f"{directory} mixes the snapshots of {len(run_ids)} runs ({first.path.name} is run {first.run}, "
             f"{other.path.name} run {other.run}): synthesize from one run's snapshots, one directory per run"
         )
     for other in found[1:]:
@@ -216,7 +221,7 @@ def plan(found: list[Snapshot], gamma: float, step: int | None) -> tuple[list[tu
 
 def synthesizable(found: list[Snapshot], tolerance: float = FIT_TOLERANCE) -> str:
     """The sigma_rel values in 0.01-0.29 (steps of 0.01) the snapshots synthesize within
-    ``tolerance`` at the last one's step (pass the snapshots up to the step asked for), as runs:
+    ``tolerance`` at the last one's step (pass the snapshots up to the step asked for), as ranges:
     with few snapshots the residual dips to 0 at each profile and rises between them, so the
     values that fit need not be one interval."""
     target = found[-1].t
@@ -229,14 +234,14 @@ def synthesizable(found: list[Snapshot], tolerance: float = FIT_TOLERANCE) -> st
     ]
     if not good:
         return "no sigma_rel in [0.01, 0.29] fits within tolerance"
-    runs: list[list[int]] = []
+    ranges: list[list[int]] = []
     for k in good:
-        if runs and k == runs[-1][-1] + 1:
-            runs[-1].append(k)
+        if ranges and k == ranges[-1][-1] + 1:
+            ranges[-1].append(k)
         else:
-            runs.append([k])
-    spans = [f"{run[0] / 100:.2f}" if len(run) == 1 else f"{run[0] / 100:.2f}-{run[-1] / 100:.2f}" for run in runs]
-    listed = spans[0] if len(spans) == 1 else ", ".join(spans[:-1]) + " and " + spans[-1]
+            ranges.append([k])
+    shown = [f"{ks[0] / 100:.2f}" if len(ks) == 1 else f"{ks[0] / 100:.2f}-{ks[-1] / 100:.2f}" for ks in ranges]
+    listed = shown[0] if len(shown) == 1 else ", ".join(shown[:-1]) + " and " + shown[-1]
     verb = "fits" if len(good) == 1 else "fit"
     return f"sigma_rel {listed} {verb} within {tolerance} (tried 0.01 to 0.29 in steps of 0.01)"
 
@@ -489,6 +494,49 @@ def synthesized_tensors(
     ]
     record = made_by("posthoc", 1, sigma_rel=gamma_to_sigma_rel(gamma), step=terms[-1][0].step, inputs=inputs)
     return replace(last.description, provenance=record), tensors()
+
+
+def export_synthesized(
+    directory: str | os.PathLike,
+    out: str | os.PathLike,
+    sigma_rel: float,
+    *,
+    step: int | None = None,
+    dtype: torch.dtype | None = None,
+    max_shard_size: int | str = "5GB",
+    progress: Progress | None = None,
+) -> tuple[Path, int]:
+    """One process, no process group (``shardavg posthoc``): the post-hoc EMA of ``sigma_rel`` at
+    ``step`` synthesized from the snapshots in ``directory`` and written as a model folder into
+    ``out``, one tensor at a time, its provenance the snapshots combined.
+
+    Args:
+        directory: the snapshots' folder (written by ``PostHocEMA`` at any world size).
+        out: the model folder to write.
+        sigma_rel: the relative width of the profile to synthesize.
+        step: synthesize from the snapshots up to this training step (default: all of them).
+        dtype: the floating tensors' dtype (default: fp32 for averaged ones).
+        max_shard_size: the largest file before the model is split (``"5GB"``, or bytes).
+        progress: shows the bytes as they are written (default: nothing shown).
+
+    Returns:
+        The folder written, and how many tensors (names) it holds.
+    """
+    check_out(out, "posthoc")
+    description, tensors = synthesized_tensors(directory, target_gamma(sigma_rel=sigma_rel), step)
+    entries = [replace(e, dtype=dtype_name(synthesized_dtype(e))) for e in description.tensors]
+
+    def values() -> Iterator[torch.Tensor]:
+        for _, full in tensors:
+            yield full
+            del full  # before the next tensor is synthesized
+
+    record = FolderRecord("posthoc", sigma_rel=sigma_rel, until=step, provenance=description.provenance)
+    progress = Progress("posthoc", quiet=True) if progress is None else progress
+    with progress:
+        counted = progress.counted(values(), sum(entry.nbytes for entry in entries))
+        path = write_model(out, entries, counted, record, max_shard_size, dtype)
+    return path, sum(len(entry.names) for entry in entries)
 
 
 def synthesized_dtype(entry: TensorEntry) -> torch.dtype:

@@ -8,7 +8,8 @@ moves toward the live weights by ``weight(n)``::
 and the first update (``n == 0``) copies the live weights, as
 ``torch.optim.swa_utils.AveragedModel`` does. A rule is plain data: ``to_config()`` gives a
 dict that is saved with the averager's state, compared on load and written in YAML;
-``rule_from_config`` builds the rule back.
+``rule_from_config`` builds the rule back. A description records it with ``to_json`` and reads it
+back, checked, with ``Rule.from_json``.
 
 Any callable with torch's ``multi_avg_fn(shadow_list, live_list, num_updates)`` signature is
 accepted as well (see ``CustomRule``), e.g. ``torch.optim.swa_utils.get_ema_multi_avg_fn``.
@@ -26,6 +27,7 @@ from typing import Any
 import torch
 
 from .base import validate
+from .base.errors import CheckpointError
 
 MultiAvgFn = Callable[[list[torch.Tensor], list[torch.Tensor], torch.Tensor], None]
 
@@ -202,6 +204,41 @@ class Rule(ABC):
         Returns:
             A dict with the rule's ``kind`` and its fields.
         """
+
+    def to_json(self) -> dict[str, Any]:
+        """The rule as a description records it: its ``to_config()``.
+
+        Returns:
+            A dict with the rule's ``kind`` and its fields.
+        """
+        return self.to_config()
+
+    @staticmethod
+    def from_json(data: Any, where: str) -> Rule | None:
+        """The rule a description recorded (``to_json``), checked: a built-in rule's exact config,
+        or a custom rule's, whose callable cannot be rebuilt from its name.
+
+        Args:
+            data: The recorded rule, as parsed JSON.
+            where: Where it came from, for the message.
+
+        Returns:
+            The built-in rule, equal to the one that wrote ``data``; None for a custom rule.
+
+        Raises:
+            CheckpointError: ``data`` is not a rule's config (one line naming ``where``).
+        """
+        if isinstance(data, dict) and data.get("kind") == "custom":
+            if set(data) != {"kind", "name"} or not isinstance(data["name"], str):
+                raise CheckpointError(f"{where}: 'rule' is not a custom rule's config: {str(data)[:200]}")
+            return None
+        try:
+            rule = rule_from_config(data) if isinstance(data, dict) else None
+        except (ValueError, TypeError, KeyError) as error:
+            raise CheckpointError(f"{where}: 'rule' {str(data)[:200]} is not a rule: {error!r}") from None
+        if rule is None or rule.to_json() != data:
+            raise CheckpointError(f"{where}: 'rule' {str(data)[:200]} is not a rule's config")
+        return rule
 
 
 class LerpRule(Rule):

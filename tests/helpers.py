@@ -115,3 +115,14 @@ def in_process_cli(*args: str) -> subprocess.CompletedProcess:
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
         code = cli.main(list(args))
     return subprocess.CompletedProcess(["shardavg", *args], code, out.getvalue(), err.getvalue())
+
+
+class Payload:
+    """Pickled into what a reader must never unpickle (an optimizer state, a crafted file): loading
+    it writes ``marker``, so a test sees whether anything unpickled it."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return (Path.write_text, (self.marker, "unpickled"))

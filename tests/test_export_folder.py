@@ -20,6 +20,7 @@ import shardavg.output.weight_files
 from shardavg import CheckpointError, ExportError
 from shardavg.checkpoints.storage import Entry
 from shardavg.output.model_folder import folder_export_id
+from shardavg.output.record import FolderRecord
 from shardavg.output.weight_files import EXPORT_ID, Slots, WeightPlan, check_one_export, create_staged
 
 INDEX = "model.safetensors.index.json"
@@ -198,8 +199,7 @@ def test_a_writer_refuses_a_temporary_file_another_export_created(tmp_path) -> N
     """What a rank sees where its OUT is not rank 0's (a node-local disk): an earlier export's
     leftover under the temporary name. It is refused before a byte is written."""
     entries = [Entry("w", torch.float32, (4, 3))]
-    metadata = {"format": "pt", "shardavg": "{}"}
-    earlier = WeightPlan(entries, 2**30, metadata, "a" * 12)
+    earlier = WeightPlan(entries, 2**30, FolderRecord("export"), "a" * 12)
     create_staged(tmp_path, earlier)
     left = (tmp_path / ".model.safetensors.incomplete").read_bytes()
     slots = Slots(tmp_path, earlier.with_id("b" * 12))

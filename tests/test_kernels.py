@@ -21,7 +21,7 @@ from shardavg.update import kernels
 pytestmark = pytest.mark.filterwarnings("ignore:(overflow|invalid value) encountered:RuntimeWarning:triton.*")
 
 WEIGHTS = (0.001, 0.5, 0.9, 1.0)
-SIZES = (1, 1023, 1025, 3000)  # around the block (1024) and not a multiple of it
+SIZES = (1, 1023, 1025, 3000)  # around a program's 1024 elements and not a multiple of it
 BITS = {torch.float32: torch.int32, torch.bfloat16: torch.int16, torch.float16: torch.int16}
 
 
@@ -230,8 +230,8 @@ def test_a_cpu_run_never_imports_triton(monkeypatch: pytest.MonkeyPatch) -> None
 
 # The multi-tensor form: one launch for a whole list of pieces (``kernels.plan``, ``masked_update_many_``)
 
-MANY_SIZES = (1, 5, 1023, 1024, 1025, 3000)  # tiny and larger pieces mixed in one launch, around the block
-LARGE_SIZES = (*MANY_SIZES[:-1], 70000)  # (the interpreter takes ~5 ms a block: this one where it counts)
+MANY_SIZES = (1, 5, 1023, 1024, 1025, 3000)  # tiny and larger pieces mixed in one launch, around a program's elements
+LARGE_SIZES = (*MANY_SIZES[:-1], 70000)  # (the interpreter takes ~5 ms a program: this one where it counts)
 
 
 def pieces(dtype: torch.dtype, seed: int, sizes: tuple[int, ...] = MANY_SIZES) -> list[torch.Tensor]:
@@ -342,14 +342,14 @@ def test_a_plan_is_reused_while_the_values_change_in_place(launches) -> None:
     assert launches.launches == 3
 
 
-def test_a_plan_skips_empty_pieces_and_spends_one_program_per_block() -> None:
+def test_a_plan_skips_empty_pieces_and_spends_one_program_per_1024_elements() -> None:
     sizes = (0, 1, 1024, 0, 1025, 5000)
     reads = pieces(torch.float32, 60, sizes)
     shadow_sets = [pieces(torch.float32, 61, sizes)]
     want = piece_by_piece(shadow_sets, reads, [weight(0.5)], OK)
     planned = kernels.plan(reads, shadow_sets)
     assert planned.programs == 1 + 1 + 2 + 5 and len(planned.reads) == 4
-    assert planned.piece_of_block.tolist() == [0, 1, 2, 2, 3, 3, 3, 3, 3]
+    assert planned.piece_of_program.tolist() == [0, 1, 2, 2, 3, 3, 3, 3, 3]
     assert planned.index_in_piece.tolist() == [0, 0, 0, 1, 0, 1, 2, 3, 4]
     assert planned.align == 16 and [id(read) for read in planned.reads] == [id(reads[p]) for p in (1, 2, 4, 5)]
     kernels.masked_update_many_(planned, [weight(0.5)], OK)

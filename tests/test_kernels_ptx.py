@@ -1,5 +1,5 @@
 """``masked_update_many_``'s kernel compiled for an H100 (sm_90) on a machine without a GPU, with
-the ``ptxas`` Triton ships: it compiles, and a block inside its piece moves in 16-byte vectors
+the ``ptxas`` Triton ships: it compiles, and a program inside its piece moves in 16-byte vectors
 where the plan found every address 16-byte aligned. (Its bits on a GPU: tests_gpu/test_kernels_cuda.py.)"""
 
 from __future__ import annotations
@@ -35,14 +35,20 @@ def global_accesses(module: Any, live: Any, shadows: list[Any], align: int, copy
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    signature = dict.fromkeys(["live_table", "piece_of_block", "index_in_piece", "numels"], "*i64") | {"ok": "*i1"}
-    constants: dict[str, Any] = {"LIVE": live, "ALIGN": align, "COUNT": len(shadows), "COPY": copy, "BLOCK": 1024}
+    signature = dict.fromkeys(["live_table", "piece_of_program", "index_in_piece", "numels"], "*i64") | {"ok": "*i1"}
+    constants: dict[str, Any] = {
+        "LIVE": live,
+        "ALIGN": align,
+        "COUNT": len(shadows),
+        "COPY": copy,
+        "PROGRAM_NUMEL": 1024,
+    }
     for slot in range(kernels.MAX_SHADOWS):
         constants[f"S{slot}"] = shadows[slot] if slot < len(shadows) else None
         signature[f"t{slot}"] = "*i64" if slot < len(shadows) else "constexpr"
         signature[f"w{slot}"] = "*fp32" if slot < len(shadows) and not copy >> slot & 1 else "constexpr"
     constants |= {name: None for name, kind in signature.items() if kind == "constexpr"}
-    signature |= dict.fromkeys(["LIVE", "S0", "S1", "S2", "S3", "ALIGN", "COUNT", "COPY", "BLOCK"], "constexpr")
+    signature |= dict.fromkeys(["LIVE", "S0", "S1", "S2", "S3", "ALIGN", "COUNT", "COPY", "PROGRAM_NUMEL"], "constexpr")
     source = ASTSource(fn=module.masked_lerp_many, signature=signature, constexprs=constants)
     try:
         built = triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"enable_fp_fusion": False})

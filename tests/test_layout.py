@@ -1,5 +1,5 @@
 """Shard layouts: the parts the ranks own must tile every tensor, replicas are owned by the lowest
-rank; parts of every shape (flat ranges, rows, columns, strided index runs) are placed and taken
+rank; parts of every shape (flat ranges, rows, columns, strided index ranges) are placed and taken
 exactly."""
 
 from __future__ import annotations
@@ -76,9 +76,9 @@ def test_a_flat_range_is_at_most_2n_minus_1_boxes_and_reads_back() -> None:
                 assert (out.reshape(-1)[:start] == -1).all() and (out.reshape(-1)[end:] == -1).all()
 
 
-def test_strided_index_runs_become_boxes_in_local_order() -> None:
+def test_strided_index_ranges_become_boxes_in_local_order() -> None:
     """What ``Shard(0)`` then ``_StridedShard(0, sf=2)`` gives a rank: global rows 1 and 3 (and
-    column runs 0-1, 4): one box per combination of runs, each where the local view holds it."""
+    column ranges 0-1, 4): one box per combination of ranges, each where the local view holds it."""
     shape = (4, 6)
     full = torch.arange(24).reshape(shape)
     part = Part.grid(shape, [[1, 3], [0, 1, 4]])
@@ -116,27 +116,27 @@ def test_a_part_its_layout_does_not_describe_is_gathered_and_tiled() -> None:
     assert all(isinstance(layout.layouts[i], ListedLayout) for i in (1, 2)) and layout.owns(2, 0)
 
 
-def test_rows_of_every_kind_of_part_tile_the_slab_and_read_back() -> None:
+def test_rows_of_every_kind_of_part_tile_the_piece_and_read_back() -> None:
     """Rows [start, stop) of a tensor, gathered from the parts that tile it (flat ranges, columns,
-    strided runs, the whole): each part's ``rows_of`` placed by its ``within_rows`` rebuilds the
-    slab exactly, the boxes tile it, and a part holding none of those rows contributes nothing."""
+    strided ranges, the whole): each part's ``rows_of`` placed by its ``within_rows`` rebuilds the
+    piece exactly, the boxes tile it, and a part holding none of those rows contributes nothing."""
     shape = (7, 6, 5)
     full = torch.arange(210, dtype=torch.float32).view(shape)
     tilings = {
         "flat ranges": [Part.flat(shape, a, b) for a, b in [(0, 37), (37, 100), (100, 101), (101, 210)]],
         "columns": [Part.grid(shape, [range(7), cols, range(5)]) for cols in ([0, 1], [2, 3, 4], [5])],
-        "strided runs": [Part.grid(shape, [rows, range(6), range(5)]) for rows in ([0, 3, 4], [1, 2, 6], [5])],
+        "strided ranges": [Part.grid(shape, [rows, range(6), range(5)]) for rows in ([0, 3, 4], [1, 2, 6], [5])],
         "whole": [Part.whole(shape)],
     }
     for label, parts in tilings.items():
         for start, stop in [(0, 7), (0, 1), (2, 5), (6, 7), (3, 4)]:
-            slab = torch.full((stop - start, 6, 5), -1.0)
+            piece = torch.full((stop - start, 6, 5), -1.0)
             boxes = []
             for part in parts:
                 held = part.within_rows(start, stop)
                 packed = part.rows_of(part.take(full), start, stop)
                 assert packed.numel() == held.numel, (label, start, stop)
-                place(slab, held, packed)
+                place(piece, held, packed)
                 boxes += held.boxes
-            assert torch.equal(slab, full[start:stop]), (label, start, stop)
-            assert tiles(slab.shape, boxes), (label, start, stop)
+            assert torch.equal(piece, full[start:stop]), (label, start, stop)
+            assert tiles(piece.shape, boxes), (label, start, stop)

@@ -162,7 +162,9 @@ def test_an_average_of_a_dcp_averager_and_the_shardavg_output_loads_at_world_siz
     again = shardavg.merge(run.avg(4), out, average="ema", output="shardavg")  # its own earlier merge: replaced
     loaded.load(again)
     assert_bitwise(loaded.full_state_dict(), reference([run.ema[4]], [1.0]))
-    with pytest.raises(shardavg.CheckpointError, match=f"OUT {out} is a checkpoint: name a model folder of its own"):
+    with pytest.raises(
+        shardavg.CheckpointError, match=f"OUT {out} is a checkpoint: export into a model folder of its own"
+    ):
         shardavg.merge(run.avg(4), out, average="ema")  # a model folder is not written over a checkpoint
     loaded.load(out)  # untouched
 
@@ -301,7 +303,9 @@ def test_every_refusal_writes_nothing(run: Run, tmp_path: Path, capsys: pytest.C
     kept = tmp_path / "out-kept"
     kept.mkdir()
     save_file({"w": torch.ones(1)}, str(kept / "model.safetensors"))  # someone's model: never replaced
-    refused(base, str(run.hf(3)), "--out", str(kept), match="holds files a merge did not write (model.safetensors)")
+    refused(
+        base, str(run.hf(3)), "--out", str(kept), match="holds weight files shardavg did not write (model.safetensors)"
+    )
     assert load_file(str(kept / "model.safetensors"))["w"].item() == 1.0
 
     notes = tmp_path / "out-notes"

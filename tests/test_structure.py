@@ -33,8 +33,14 @@ PARTS = {  # bottom first: a part imports only parts before it; a module, only m
         "checkpoints.storage", "checkpoints.format", "checkpoints.ownership", "checkpoints.reading",
         "checkpoints.checkpoint", "checkpoints.stateful", "checkpoints",
     ],
-    "output": ["output.provenance", "output.weight_files", "output.model_folder", "output.export", "output"],
-    "offline": ["offline.saved_average", "offline.sources", "offline.merge", "offline"],
+    "output": [
+        "output.provenance", "output.record", "output.target", "output.work", "output.weight_files",
+        "output.model_writer", "output.model_folder", "output.dcp_checkpoint", "output.export", "output",
+    ],
+    "offline": [
+        "offline.saved_average", "offline.megatron", "offline.deepspeed_folders", "offline.sources", "offline.merge",
+        "offline",
+    ],
     "face": ["averager", "posthoc", "cli", "__init__", "__main__"],
     "integrations": [
         "integrations", "integrations.accelerate", "integrations.deepspeed", "integrations.lightning",
@@ -82,6 +88,10 @@ ENGINE_INTERNALS = {
         "_reshard": "that function",
     },
     "strategies.zero12": {"_hp_mapping": "DeepSpeed ZeRO-1/2's link from a parameter to its fp32 master fragment"},
+    "output.dcp_checkpoint": {
+        "_StorageInfo": "DCP's record of where an item lies (file, offset, length) in .metadata; torch has no "
+        "public constructor",
+    },
     "checkpoints.stateful": {
         "torch.distributed.tensor._shards_wrapper": "LocalShardsWrapper, the DTensor payload DCP reads for "
         "arbitrary shards (torchrec's way); no public path"

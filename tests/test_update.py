@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from shardavg.update.fused import FUSED_CHUNK, SUMMED_NUMEL, apply, fuse, group_tensors, nonfinite
+from shardavg.update.fused import FUSED_PIECE, SUMMED_NUMEL, apply, fuse, group_tensors, nonfinite
 from shardavg.update.staging import Stager
 
 SHAPES = [(3, 4), (0,), (5,), (2, 2), (7,)]
@@ -29,9 +29,9 @@ def test_back_to_back_tensors_fuse_into_one_view_and_empty_ones_are_left_out() -
     assert fused_lives[0].data_ptr() == lives[0].data_ptr()
     apart = [torch.randn(s) for s in SHAPES]  # separate storages: nothing to fuse
     assert len(fuse([shadows], apart)[1]) == len([s for s in SHAPES if torch.Size(s).numel()])
-    big = torch.randn(FUSED_CHUNK + 5)  # a large tensor is cut into pieces, the same on both sides
+    big = torch.randn(FUSED_PIECE + 5)  # a large tensor is cut into pieces, the same on both sides
     (pieces_shadows,), pieces_lives = fuse([[torch.zeros_like(big)]], [big])
-    assert [p.numel() for p in pieces_lives] == [p.numel() for p in pieces_shadows] == [FUSED_CHUNK, 5]
+    assert [p.numel() for p in pieces_lives] == [p.numel() for p in pieces_shadows] == [FUSED_PIECE, 5]
     gap = carved(torch.randn(total + 1), [(3, 4), (1,), (5,)])  # a hole between two lives breaks the run
     assert len(fuse([carved(torch.zeros(17), [(3, 4), (5,)])], [gap[0], gap[2]])[1]) == 2
     other = carved(torch.zeros(total + 1), [(3, 4), (1,), (0,), (5,), (2, 2), (7,)])  # a second average
@@ -61,11 +61,11 @@ def test_several_averages_take_the_bits_each_would_alone_in_cache_sized_batches(
     """Two averages over one staged read give each average exactly what a lone update gives it,
     also when the fused pieces are walked in batches (a live shard larger than a batch)."""
     torch.manual_seed(0)
-    shapes = [(FUSED_CHUNK + 3,), (5,), (2 * FUSED_CHUNK,)]
+    shapes = [(FUSED_PIECE + 3,), (5,), (2 * FUSED_PIECE,)]
     total = sum(torch.Size(s).numel() for s in shapes)
     lives = carved(torch.randn(total), shapes)
-    slab = torch.zeros(2 * total)
-    both = [carved(slab[:total], shapes), carved(slab[total:], shapes)]
+    pool = torch.zeros(2 * total)
+    both = [carved(pool[:total], shapes), carved(pool[total:], shapes)]
     (group,) = group_tensors(["average"] * 3, both, lives)
     assert len(group.fused_live) == 4 and [len(s) for s in group.fused_shadows] == [4, 4]
     alone = [group_tensors(["average"] * 3, [carved(torch.zeros(total), shapes)], lives)[0] for _ in range(2)]
@@ -92,7 +92,7 @@ def test_a_nonfinite_value_in_a_fused_run_is_named_by_its_own_tensor() -> None:
 
 
 def test_a_strided_live_shard_is_updated_as_it_is_even_when_large() -> None:
-    live = torch.randn(FUSED_CHUNK // 512 + 1, 512).t()  # transposed: not dense, more than a piece
+    live = torch.randn(FUSED_PIECE // 512 + 1, 512).t()  # transposed: not dense, more than a piece
     (group,) = group_tensors(["average"], [[torch.zeros(live.shape)]], [live])
     assert group.fused_live == [live] and group.fused_shadows[0][0].shape == live.shape
     plain = torch.zeros(live.shape)
@@ -128,12 +128,12 @@ def test_small_shards_apart_are_screened_in_runs_through_a_scratch(monkeypatch) 
     in any run, names its own tensor."""
     import shardavg.update.fused
 
-    monkeypatch.setattr(shardavg.update.fused, "SCREENED_ELEMENTS", 12_000)  # several runs of two shards
+    monkeypatch.setattr(shardavg.update.fused, "SCREENED_ELEMENTS", 12_000)  # several buckets of two shards
     torch.manual_seed(0)
     lives = [torch.randn(5000) for _ in range(7)]  # apart in memory, each above GATHER_NUMEL
     groups = group_tensors(["average"] * 7, [[torch.zeros(5000) for _ in range(7)]], lives)
     (group,) = groups
-    assert [len(run) for run, _ in group.screen.runs] == [2, 2, 2, 1] and not group.screen.large
+    assert [len(bucket) for bucket, _ in group.screen.buckets] == [2, 2, 2, 1] and not group.screen.large
     assert nonfinite(groups) == []
     for index in (0, 3, 6):
         for bad in (float("nan"), float("-inf")):

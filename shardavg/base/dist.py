@@ -9,6 +9,7 @@ function answers for a world of one.
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Sequence
 
 import torch
@@ -47,6 +48,14 @@ def same_everywhere(values: Sequence[int]) -> bool:
     dist.all_reduce(both, op=dist.ReduceOp.MAX)
     highest, lowest = both.tolist()[: len(values)], [-v for v in both.tolist()[len(values) :]]
     return highest == lowest
+
+
+def digest(value: object) -> list[int]:
+    """``value`` (plain data whose ``repr`` is the same on every rank) as four integers below 2**56
+    (a SHA-256 of it): what ``same_everywhere`` compares where the value itself is large or not
+    integers (names, shapes, paths, plans)."""
+    hashed = hashlib.sha256(repr(value).encode()).digest()
+    return [int.from_bytes(hashed[k : k + 7], "little") for k in range(0, 28, 7)]
 
 
 def all_gathered(value: object) -> list:

@@ -293,14 +293,14 @@ def save(
         sequence, save_id = gather_or_raise(error, identity, f"preparing {target}")[0]
 
         owned = [index for index in range(len(state.infos)) if state.layout.owns(index, me)]
-        chunks = [(i, key, average) for i in owned for key, average in state.keys(i)]
+        written = [(i, key, average) for i in owned for key, average in state.keys(i)]  # in file order
         digest = None
         try:
             entries = [
                 Entry(key, dtype if cast(i) else state.flat_part(i, a).dtype, (state.infos[i].local_numel,))
-                for i, key, a in chunks
+                for i, key, a in written
             ]
-            stream = (stored(i, a) for i, _, a in chunks)
+            stream = (stored(i, a) for i, _, a in written)
             digest = write_safetensors(staging / files[me], entries, stream, {SAVE_ID_KEY: save_id})
         except Exception as caught:  # report it to every rank rather than leave them waiting
             error = caught

@@ -3,10 +3,10 @@
 The rule: shardavg deletes or replaces only what it can prove it wrote. A checkpoint
 directory is its own when it holds a ``shardavg.json`` manifest and nothing but shardavg's
 files (by name); a staging directory (``.NAME.incomplete``) when it holds the staging marker
-or a manifest, and nothing else; an exported weight file when its safetensors metadata
-carries shardavg's entry. Anything else in the way is the user's: the write is refused,
-naming it, and nothing is touched. Nothing is written inside a checkpoint but the checkpoint
-itself, and no target is an empty path or a bare ``.``/``..``.
+or a manifest, and nothing else (a model folder's weight files: ``output.target``). Anything
+else in the way is the user's: the write is refused, naming it, and nothing is touched. Nothing
+is written inside a checkpoint but the checkpoint itself, and no target is an empty path or a
+bare ``.``/``..``.
 
 A save or an export holds an exclusive ``flock`` on a lock file of its target from its first
 file to its commit, so a second writer is refused at once instead of interleaving its files
@@ -19,7 +19,6 @@ the lock when its holder dies.
 from __future__ import annotations
 
 import errno
-import json
 import os
 import re
 import socket
@@ -30,23 +29,19 @@ from pathlib import Path
 from typing import Any
 
 from ..base.errors import CheckpointError
-from .format import CHECKPOINT_FILE, MANIFEST, WEIGHTS_INDEX
-from .storage import INCOMPLETE, safetensors_metadata
+from .format import CHECKPOINT_FILE, MANIFEST
+from .storage import INCOMPLETE
 
 STAGING_MARKER = ".shardavg-staging"
-# an export's weight files (a split model's with its export id in their names; without: older exports)
-EXPORT_FILE = re.compile(
-    r"^(model\.safetensors|model-([0-9a-f]{12}-)?\d{5}-of-\d{5}\.safetensors|model\.safetensors\.index\.json)$"
-)
 LOCK_FILE = ".shardavg.lock"  # a writer's lock inside the folder it writes
 
 
-def _temporary_of(name: str, pattern: re.Pattern) -> bool:
+def temporary_of(name: str, pattern: re.Pattern) -> bool:
     """Whether ``name`` is ``.<own file>.incomplete``: a file an atomic write left behind."""
     return name.startswith(".") and name.endswith(INCOMPLETE) and bool(pattern.match(name[1 : -len(INCOMPLETE)]))
 
 
-def _entries(path: Path) -> dict[str, os.stat_result] | None:
+def entries_of(path: Path) -> dict[str, os.stat_result] | None:
     """The entries of a real directory (not a link) by name, or None."""
     try:
         if not stat.S_ISDIR(os.lstat(path).st_mode):
@@ -59,18 +54,18 @@ def _entries(path: Path) -> dict[str, os.stat_result] | None:
 def _only_own_files(entries: dict[str, os.stat_result], extra: tuple[str, ...] = ()) -> bool:
     return all(
         stat.S_ISREG(st.st_mode)
-        and (CHECKPOINT_FILE.match(name) or _temporary_of(name, CHECKPOINT_FILE) or name in extra)
+        and (CHECKPOINT_FILE.match(name) or temporary_of(name, CHECKPOINT_FILE) or name in extra)
         for name, st in entries.items()
     )
 
 
 def foreign_in_checkpoint(path: Path) -> list[str]:
     """What in the directory ``path`` shardavg did not write as a checkpoint (empty: it may be replaced)."""
-    entries = _entries(path) or {}
+    entries = entries_of(path) or {}
     foreign = sorted(
         name
         for name, st in entries.items()
-        if not (stat.S_ISREG(st.st_mode) and (CHECKPOINT_FILE.match(name) or _temporary_of(name, CHECKPOINT_FILE)))
+        if not (stat.S_ISREG(st.st_mode) and (CHECKPOINT_FILE.match(name) or temporary_of(name, CHECKPOINT_FILE)))
     )
     if entries and MANIFEST not in entries and not foreign:
         foreign = ["(no shardavg.json: not a committed checkpoint)"]
@@ -78,42 +73,19 @@ def foreign_in_checkpoint(path: Path) -> list[str]:
 
 
 def is_own_checkpoint(path: Path) -> bool:
-    entries = _entries(path)
+    entries = entries_of(path)
     return entries is not None and MANIFEST in entries and _only_own_files(entries)
 
 
 def is_own_staging(path: Path) -> bool:
     """A staging directory a save left: the marker (before commit) or a manifest (the previous
     checkpoint, swapped out by the commit), and nothing but shardavg's files."""
-    entries = _entries(path)
+    entries = entries_of(path)
     return (
         entries is not None
         and (STAGING_MARKER in entries or MANIFEST in entries)
         and _only_own_files(entries, extra=(STAGING_MARKER,))
     )
-
-
-def is_own_export_file(path: Path) -> bool:
-    """An exported weight file or index that carries shardavg's metadata."""
-    try:
-        if path.name == WEIGHTS_INDEX:
-            index = json.loads(path.read_text())
-            metadata = index.get("metadata") if isinstance(index, dict) else None
-            return isinstance(metadata, dict) and "shardavg" in metadata
-        return "shardavg" in safetensors_metadata(path)
-    except Exception:  # unreadable, foreign or truncated: not provably ours
-        return False
-
-
-def export_files(path: Path) -> dict[str, bool]:
-    """The weight files in the directory ``path``, each with whether shardavg wrote it."""
-    entries = _entries(path) or {}
-    return {
-        # an atomic write's leftover is ours by its name; a weight file by its metadata
-        name: stat.S_ISREG(st.st_mode) and (temporary or is_own_export_file(path / name))
-        for name, st in entries.items()
-        if (temporary := _temporary_of(name, EXPORT_FILE)) or EXPORT_FILE.match(name)
-    }
 
 
 def target_path(path: str | os.PathLike, what: str, replaced_whole: bool) -> Path:

@@ -426,8 +426,8 @@ class SafetensorsFile:
     def read_box(self, out: torch.Tensor, key: str, at: int, sizes: Sequence[int], offsets: Sequence[int]) -> None:
         """Fill ``out`` with the box ``offsets .. offsets + out.shape`` of the row-major array of shape
         ``sizes`` stored from element ``at`` of tensor ``key``: straight into ``out`` when the box is
-        back to back in the file and ``out`` is contiguous, else one read per slab of at most
-        ``READ_PIECE`` bytes (halving the box along its first dim until a slab fits)."""
+        back to back in the file and ``out`` is contiguous, else one read per piece of at most
+        ``READ_PIECE`` bytes (halving the box along its first dim until a piece fits)."""
         if not out.numel():
             return
         flat = box_range(sizes, offsets, out.shape)
@@ -436,10 +436,10 @@ class SafetensorsFile:
             return
         strides = contiguous_strides(sizes)
         first = sum(o * s for o, s in zip(offsets, strides))
-        extent = sum((n - 1) * s for n, s in zip(out.shape, strides)) + 1
+        reach = sum((n - 1) * s for n, s in zip(out.shape, strides)) + 1  # elements from the box's first to its last
         split = next((d for d, n in enumerate(out.shape) if n > 1), None)
-        if extent * self.tensors[key].dtype.itemsize <= READ_PIECE or split is None:
-            out.copy_(self.read(key, at + first, extent).as_strided(tuple(out.shape), strides))
+        if reach * self.tensors[key].dtype.itemsize <= READ_PIECE or split is None:
+            out.copy_(self.read(key, at + first, reach).as_strided(tuple(out.shape), strides))
             return
         half = out.shape[split] // 2
         for low, count in ((0, half), (half, out.shape[split] - half)):

@@ -25,7 +25,7 @@ from typing import Any
 
 from lightning.pytorch.callbacks import Callback
 
-from ..averager import WeightAverager
+from ..averager import WeightAverager, checked_options
 from ..base.errors import CheckpointError
 from ..checkpoints.ownership import is_own_checkpoint
 from ..rules import EMA, MultiAvgFn, Rule
@@ -60,13 +60,15 @@ class ShardedWeightAveraging(Callback):
         copy_at_end: Write the average into the model when training ends.
         strict: On resume, refuse a checkpoint without its sidecar average; with False, warn and
             restart the average from the loaded weights instead.
-        **averager_options: Passed to ``WeightAverager`` (``dtype``, ``buffers``, ``device``, ...).
+        **averager_options: Passed to ``WeightAverager``: its ``strategy``, ``source``, ``pipeline`` and
+            [`Options`][shardavg.update.options.Options], checked here.
 
     Attributes:
         averager: The ``WeightAverager``, once ``on_fit_start`` has built it (None before).
 
     Raises:
-        ValueError: ``update_every_n_steps`` is below 1.
+        ValueError: ``update_every_n_steps`` is below 1, or an option out of its range.
+        TypeError: A keyword that is neither ``WeightAverager``'s nor an option.
 
     Examples:
         A tiny model in one process; with a strategy, every rank runs the same lines.
@@ -107,6 +109,7 @@ class ShardedWeightAveraging(Callback):
         self.update_starting_at_step = update_starting_at_step
         self.copy_at_end = copy_at_end
         self.strict = strict
+        checked_options(averager_options)  # refused here, not when training begins
         self.averager_options = averager_options
         self.averager: WeightAverager | None = None
         self._swap: contextlib.ExitStack | None = None

@@ -34,7 +34,7 @@ from typing import Any
 
 from transformers import TrainerCallback
 
-from ..averager import WeightAverager
+from ..averager import WeightAverager, checked_options
 from ..base.dist import rank
 from ..base.errors import CheckpointError
 from ..checkpoints.reading import read_manifest, resolve
@@ -59,10 +59,15 @@ class WeightAveragingCallback(TrainerCallback):
             it); None (default): no export.
         strict: On resume, refuse a checkpoint without an average paired with it; with False,
             warn and restart the average from the loaded weights instead.
-        **averager_options: Passed to ``WeightAverager`` (``dtype``, ``buffers``, ``device``, ...).
+        **averager_options: Passed to ``WeightAverager``: its ``strategy``, ``source``, ``pipeline`` and
+            [`Options`][shardavg.update.options.Options], checked here.
 
     Attributes:
         averager: The ``WeightAverager``, once ``on_train_begin`` has built it (None before).
+
+    Raises:
+        ValueError: An option out of its range.
+        TypeError: A keyword that is neither ``WeightAverager``'s nor an option.
     """
 
     def __init__(
@@ -75,6 +80,7 @@ class WeightAveragingCallback(TrainerCallback):
         self.rule = rule
         self.export_dir = None if export_dir is None else Path(export_dir)
         self.strict = strict
+        checked_options(averager_options)  # refused here, not when training begins
         self.averager_options = averager_options
         self.averager: WeightAverager | None = None
         self._trainer: Any = None  # a weak reference, once bound

@@ -1,11 +1,11 @@
 """Which elements of a global tensor a rank's local view holds: a ``Part``, made of boxes.
 
 A box is the N-dimensional block ``offsets .. offsets + sizes`` of the global tensor, as a
-chunk of torch's distributed checkpoint describes one. Every engine's local view is a part:
+chunk of torch's distributed checkpoint describes one on disk. Every engine's local view is a part:
 
 - a DTensor's local shard (FSDP2, HSDP, tensor and expert parallel) holds, along each dim,
   some of the global indices; usually one box (``Shard(d)`` on any dims, uneven or empty), in
-  general the product of runs of consecutive indices (``_StridedShard``), one box per product;
+  general the product of ranges of consecutive indices (``_StridedShard``), one box per product;
 - a flat range ``[start, end)`` of the flattened tensor (an FSDP1 flat parameter's slice, a
   ZeRO-3 partition, a ZeRO-1/2 master fragment) is at most ``2 * ndim - 1`` boxes: a partial
   row, full rows, a partial row, recursively. It is the one-dimensional special case;
@@ -100,15 +100,15 @@ class Part:
     def grid(cls, shape: Sequence[int], indices: Sequence[Sequence[int]]) -> Part:
         """A local view of shape ``[len(i) for i in indices]`` whose element at local position
         ``(p0, p1, ...)`` is the global element ``(indices[0][p0], indices[1][p1], ...)``: one box per
-        combination of runs of consecutive indices."""
-        return cls.from_runs(shape, [[(first, length) for first, length, _ in _runs(dim)] for dim in indices])
+        combination of ranges of consecutive indices."""
+        return cls.from_ranges(shape, [[(first, length) for first, length, _ in _ranges(dim)] for dim in indices])
 
     @classmethod
-    def from_runs(cls, shape: Sequence[int], runs: Sequence[Sequence[tuple[int, int]]]) -> Part:
-        """``grid`` with each dimension's indices given as runs ``(first, length)`` of consecutive
-        ones (adjacent runs are merged), so a long dimension costs its runs, not its indices."""
+    def from_ranges(cls, shape: Sequence[int], ranges: Sequence[Sequence[tuple[int, int]]]) -> Part:
+        """``grid`` with each dimension's indices given as ranges ``(first, length)`` of consecutive
+        ones (adjacent ranges are merged), so a long dimension costs its ranges, not its indices."""
         shape = tuple(shape)
-        merged = [_merged(dim) for dim in runs]
+        merged = [_merged(dim) for dim in ranges]
         local_shape = tuple(sum(length for _, length in dim) for dim in merged)
         local_strides = contiguous_strides(local_shape)
         placed = [_positions(dim) for dim in merged]
@@ -169,8 +169,8 @@ class Part:
         return Part(self.shape, tuple(blocks), at)
 
     def within_rows(self, start: int, stop: int) -> Part:
-        """What this part holds of rows ``[start, stop)`` of the tensor, as a part of that slab
-        (shape ``(stop - start, *shape[1:])``), its boxes back to back in this part's order: how
+        """What this part holds of rows ``[start, stop)`` of the tensor, as a part of a tensor of
+        those rows alone (shape ``(stop - start, *shape[1:])``), its boxes back to back in this part's order: how
         ``rows_of`` packs them."""
         blocks, at = [], 0
         for block, low, high in self._row_blocks(start, stop):
@@ -181,7 +181,7 @@ class Part:
 
     def rows_of(self, flat: torch.Tensor, start: int, stop: int) -> torch.Tensor:
         """This part's elements within rows ``[start, stop)``, taken from its local view ``flat``,
-        flat and packed as ``within_rows`` lays them out (a view where they are one run)."""
+        flat and packed as ``within_rows`` lays them out (a view where they are one range)."""
         views = [
             block.view(flat).narrow(0, low - block.offsets[0], high - low).reshape(-1)
             for block, low, high in self._row_blocks(start, stop)
@@ -278,7 +278,7 @@ def _tiles(shape: tuple[int, ...], boxes: list[Box]) -> bool:
     by_start = sorted(boxes, key=lambda box: box[0][0])
     active: list[Box] = []
     taken = 0
-    for low in cuts[:-1]:  # each slab between two cuts: the boxes across it must tile the rest
+    for low in cuts[:-1]:  # the rows between two cuts: the boxes across them must tile the rest
         active = [box for box in active if box[0][0] + box[1][0] > low]
         while taken < len(by_start) and by_start[taken][0][0] == low:
             active.append(by_start[taken])
@@ -318,22 +318,22 @@ def _flat_boxes(shape: tuple[int, ...], start: int, end: int) -> Iterator[Box]:
             yield (last_row, *offsets), (1, *sizes)
 
 
-def _runs(indices: Sequence[int]) -> list[tuple[int, int, int]]:
-    """``(first global index, length, first local position)`` of each run of consecutive indices."""
-    runs: list[tuple[int, int, int]] = []
+def _ranges(indices: Sequence[int]) -> list[tuple[int, int, int]]:
+    """``(first global index, length, first local position)`` of each range of consecutive indices."""
+    ranges: list[tuple[int, int, int]] = []
     for position, index in enumerate(indices):
-        if runs and index == runs[-1][0] + runs[-1][1]:
-            first, length, at = runs[-1]
-            runs[-1] = (first, length + 1, at)
+        if ranges and index == ranges[-1][0] + ranges[-1][1]:
+            first, length, at = ranges[-1]
+            ranges[-1] = (first, length + 1, at)
         else:
-            runs.append((index, 1, position))
-    return runs
+            ranges.append((index, 1, position))
+    return ranges
 
 
-def _merged(runs: Sequence[tuple[int, int]]) -> list[tuple[int, int]]:
-    """Runs with adjacent ones joined and empty ones dropped."""
+def _merged(ranges: Sequence[tuple[int, int]]) -> list[tuple[int, int]]:
+    """Ranges with adjacent ones joined and empty ones dropped."""
     merged: list[tuple[int, int]] = []
-    for first, length in runs:
+    for first, length in ranges:
         if length and merged and merged[-1][0] + merged[-1][1] == first:
             merged[-1] = (merged[-1][0], merged[-1][1] + length)
         elif length:
@@ -341,19 +341,19 @@ def _merged(runs: Sequence[tuple[int, int]]) -> list[tuple[int, int]]:
     return merged
 
 
-def _positions(runs: list[tuple[int, int]]) -> list[tuple[int, int, int]]:
-    """``(first, length, first local position)`` of each run, the runs back to back locally."""
+def _positions(ranges: list[tuple[int, int]]) -> list[tuple[int, int, int]]:
+    """``(first, length, first local position)`` of each range, the ranges back to back locally."""
     placed, position = [], 0
-    for first, length in runs:
+    for first, length in ranges:
         placed.append((first, length, position))
         position += length
     return placed
 
 
-def _product(runs: list[list[tuple[int, int, int]]]) -> Iterator[tuple[tuple[int, int, int], ...]]:
-    if not runs:
+def _product(ranges: list[list[tuple[int, int, int]]]) -> Iterator[tuple[tuple[int, int, int], ...]]:
+    if not ranges:
         yield ()
         return
-    for first in runs[0]:
-        for rest in _product(runs[1:]):
+    for first in ranges[0]:
+        for rest in _product(ranges[1:]):
             yield (first, *rest)

@@ -15,22 +15,20 @@ HSDP, tensor parallel's replicated dims, every buffer); the lowest such rank *ow
 sends, a bounded bucket of tensors at a time: the receiving rank holds at most one bucket
 (or one tensor, if larger) beyond what it already had; ``gather_rounds`` also gathers rows of
 a tensor, so an export sends a tensor larger than a bucket in pieces. A part that is one range of the
-flattened tensor is received in place; any other (columns, strided runs) is received into a
+flattened tensor is received in place; any other (columns, strided ranges) is received into a
 buffer of its own and its boxes copied into place, so such parts can double what a bucket
 holds while they are in flight. This one mechanism serves every engine and layout, for averaged and live values alike.
 """
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from ..base.dist import all_gathered, comm_device, distributed, rank, same_everywhere
+from ..base.dist import all_gathered, comm_device, digest, distributed, rank, same_everywhere
 from ..base.errors import LayoutError
 from ..layouts.tensor_info import TensorInfo
 from .parts import Part, place
@@ -46,12 +44,6 @@ def tiling(info: TensorInfo, parts: Sequence[Part]) -> tuple[Owned, ...]:
     layout = ListedLayout(tuple(info.shape), tuple(parts))
     layout.check(info.name)
     return layout.owned
-
-
-def _digest(items: Sequence[Any]) -> list[int]:
-    """A SHA-256 of ``items``, as four 56-bit integers (what ``same_everywhere`` compares)."""
-    digest = hashlib.sha256(repr(items).encode()).digest()
-    return [int.from_bytes(digest[i : i + 7], "little") for i in range(0, 28, 7)]
 
 
 @dataclass(frozen=True)
@@ -73,8 +65,8 @@ class ShardLayout:
         ]
         undecided = [index for index, layout in enumerate(layouts) if layout is None]
         gathered: list[int] = []
-        if not (same_everywhere([*_digest(tensors), *_digest(_keys(layouts)), len(undecided)]) and not undecided):
-            reports = all_gathered((_digest(tensors), undecided))  # the rare path: gather what must be
+        if not (same_everywhere([*digest(tensors), *digest(_keys(layouts)), len(undecided)]) and not undecided):
+            reports = all_gathered((digest(tensors), undecided))  # the rare path: gather what must be
             if len({tuple(names) for names, _ in reports}) > 1:
                 _raise_different_tensors(tensors)
             gathered = sorted({index for _, theirs in reports for index in theirs})
@@ -83,7 +75,7 @@ class ShardLayout:
                 for position, index in enumerate(gathered):
                     parts = tuple(theirs[position] for theirs in everyone)
                     layouts[index] = ListedLayout(tuple(infos[index].shape), parts)
-            if not gathered or not same_everywhere(_digest(_keys(layouts))):  # unlike rules: every part of every tensor
+            if not gathered or not same_everywhere(digest(_keys(layouts))):  # unlike rules: every part of every tensor
                 everyone = all_gathered([info.part for info in infos])
                 layouts = [ListedLayout(tuple(i.shape), tuple(p[k] for p in everyone)) for k, i in enumerate(infos)]
                 gathered = list(range(len(infos)))
@@ -153,7 +145,7 @@ def _gather_one(
     flattened tensor is received whole into ``buffer`` and placed (``into``: the output and the
     part) once its work has completed.
 
-    Every chunk comes from its owner: a rank holding its own copy of a replicated tensor
+    Every part comes from its owner: a rank holding its own copy of a replicated tensor
     (BatchNorm statistics without SyncBatchNorm) receives the owner's value like the others.
     Every rank takes the same branches: they depend on the shared layout only.
     """
@@ -165,7 +157,7 @@ def _gather_one(
     device = comm_device(local.device)
     shape = layout.layouts[index].shape
     numel = int(torch.Size(shape).numel())
-    if dst is None:  # each owner broadcasts its chunk to all
+    if dst is None:  # each owner broadcasts its part to all
         out = torch.empty(numel, dtype=local.dtype, device=device)
         for owner, part in layout.owned(index):
             flat = part.flat_range()
@@ -215,15 +207,15 @@ def _gather_rows(
                 buffer = held.to(device)
                 pending.append((dist.isend(buffer, dst=dst), buffer, None))
         return None
-    slab = (stop - start, *shape[1:])
-    out = torch.empty(int(torch.Size(slab).numel()), dtype=local.dtype, device=device)
+    rows_shape = (stop - start, *shape[1:])
+    out = torch.empty(int(torch.Size(rows_shape).numel()), dtype=local.dtype, device=device)
     for owner, part in layout.owned(index):
         held = part.within_rows(start, stop)
         if not held.numel:
             continue
         flat = held.flat_range()
         if owner == me:
-            place(out.view(slab), held, part.rows_of(local, start, stop))
+            place(out.view(rows_shape), held, part.rows_of(local, start, stop))
         elif flat is not None:
             pending.append((dist.irecv(out[flat[0] : flat[1]], src=owner), out, None))
         else:

@@ -10,14 +10,14 @@ when it is needed instead of being gathered from every rank:
   split_factor)`` (FSDP2 over tensor parallel on the same dim) or ``("replicate",)`` per grid
   dim; a tensor held whole on every rank is all ``replicate``; ranks outside the grid hold none;
 - ``FlatLayout``: the tensor sits at ``[offset, offset + numel)`` of a flat buffer that is split
-  along one grid dim into ranges of ``chunk`` elements (replicated along the others);
+  along one grid dim into ranges of ``range_numel`` elements (replicated along the others);
 - ``ListedLayout``: every rank's part, listed (gathered), for what cannot be derived.
 
 Each answers ``part(rank)``, the ``owned`` parts (the lowest rank holding a part owns it),
 ``owner_of`` and ``replicas`` (from a rank's coordinate, no pass over every rank), ``check``
-(that the owned parts tile the tensor: by construction for ``torch.chunk``'s pieces, by
+(that the owned parts tile the tensor: by construction for ``torch.chunk``'s split, by
 arithmetic for a flat partition, by a sweep over listed parts), ``candidates(box)`` (the saved
-chunks a box may overlap) and its JSON form, which a checkpoint's manifest stores once per
+blocks a box may overlap) and its JSON form, which a checkpoint's manifest stores once per
 tensor (and each grid once), so it never lists tensors x ranks.
 """
 
@@ -88,10 +88,10 @@ class Grid:
     def shown(self) -> str:
         ranks = self.ranks
         if isinstance(ranks, range) or list(ranks) == list(range(ranks[0], ranks[0] + len(ranks))):
-            span = f"ranks {ranks[0]}-{ranks[-1]}" if len(ranks) > 1 else f"rank {ranks[0]}"
+            listed = f"ranks {ranks[0]}-{ranks[-1]}" if len(ranks) > 1 else f"rank {ranks[0]}"
         else:
-            span = f"ranks {', '.join(map(str, list(ranks)[:6]))}{', ...' if len(ranks) > 6 else ''}"
-        return span + (f" as a {' x '.join(map(str, self.shape))} grid" if len(self.shape) > 1 else "")
+            listed = f"ranks {', '.join(map(str, list(ranks)[:6]))}{', ...' if len(ranks) > 6 else ''}"
+        return listed + (f" as a {' x '.join(map(str, self.shape))} grid" if len(self.shape) > 1 else "")
 
 
 def make_grid(shape: Sequence[int], ranks: Sequence[int]) -> Grid:
@@ -218,7 +218,7 @@ class MeshLayout(GridLayout):
 
     def check(self, name: str) -> None:
         """Each ``Shard`` or ``_StridedShard`` cuts the indices left along its dim into disjoint
-        pieces that cover them (``torch.chunk``'s), so the parts of distinct coordinates along the
+        ranges that cover them (``torch.chunk``'s), so the parts of distinct coordinates along the
         sharding grid dims tile the tensor by construction: what is checked is that the rule is one."""
         ndim = len(self.shape)
         if len(self.placements) != len(self.grid.shape) or any(
@@ -239,16 +239,16 @@ class MeshLayout(GridLayout):
                 acting[placement[1]] = dim
         if not all(box[1]):
             return []
-        spans = {}
+        reached = {}  # grid dim -> the indices along it whose ranks hold some of the box
         for tensor_dim, dim in acting.items():
             size, count = self.shape[tensor_dim], self.grid.shape[dim]
-            piece = -(-size // count)
-            first, last = box[0][tensor_dim] // piece, (box[0][tensor_dim] + box[1][tensor_dim] - 1) // piece
-            spans[dim] = range(first, min(last, count - 1) + 1)
+            step = -(-size // count)
+            first, last = box[0][tensor_dim] // step, (box[0][tensor_dim] + box[1][tensor_dim] - 1) // step
+            reached[dim] = range(first, min(last, count - 1) + 1)
         found = []
-        for indices in itertools.product(*spans.values()):
+        for indices in itertools.product(*reached.values()):
             coordinate = [0] * len(self.grid.shape)
-            for dim, index in zip(spans, indices):
+            for dim, index in zip(reached, indices):
                 coordinate[dim] = index
             owner = min(self.grid.copies(tuple(coordinate), self.replicated))
             found += [(owner, block) for block in self.part(owner).packed().blocks]
@@ -294,13 +294,13 @@ class MeshLayout(GridLayout):
 @dataclass(frozen=True)
 class FlatLayout(GridLayout):
     """A flat partition: the tensor is elements ``[offset, offset + numel)`` of a flat buffer whose
-    grid-dim ``dim`` index ``i`` holds elements ``[i * chunk, (i + 1) * chunk)`` (padding past the
+    grid-dim ``dim`` index ``i`` holds elements ``[i * range_numel, (i + 1) * range_numel)`` (padding past the
     end); ranks along the other grid dims hold the same."""
 
     shape: tuple[int, ...]
     grid: Grid
     dim: int
-    chunk: int
+    range_numel: int  # elements of each index's range (the manifest's ``"chunk"``)
     offset: int
 
     @property
@@ -308,15 +308,15 @@ class FlatLayout(GridLayout):
         return math.prod(self.shape)
 
     def _range(self, index: int) -> tuple[int, int]:
-        start = min(max(index * self.chunk - self.offset, 0), self.numel)
-        return start, min(max((index + 1) * self.chunk - self.offset, start), self.numel)
+        start = min(max(index * self.range_numel - self.offset, 0), self.numel)
+        return start, min(max((index + 1) * self.range_numel - self.offset, start), self.numel)
 
     def _indices(self) -> range:
         """The indices along ``dim`` whose range holds some of the tensor."""
-        if not self.numel or not self.chunk:
+        if not self.numel or not self.range_numel:
             return range(0)
-        first = self.offset // self.chunk
-        return range(first, min((self.offset + self.numel - 1) // self.chunk + 1, self.grid.shape[self.dim]))
+        first = self.offset // self.range_numel
+        return range(first, min((self.offset + self.numel - 1) // self.range_numel + 1, self.grid.shape[self.dim]))
 
     def part(self, rank: int) -> Part:
         coordinate = self.grid.coordinate(rank)
@@ -338,7 +338,11 @@ class FlatLayout(GridLayout):
         return min(self.grid.copies(coordinate, self.replicated))
 
     def check(self, name: str) -> None:
-        if self.offset < 0 or self.chunk < 0 or self.offset + self.numel > self.chunk * self.grid.shape[self.dim]:
+        if (
+            self.offset < 0
+            or self.range_numel < 0
+            or self.offset + self.numel > self.range_numel * self.grid.shape[self.dim]
+        ):
             raise LayoutError(
                 f"the shards of {name!r} (shape {self.shape}) do not tile it: {self.shown()} does not reach its end"
             )
@@ -353,8 +357,8 @@ class FlatLayout(GridLayout):
         last = sum((o + n - 1) * s for o, n, s in zip(offsets, sizes, strides))
         held = self._indices()
         low, high = (
-            max((first + self.offset) // self.chunk, held.start),
-            min((last + self.offset) // self.chunk + 1, held.stop),
+            max((first + self.offset) // self.range_numel, held.start),
+            min((last + self.offset) // self.range_numel + 1, held.stop),
         )
         return [
             (self._owner(index), block)
@@ -363,7 +367,7 @@ class FlatLayout(GridLayout):
         ]
 
     def key(self) -> tuple:
-        return ("flat", self.shape, self.grid.digest, self.dim, self.chunk, self.offset)
+        return ("flat", self.shape, self.grid.digest, self.dim, self.range_numel, self.offset)
 
     def in_ranges(self) -> bool:
         return True
@@ -371,14 +375,15 @@ class FlatLayout(GridLayout):
     def to_json(self, grid_index: dict[str, int]) -> dict[str, Any]:
         return {
             "grid": grid_index[self.grid.digest],
-            "flat": {"dim": self.dim, "chunk": self.chunk, "offset": self.offset},
+            "flat": {"dim": self.dim, "chunk": self.range_numel, "offset": self.offset},
         }
 
     def shown(self) -> str:
         replicated = math.prod(self.grid.shape) // self.grid.shape[self.dim]
         return (
-            f"elements [{self.offset}, {self.offset + self.numel}) of a flat buffer split in ranges of {self.chunk} "
-            f"over {self.grid.shown()}" + (f", replicated {replicated} times" if replicated > 1 else "")
+            f"elements [{self.offset}, {self.offset + self.numel}) of a flat buffer split in ranges of "
+            f"{self.range_numel} over {self.grid.shown()}"
+            + (f", replicated {replicated} times" if replicated > 1 else "")
         )
 
 
@@ -399,7 +404,7 @@ class ListedLayout(TensorLayout):
         return ("listed", self.shape, tuple(part.boxes for part in self.parts))
 
     def shown(self) -> str:
-        return f"{len(self.owned)} chunks, as listed"
+        return f"{len(self.owned)} parts, as listed"
 
 
 def layout_from_json(value: Any, shape: Sequence[int], grids: Sequence[Grid]) -> TensorLayout:
@@ -478,77 +483,77 @@ def _box_index(layout: TensorLayout) -> _BoxIndex:
     return _BoxIndex(layout)
 
 
-# ---------------------------------------------------------------------- DTensor's split, on index runs
+# ---------------------------------------------------------------------- DTensor's split, on index ranges
 
-Runs = tuple[tuple[int, int], ...]  # (first index, length) of each run of consecutive indices
+Ranges = tuple[tuple[int, int], ...]  # (first index, length) of each range of consecutive indices
 
 
 def most_boxes(layout: MeshLayout) -> int:
     """At most how many boxes ``layout``'s distinct parts hold, all together, from its rule alone
-    (nothing worked out): a ``Shard`` keeps a dim's runs of indices (it slices them), a
-    ``_StridedShard`` of split factor ``f`` adds at most ``f - 1`` (its pieces' boundaries, no more
-    pieces than indices), a part's boxes are the product of its dims' runs, and the distinct
+    (nothing worked out): a ``Shard`` keeps a dim's ranges of indices (it slices them), a
+    ``_StridedShard`` of split factor ``f`` adds at most ``f - 1`` (its groups' boundaries, no more
+    groups than indices), a part's boxes are the product of its dims' ranges, and the distinct
     parts the product of the sharding grid dims' sizes."""
     if not math.prod(layout.shape):
         return 0
-    runs = [1] * len(layout.shape)
+    ranges = [1] * len(layout.shape)
     parts = 1
     for size, placement in zip(layout.grid.shape, layout.placements):
         if placement[0] != "replicate":
             parts *= size
         if placement[0] == "strided_shard":
-            runs[placement[1]] += min(placement[2], layout.shape[placement[1]]) - 1
-    return math.prod(runs) * parts
+            ranges[placement[1]] += min(placement[2], layout.shape[placement[1]]) - 1
+    return math.prod(ranges) * parts
 
 
 def _mesh_part(layout: MeshLayout, rank: int) -> Part:
     coordinate = layout.grid.coordinate(rank)
     if coordinate is None or not math.prod(layout.shape):
         return Part.empty(layout.shape)
-    runs = []
+    ranges = []
     for dim, size in enumerate(layout.shape):
         acting = tuple(
             (layout.grid.shape[g], placement[2] if placement[0] == "strided_shard" else 0, coordinate[g])
             for g, placement in enumerate(layout.placements)
             if placement[0] != "replicate" and placement[1] == dim
         )
-        runs.append(_dim_runs(size, acting))
-    return _part_from_runs(layout.shape, tuple(runs))
+        ranges.append(_dim_ranges(size, acting))
+    return _part_from_ranges(layout.shape, tuple(ranges))
 
 
 @functools.lru_cache(maxsize=65536)
-def _part_from_runs(shape: tuple[int, ...], runs: tuple[Runs, ...]) -> Part:
-    return Part.from_runs(shape, runs)
+def _part_from_ranges(shape: tuple[int, ...], ranges: tuple[Ranges, ...]) -> Part:
+    return Part.from_ranges(shape, ranges)
 
 
 @functools.lru_cache(maxsize=65536)
-def _dim_runs(size: int, acting: tuple[tuple[int, int, int], ...]) -> Runs:
+def _dim_ranges(size: int, acting: tuple[tuple[int, int, int], ...]) -> Ranges:
     """The indices along a dim of ``size`` that a coordinate holds: each acting grid dim
     ``(its size, split factor or 0 for Shard, the coordinate's index there)`` cuts the indices
     left so far, in grid-dim order, as ``distribute_tensor`` does."""
-    runs: Runs = ((0, size),) if size else ()
+    ranges: Ranges = ((0, size),) if size else ()
     for count, split_factor, index in acting:
-        if split_factor:  # _StridedShard: torch.chunk in split_factor, each piece in count, index-th of each
-            total = sum(length for _, length in runs)  # (torch.chunk makes no more pieces than indices)
-            pieces = [_chunk(runs, split_factor, piece) for piece in range(min(split_factor, total))]
-            runs = tuple(run for piece in pieces for run in _chunk(piece, count, index))
+        if split_factor:  # _StridedShard: torch.chunk in split_factor groups, each group in count, index-th of each
+            total = sum(length for _, length in ranges)  # (torch.chunk makes no more groups than indices)
+            groups = [_split(ranges, split_factor, group) for group in range(min(split_factor, total))]
+            ranges = tuple(kept for group in groups for kept in _split(group, count, index))
         else:
-            runs = _chunk(runs, count, index)
-    return runs
+            ranges = _split(ranges, count, index)
+    return ranges
 
 
-def _chunk(runs: Runs, count: int, index: int) -> Runs:
-    """Piece ``index`` of ``torch.chunk`` of a sequence of indices (as runs) into ``count`` pieces
-    (empty past the last one torch makes)."""
-    total = sum(length for _, length in runs)
+def _split(ranges: Ranges, count: int, index: int) -> Ranges:
+    """What ``torch.chunk`` of a sequence of indices (as ranges) into ``count`` gives index ``index``
+    (nothing past the last one torch makes)."""
+    total = sum(length for _, length in ranges)
     size = -(-total // count) if total else 0
-    return _slice(runs, min(index * size, total), min((index + 1) * size, total))
+    return _positions(ranges, min(index * size, total), min((index + 1) * size, total))
 
 
-def _slice(runs: Runs, start: int, end: int) -> Runs:
-    """Positions ``[start, end)`` of the sequence of indices ``runs``."""
+def _positions(ranges: Ranges, start: int, end: int) -> Ranges:
+    """Positions ``[start, end)`` of the sequence of indices ``ranges``."""
     out, position = [], 0
-    for first, length in runs:
+    for first, length in ranges:
         low, high = max(start, position), min(end, position + length)
         if low < high:
             out.append((first + low - position, high - low))

@@ -8,15 +8,16 @@ accumulated in fp32 (or fp64) from one input at a time, ``sum(w_i * x_i)`` in in
 and streamed to disk, so memory holds the accumulator, one input's tensor and the writer's
 piece, whatever the number of inputs. Integer tensors (counters) are not averaged: they come
 from the last input (with ``last=K``, the newest). The output is a Hugging Face safetensors
-model (``model.safetensors``, or shards and an index) or an averager's checkpoint that
-``avg.load`` restores at any world size.
+model (``model.safetensors``, or shards and an index), an averager's checkpoint that
+``avg.load`` restores at any world size, or a ``torch.distributed.checkpoint`` folder under the
+inputs' own keys that the trainers that wrote them load back (``output.dcp_checkpoint``).
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import itertools
-import json
 import math
 import os
 import re
@@ -31,29 +32,41 @@ from typing import Literal
 import torch
 
 from ..base import validate
-from ..base.dist import agree_or_raise, all_gathered, distributed, rank, same_everywhere, world_size
+from ..base.dist import all_gathered, digest
 from ..base.dtypes import dtype_name
 from ..base.errors import CheckpointError, ProvenanceError
 from ..base.logs import log
 from ..base.progress import Progress
 from ..checkpoints.checkpoint import save_whole
-from ..checkpoints.format import WEIGHTS_FILE, WEIGHTS_INDEX
-from ..checkpoints.ownership import LOCK_FILE, export_files, target_path
-from ..checkpoints.storage import Entry, atomic_file, open_regular, safetensors_metadata
-from ..output.export import cast, cast_dtype, parse_size, provenance_file, write_spread
-from ..output.model_folder import CONFIG, NOT_CARRIED, TOKENIZER_FILES, carried_files, files_dtype, write_config
+from ..checkpoints.ownership import LOCK_FILE
+from ..checkpoints.storage import Entry, atomic_file, open_regular
+from ..output import dcp_checkpoint
+from ..output.model_folder import (
+    CONFIG,
+    NOT_CARRIED,
+    TOKENIZER_FILES,
+    carried_files,
+    files_dtype,
+    weights_record,
+    write_config,
+)
+from ..output.model_writer import cast, cast_dtype, parse_size, write_spread
 from ..output.provenance import FILE as PROVENANCE
 from ..output.provenance import made_by, manifest_sha256, of_input
-from ..output.weight_files import Slots, WeightPlan, assign, check_output_folder, row_pieces
+from ..output.record import FolderRecord, MergedInput
+from ..output.target import check_out, out_path
+from ..output.weight_files import Slots, WeightPlan
+from ..output.work import Rows, Work, Workers, assign, pieces
 from ..rules import SWA
 from ..state.description import DescribedAverage, Description, TensorEntry
 from ..update.options import Options
-from .saved_average import PLAIN_NAME, Rows, slab_shape
-from .sources import SafetensorsSource, Source, Spec, confined, finished_checkpoints, open_source
+from . import megatron
+from .saved_average import PLAIN_NAME, rows_shape
+from .sources import DcpSource, SafetensorsSource, Source, Spec, confined, finished_checkpoints, open_source
 
-Output = Literal["safetensors", "shardavg"]
+Output = Literal["safetensors", "shardavg", "dcp"]
 HF_CONFIGS = ("config.json", "generation_config.json")  # what merges before 0.4 carried, unrecorded
-CHUNK = 2**20  # bytes a carried file is copied by: a 1 GiB tokenizer.model is never held whole
+COPY_BYTES = 2**20  # bytes a carried file is copied by: a 1 GiB tokenizer.model is never held whole
 Carried = dict[str, Path]  # a model folder's files a merge carries: {name: the real file read}
 
 
@@ -82,7 +95,8 @@ def merge(
 
     Args:
         inputs: checkpoints (see ``sources.open_source``), or with ``last`` one run folder.
-        out: the folder to write: a model folder, or with ``output="shardavg"`` an averager's checkpoint.
+        out: the folder to write: a model folder, with ``output="shardavg"`` an averager's checkpoint,
+            with ``output="dcp"`` a DCP checkpoint.
         weights: one per input, normalised to sum to 1 (default: uniform).
         last: take the newest ``last`` finished checkpoints of the run folder ``inputs``, by step.
         ema: weight the checkpoint of step ``s`` by ``ema ** (s_newest - s)``, normalised: what an
@@ -102,7 +116,15 @@ def merge(
         dtype: the floating tensors' output dtype (default: the inputs' when they agree, else fp32).
         accumulate: ``torch.float32`` or ``torch.float64``.
         max_shard_size: the largest output file before the model is split (``"5GB"``, or bytes).
-        output: ``"safetensors"`` (a model folder) or ``"shardavg"`` (an averager's checkpoint).
+        output: ``"safetensors"`` (a model folder), ``"shardavg"`` (an averager's checkpoint) or
+            ``"dcp"``: a ``torch.distributed.checkpoint`` folder of the model's tensors under the keys,
+            shapes and dtypes of the newest DCP input (its nesting too: ``dcp.load`` of the state dict
+            that trainer saves restores it), else of the tensors' names at the top level; one file per
+            worker, ``.metadata`` written last. From a Megatron-Core ``torch_dist`` input it also
+            carries, byte for byte and never unpickled, ``metadata.json``, ``common.pt`` and the
+            ``*._extra_state`` entries, so that ``dist_checkpointing.load`` reads it (without the
+            optimizer and rng state: ``--no-load-optim --no-load-rng``). ``max_shard_size`` does not
+            apply.
         collective: split the work between the ranks of the default process group, each of which
             must call ``merge`` with the same arguments (what ``torchrun -m shardavg merge`` does);
             by default this process merges alone, whatever process group there is.
@@ -130,7 +152,7 @@ def merge(
     """
     validate.floating_dtype("dtype", dtype)
     validate.choice("accumulate", accumulate, (torch.float32, torch.float64))
-    validate.choice("output", output, ("safetensors", "shardavg"))
+    validate.choice("output", output, ("safetensors", "shardavg", "dcp"))
     patterns = _patterns("include", include), _patterns("exclude", exclude)
     max_bytes = parse_size(max_shard_size)
     workers = Workers.of(collective)
@@ -153,26 +175,30 @@ def merge(
             plan = _selected(plan_names(sources, model_folder=output == "safetensors"), *patterns)
             shares = _weights(sources, weights, ema, schedule, normalize, accumulate)
             specs = [_output_spec(planned, sources, dtype) for planned in plan]
-            pieces = _pieces(plan, specs, output, workers.count)
-            owner = assign([piece.nbytes for piece in pieces], workers.count)
-            mine = [piece for piece, writer in zip(pieces, owner) if writer == workers.rank or output == "shardavg"]
-            _check_range(sources, shares, plan, specs, mine, accumulate)
-            made = _made(sources, shares, schedule, dtype, workers.count) if workers.rank == 0 else {}
+            work = _work(plan, specs, output, workers.count)
+            owner = assign([piece.nbytes for piece in work], workers.count)
+            mine = [piece for piece, writer in zip(work, owner) if writer == workers.rank or output == "shardavg"]
+            merging = Merging(sources, shares, plan, specs, accumulate)
+            merging.check_range(mine)
+            made = _made(sources, shares, schedule, dtype, workers.count, output) if workers.lead else None
         except Exception as caught:
             error = caught
         workers.agree(error, "checking the merge's inputs")
-        if not workers.same(_digest(plan, specs, shares)):
-            seen = all_gathered((len(plan), [round(share, 6) for share in shares], _digest(plan, specs, shares)))
+        agreed = digest([[p.names, p.held, str(s.dtype), s.shape] for p, s in zip(plan, specs)] + [shares])
+        if not workers.same(agreed):
+            seen = all_gathered((len(plan), [round(share, 6) for share in shares], agreed))
             raise CheckpointError(
                 "the workers read different inputs (names, shapes, dtypes or weights differ): "
                 + "; ".join(f"rank {r}: {n} tensors, weights {w}, digest {d[0]:x}" for r, (n, w, d) in enumerate(seen))
                 + ": every worker must see the same checkpoints and be given the same arguments"
             )
         if output == "shardavg":
-            written = _write_checkpoint(Path(out), sources, shares, plan, specs, accumulate, made, workers, progress)
+            written = _write_checkpoint(Path(out), merging, made, workers, progress)
+        elif output == "dcp":
+            written = _write_dcp(Path(out), merging, mine, made, workers, progress)
         else:
-            folder = Folder(Path(out), carried[-1] if carried else None, _record(sources, shares), max_bytes)
-            written = folder.write(sources, shares, plan, specs, mine, accumulate, made, workers, progress)
+            folder = Folder(Path(out), carried[-1] if carried else None, max_bytes)
+            written = folder.write(merging, mine, made, workers, progress)
         _log_done(sources, plan, written)
         return written
     finally:
@@ -181,81 +207,34 @@ def merge(
             source.close()
 
 
-@dataclass(frozen=True)
-class Piece:
-    """What one worker merges at once: tensor ``plan[index]``, its ``rows`` or all of it (None)."""
-
-    index: int
-    rows: Rows
-    nbytes: int  # bytes written
-
-
-def _pieces(plan: list[Planned], specs: list[Spec], output: Output, workers: int) -> list[Piece]:
-    """The work, by bytes written (under each name of a tied tensor): every tensor, and, into a
-    model folder by several workers, one larger than 1/``workers`` of the whole as pieces of
-    consecutive rows of about that, so that the largest tensors spread over the workers too."""
-    copies = [len(planned.names) if output == "safetensors" else 1 for planned in plan]
+def _work(plan: list[Planned], specs: list[Spec], output: Output, workers: int) -> list[Work]:
+    """The work (``work.pieces``), by bytes written (under each name of a tied tensor): every tensor,
+    and, into a model folder or a DCP checkpoint by several workers, one larger than 1/``workers``
+    of the whole as pieces of consecutive rows of about that (a DCP chunk is then a box of those
+    rows), so that the largest tensors spread over the workers too. A model folder's tensor ``k``
+    is written at the slots of its names, which follow the names of the tensors before it."""
+    spread = output != "shardavg"  # (an averager's checkpoint is one file, one writer's)
+    copies = [len(planned.names) if spread else 1 for planned in plan]
     sizes = [math.prod(spec.shape) * spec.dtype.itemsize * n for spec, n in zip(specs, copies)]
-    largest = -(-sum(sizes) // workers) if output == "safetensors" else sum(sizes)
-    pieces = []
+    largest = -(-sum(sizes) // workers) if spread else sum(sizes)
+    first = list(itertools.accumulate(copies, initial=0))
+    found = []
     for index, (spec, size) in enumerate(zip(specs, sizes)):
-        for rows in row_pieces(spec.shape, size, largest):
-            pieces.append(Piece(index, rows, size if rows is None else size * (rows[1] - rows[0]) // spec.shape[0]))
-    return pieces
+        found += pieces(index, spec.shape, size, tuple(range(first[index], first[index + 1])), largest)
+    return found
 
 
-def _digest(plan: list[Planned], specs: list[Spec], shares: list[float]) -> list[int]:
-    """What the workers must agree on, as a few integers."""
-    text = json.dumps([[p.names, p.held, str(s.dtype), s.shape] for p, s in zip(plan, specs)] + [shares])
-    digest = hashlib.sha256(text.encode()).digest()
-    return [int.from_bytes(digest[k : k + 7], "little") for k in range(0, 28, 7)]
-
-
-@dataclass(frozen=True)
-class Workers:
-    """Who merges: this process alone, or (``together``) every rank of the process group."""
-
-    rank: int
-    count: int
-    together: bool
-
-    @classmethod
-    def of(cls, collective: bool) -> Workers:
-        together = collective and distributed()
-        return cls(rank() if together else 0, world_size() if together else 1, together)
-
-    def agree(self, error: Exception | None, what: str) -> None:
-        """Alone: raise its own error as it is; together: every worker raises if any failed."""
-        if self.together:
-            agree_or_raise(error, what, CheckpointError)
-        elif error is not None:
-            raise error
-
-    def same(self, values: list[int]) -> bool:
-        return not self.together or same_everywhere(values)
-
-
-def _write_checkpoint(
-    out: Path,
-    sources: list[Source],
-    shares: list[float],
-    plan: list[Planned],
-    specs: list[Spec],
-    accumulate: torch.dtype,
-    made: dict,
-    workers: Workers,
-    progress: Progress,
-) -> Path:
+def _write_checkpoint(out: Path, merging: Merging, made: dict | None, workers: Workers, progress: Progress) -> Path:
     """The merge as an averager's checkpoint of one rank file (its provenance ``made`` in the
     manifest): written by the first worker (one file, with its digest, is one writer's), the
     others waiting for its verdict."""
     error: Exception | None = None
-    if workers.rank == 0:
+    if workers.lead:
         try:
-            whole = [Piece(index, None, 0) for index in range(len(plan))]
-            total = sum(math.prod(spec.shape) * spec.dtype.itemsize for spec in specs)
-            stream = progress.counted(_merged(sources, shares, plan, specs, whole, accumulate), total)
-            description = replace(_description(sources, shares, plan, specs), provenance=made)
+            whole = [Work(index, None, 0, ()) for index in range(len(merging.plan))]
+            total = sum(math.prod(spec.shape) * spec.dtype.itemsize for spec in merging.specs)
+            stream = progress.counted(merging.merged(whole), total)
+            description = replace(_description(merging), provenance=made)
             out = save_whole(out, description, stream)
         except Exception as caught:
             error = caught
@@ -263,49 +242,92 @@ def _write_checkpoint(
     return Path(out)
 
 
+def _write_dcp(
+    out: Path, merging: Merging, mine: list[Work], made: dict | None, workers: Workers, progress: Progress
+) -> Path:
+    """The merge as a DCP checkpoint (``output.dcp_checkpoint``): the first worker takes the folder
+    (its record written, an earlier merge's ``.metadata`` gone); every worker writes its pieces
+    into a file of its own, in parallel, each piece a chunk of its rows under the key of each of
+    its names; once every worker has, the first carries a Megatron input's files and commits
+    ``.metadata``, last. A failure anywhere is every worker's, and leaves no ``.metadata``."""
+    keys, nesting, newest = _dcp_keys(merging.sources)
+    tensors = {keys(n): (s.dtype, s.shape) for planned, s in zip(merging.plan, merging.specs) for n in planned.names}
+    error: Exception | None = None
+    objects: list[tuple[str, bytes]] = []
+    files: list[Path] = []
+    with contextlib.ExitStack() as held:
+        if workers.lead:
+            try:
+                held.enter_context(dcp_checkpoint.taken(out, made or {}))
+                if newest is not None and megatron.is_torch_dist(newest.path):
+                    objects, files = megatron.carried(newest.folder)
+            except Exception as caught:
+                error = caught
+        workers.agree(error, f"preparing {out}")
+
+        def chunks() -> Iterator[tuple[str, Rows, torch.Tensor]]:
+            for piece, tensor in merging.each(mine, progress):
+                for name in merging.plan[piece.index].names:  # (a tied tensor under each of its names' keys)
+                    yield keys(name), piece.rows, tensor
+                del tensor  # (before the next one is merged)
+
+        written: list[dcp_checkpoint.Written] = []
+        try:
+            written = dcp_checkpoint.write_part(out, workers.rank, chunks(), objects)
+        except Exception as caught:
+            error = caught
+        workers.agree(error, f"writing the merge to {out}")
+        everyone = all_gathered(written) if workers.together else [written]
+        if workers.lead:
+            try:
+                dcp_checkpoint.carry(out, files)
+                dcp_checkpoint.commit(out, tensors, [chunk for part in everyone for chunk in part], nesting)
+            except Exception as caught:
+                error = caught
+        workers.agree(error, f"committing the merge to {out}")
+    return out
+
+
+def _dcp_keys(sources: list[Source]) -> tuple[Callable[[str], str], dict[str, tuple] | None, DcpSource | None]:
+    """How a DCP output names and nests the merged tensors: as the newest DCP input stores them
+    (``model.`` and its nesting, as torchtitan or the main job saved; Megatron's flat keys), else
+    under their names at the top level; and that input."""
+    newest = next((s for s in reversed(sources) if isinstance(s, DcpSource)), None)
+    if newest is None:
+        return (lambda name: name), None, None
+    stored = {name: key for name, (key, _) in newest.keys.items()}
+    return (lambda name: stored.get(name, name)), dcp_checkpoint.nesting_of(newest.folder.metadata), newest
+
+
 @dataclass
 class Folder:
-    """The merge as a model folder: the weights (``record`` in their metadata, with the files
-    carried), written by every worker, each its share of the tensors by bytes, and the merge's
-    provenance; then the newest Hugging Face input's other files (``carried``, see ``_carry``),
+    """The merge as a model folder: the weights, written by every worker, each its share of the
+    tensors by bytes, with the merge's record (its inputs and the files carried; its provenance
+    beside them); then the newest Hugging Face input's other files (``carried``, see ``_carry``),
     by the first worker."""
 
     out: Path
     carried: Carried | None
-    record: dict
     max_bytes: int
 
     def write(
-        self,
-        sources: list[Source],
-        shares: list[float],
-        plan: list[Planned],
-        specs: list[Spec],
-        mine: list[Piece],
-        accumulate: torch.dtype,
-        made: dict,
-        workers: Workers,
-        progress: Progress,
+        self, merging: Merging, mine: list[Work], made: dict | None, workers: Workers, progress: Progress
     ) -> Path:
-        target = target_path(self.out, "merge", replaced_whole=False)
+        target = out_path(self.out, "merge")
         before = carried_before(target) if target.is_dir() else set()
         carried = self.carried or {}
-        metadata = {"format": "pt", "shardavg": json.dumps(self.record | {"carried": sorted(carried)})}
-        entries = [Entry(n, spec.dtype, spec.shape) for planned, spec in zip(plan, specs) for n in planned.names]
-        weights = WeightPlan(entries, self.max_bytes, metadata)
-        first_slot = list(itertools.accumulate((len(p.names) for p in plan), initial=0))
+        plan = merging.plan
+        entries = [
+            Entry(n, spec.dtype, spec.shape) for planned, spec in zip(plan, merging.specs) for n in planned.names
+        ]
+        weights = WeightPlan(entries, self.max_bytes, _record(merging.sources, merging.shares, sorted(carried), made))
 
         def write(slots: Slots) -> Exception | None:
             try:
-                merged = _merged(sources, shares, plan, specs, mine, accumulate)
-                pieces = iter(mine)
-                progress.start(sum(piece.nbytes for piece in mine))
-                for tensor in merged:  # (not zip: its reused tuple would hold a tensor while the next is merged)
-                    piece = next(pieces)
-                    for slot in range(first_slot[piece.index], first_slot[piece.index + 1]):
+                for piece, tensor in merging.each(mine, progress):
+                    for slot in piece.slots:
                         slots.write(weights.slots[slot], tensor, piece.rows)
                     del tensor  # before the next one is merged
-                    progress.advance(piece.nbytes)
             except Exception as caught:
                 return caught
             finally:
@@ -318,9 +340,7 @@ class Folder:
         def finish() -> None:
             _carry(carried, before, target, dtype, untied)
 
-        what = f"writing the merge to {self.out}"
-        beside = provenance_file(made) if workers.rank == 0 else None  # (committed with the weights, by the first)
-        return write_spread(target, weights, write, what, finish, together=workers.together, beside=beside)
+        return write_spread(target, weights, write, f"writing the merge to {self.out}", workers, finish)
 
 
 def _inputs(inputs: Sequence[str | os.PathLike] | str | os.PathLike, last: int | None) -> list[Path]:
@@ -366,9 +386,11 @@ def _check_out(out: str | os.PathLike, inputs: list[Path], output: Output) -> No
     """OUT names a folder of its own: not an input, inside one, or holding one (which its writing
     could replace), nor inside any checkpoint; new, empty, or holding nothing but an earlier
     merge (or export) of shardavg's in the same format, which it replaces."""
-    check_output_folder(out, inputs, replaces_checkpoint=output == "shardavg")  # (a checkpoint replaced only by one)
-    if output == "safetensors" and Path(out).is_dir() and not Path(out).is_symlink():
-        own = {name for name, ours in export_files(Path(out)).items() if ours} | carried_before(Path(out))
+    weights = check_out(out, "merge", inputs, replaces_checkpoint=output != "safetensors")  # (all shardavg's)
+    if output == "dcp":
+        dcp_checkpoint.check_replaceable(Path(out))
+    if output == "safetensors" and Path(out).is_dir():
+        own = set(weights) | carried_before(Path(out))
         others = sorted(p.name for p in Path(out).iterdir() if p.name not in own | {*HF_CONFIGS, LOCK_FILE, PROVENANCE})
         if others:
             raise CheckpointError(
@@ -378,18 +400,15 @@ def _check_out(out: str | os.PathLike, inputs: list[Path], output: Output) -> No
 
 
 def carried_before(out: Path) -> set[str]:
-    """The files an earlier merge into ``out`` carried there, as its weights' metadata records them."""
+    """The files an earlier merge into ``out`` carried there, as its weights' record says: plain
+    names in OUT, never a weight file, nor the provenance (which earlier merges could carry from
+    an input). None where the record cannot be read."""
     try:
-        if (out / WEIGHTS_INDEX).is_file():
-            recorded = json.loads((out / WEIGHTS_INDEX).read_text())["metadata"]["shardavg"]
-        else:
-            recorded = safetensors_metadata(out / WEIGHTS_FILE)["shardavg"]
-        carried = json.loads(recorded).get("carried", [])
-    except (OSError, ValueError, KeyError, TypeError, AttributeError, CheckpointError):
+        record = weights_record(out)
+    except (OSError, CheckpointError):
         return set()
-    plain = (name for name in carried if isinstance(name, str) and PLAIN_NAME.match(name))
-    # (a plain name in OUT, never a weight file, nor the provenance, which earlier merges could carry from an input)
-    return {name for name in plain if not NOT_CARRIED.search(name) and name != PROVENANCE}
+    carried = record.carried if record is not None else ()
+    return {name for name in carried if PLAIN_NAME.match(name) and not NOT_CARRIED.search(name) and name != PROVENANCE}
 
 
 @dataclass(frozen=True)
@@ -636,68 +655,80 @@ def _output_spec(planned: Planned, sources: list[Source], dtype: torch.dtype | N
     return Spec(found.pop() if len(found) == 1 else torch.float32, first.shape)
 
 
-def _merged(
-    sources: list[Source],
-    shares: list[float],
-    plan: list[Planned],
-    specs: list[Spec],
-    pieces: Iterable[Piece],
-    accumulate: torch.dtype,
-) -> Iterator[torch.Tensor]:
-    """Each piece merged in turn: ``sum(w_i * x_i)`` accumulated in input order, then cast (an
-    overflow of the output dtype refused by name). Nothing is kept from one piece to the next."""
-    for piece in pieces:
-        planned, spec = plan[piece.index], specs[piece.index]
-        if spec.dtype.is_floating_point:
-            merged = torch.zeros(slab_shape(spec.shape, piece.rows), dtype=accumulate)
-            for source, name, share in zip(sources, planned.held, shares):
-                merged.add_(source.read(name, piece.rows).to(accumulate).mul_(share))
-            merged = cast(merged, spec.dtype, planned.names[0])
-        else:
-            merged = sources[-1].read(planned.held[-1], piece.rows)
-        yield merged
-        del merged
+@dataclass(frozen=True)
+class Merging:
+    """What every writer merges: the inputs and their weights (``shares``), the tensors planned and
+    their output specs, and the dtype sums accumulate in."""
+
+    sources: list[Source]
+    shares: list[float]
+    plan: list[Planned]
+    specs: list[Spec]
+    accumulate: torch.dtype
+
+    def merged(self, pieces: Iterable[Work]) -> Iterator[torch.Tensor]:
+        """Each piece merged in turn: ``sum(w_i * x_i)`` accumulated in input order, then cast (an
+        overflow of the output dtype refused by name). Nothing is kept from one piece to the next."""
+        for piece in pieces:
+            planned, spec = self.plan[piece.index], self.specs[piece.index]
+            if spec.dtype.is_floating_point:
+                merged = torch.zeros(rows_shape(spec.shape, piece.rows), dtype=self.accumulate)
+                for source, name, share in zip(self.sources, planned.held, self.shares):
+                    merged.add_(source.read(name, piece.rows).to(self.accumulate).mul_(share))
+                merged = cast(merged, spec.dtype, planned.names[0])
+            else:
+                merged = self.sources[-1].read(planned.held[-1], piece.rows)
+            yield merged
+            del merged
+
+    def each(self, mine: list[Work], progress: Progress) -> Iterator[tuple[Work, torch.Tensor]]:
+        """Each piece of ``mine`` with its merged tensor, the progress advanced once the caller has
+        written it. Not ``zip``: its reused tuple would hold a tensor while the next is merged."""
+        items = iter(mine)
+        progress.start(sum(piece.nbytes for piece in mine))
+        for tensor in self.merged(mine):
+            piece = next(items)
+            yield piece, tensor
+            del tensor
+            progress.advance(piece.nbytes)
+
+    def check_range(self, pieces: list[Work]) -> None:
+        """Refuse, before anything is written, a merged tensor that overflows its output dtype: one
+        pass over the ``pieces`` narrowed to a dtype of a smaller range (fp16) from inputs of a wider
+        one, or, when the weights are no average (raw, negative or not summing to 1), from any input.
+        (An average of inputs already in the output dtype stays within their range.)"""
+        average = all(w >= 0 for w in self.shares) and abs(math.fsum(self.shares) - 1.0) <= 1e-9
+
+        def narrowed(piece: Work) -> bool:
+            planned, spec = self.plan[piece.index], self.specs[piece.index]
+            return spec.dtype.is_floating_point and any(
+                torch.finfo(spec.dtype).max < torch.finfo(source.specs[name].dtype if average else self.accumulate).max
+                for source, name in zip(self.sources, planned.held)
+            )
+
+        for _ in self.merged(filter(narrowed, pieces)):
+            pass  # (each piece is cast and checked in turn, then let go)
 
 
-def _check_range(
-    sources: list[Source],
-    shares: list[float],
-    plan: list[Planned],
-    specs: list[Spec],
-    pieces: list[Piece],
-    accumulate: torch.dtype,
-) -> None:
-    """Refuse, before anything is written, a merged tensor that overflows its output dtype: one
-    pass over the ``pieces`` narrowed to a dtype of a smaller range (fp16) from inputs of a wider
-    one, or, when the weights are no average (raw, negative or not summing to 1), from any input.
-    (An average of inputs already in the output dtype stays within their range.)"""
-    average = all(w >= 0 for w in shares) and abs(math.fsum(shares) - 1.0) <= 1e-9
-
-    def narrowed(piece: Piece) -> bool:
-        planned, spec = plan[piece.index], specs[piece.index]
-        return spec.dtype.is_floating_point and any(
-            torch.finfo(spec.dtype).max < torch.finfo(source.specs[name].dtype if average else accumulate).max
-            for source, name in zip(sources, planned.held)
-        )
-
-    for _ in _merged(sources, shares, plan, specs, filter(narrowed, pieces), accumulate):
-        pass  # (each piece is cast and checked in turn, then let go)
+def _record(sources: list[Source], shares: list[float], carried: list[str], made: dict | None) -> FolderRecord:
+    """What the output says of its making: the inputs, their steps and weights, the newest step,
+    the files carried, and (beside the weights) the provenance ``made``."""
+    inputs = tuple(MergedInput(str(s), s.step, w) for s, w in zip(sources, shares))
+    return FolderRecord("merge", _newest(sources), inputs=inputs, carried=tuple(carried), provenance=made)
 
 
-def _record(sources: list[Source], shares: list[float]) -> dict:
-    """What the output says of its making: the inputs, their steps and weights."""
-    steps = [s.step for s in sources]
-    newest = max((s for s in steps if s is not None), default=None)
-    return {"merge": [{"input": str(s), "step": s.step, "weight": w} for s, w in zip(sources, shares)], "step": newest}
+def _newest(sources: list[Source]) -> int | None:
+    """The newest of the inputs' steps (None: none records one)."""
+    return max((s.step for s in sources if s.step is not None), default=None)
 
 
-def _description(sources: list[Source], shares: list[float], plan: list[Planned], specs: list[Spec]) -> Description:
+def _description(merging: Merging) -> Description:
     """The merge as an averager's description: one average of ``len(sources)`` updates, by SWA's
     rule when the weights are equal (it is then their SWA), else a custom rule named ``merge``;
     each tensor's kind and role as an averager's input records them (else a floating tensor is
     an averaged parameter, an integer one a copy), tied names as its aliases."""
+    sources, shares = merging.sources, merging.shares
     uniform = max(shares) - min(shares) <= 1e-12 * max(shares)
-    record = _record(sources, shares)
     described = next((s.described for s in sources if s.described), {})  # an averager's checkpoint's roles
 
     def kind_and_role(name: str, spec: Spec) -> tuple[str, str]:
@@ -705,7 +736,7 @@ def _description(sources: list[Source], shares: list[float], plan: list[Planned]
 
     rule = SWA().to_config() if uniform else {"kind": "custom", "name": "merge"}
     return Description(
-        step=record["step"] or 0,
+        step=_newest(sources) or 0,
         num_updates=len(sources),
         num_skipped=0,
         averages=(DescribedAverage(None, rule),),
@@ -717,11 +748,11 @@ def _description(sources: list[Source], shares: list[float], plan: list[Planned]
                 spec.shape,
                 dtype_name(spec.dtype),
             )
-            for planned, spec in zip(plan, specs)
+            for planned, spec in zip(merging.plan, merging.specs)
         ),
         strategy="replicated",
         world_size=1,
-        options=Options(dtype=None).describe(),  # each tensor kept in its own dtype
+        options=Options(dtype=None),  # each tensor kept in its own dtype
     )
 
 
@@ -764,20 +795,30 @@ def _carry(carried: Carried, before: set[str], out: Path, dtype: torch.dtype | N
             write_config(real, out / name, dtype, untied)
             continue
         with os.fdopen(open_regular(real), "rb") as source, atomic_file(out / name) as handle:
-            shutil.copyfileobj(source, handle, CHUNK)
+            shutil.copyfileobj(source, handle, COPY_BYTES)
     for stale in before - set(carried):
         (out / stale).unlink(missing_ok=True)
 
 
 def _made(
-    sources: list[Source], shares: list[float], schedule: Schedule | None, dtype: torch.dtype | None, workers: int
+    sources: list[Source],
+    shares: list[float],
+    schedule: Schedule | None,
+    dtype: torch.dtype | None,
+    workers: int,
+    output: Output = "safetensors",
 ) -> dict:
     """The merge's provenance, made before anything is written (so that nothing an input holds can
-    fail it afterwards): each input's path, step, weight, run and manifest digest, and the
-    provenance it recorded, where it can be read (``_input_made``)."""
+    fail it afterwards): each input's path, step, weight, run and manifest digest, the provenance
+    it recorded, where it can be read (``_input_made``), and the groups of its entries left out
+    (``{group: entries}``: an optimizer, rng state); a DCP output's format (``"output"``)."""
     inputs = [_input_made(source, share) for source, share in zip(sources, shares)]
+    for record, source in zip(inputs, sources):
+        if source.left_out:
+            record["left_out"] = dict(source.left_out)
     written = None if dtype is None else dtype_name(dtype)
-    return made_by("merge", workers, schedule=schedule, dtype=written, inputs=inputs)
+    details = {"output": output} if output == "dcp" else {}
+    return made_by("merge", workers, schedule=schedule, dtype=written, inputs=inputs, **details)
 
 
 def _input_made(source: Source, share: float) -> dict:

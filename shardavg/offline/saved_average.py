@@ -11,26 +11,34 @@ from __future__ import annotations
 
 import functools
 import io
+import json
 import math
 import os
 import pickle
 import re
 import stat
 import warnings
-from collections.abc import Callable
+from collections import Counter
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from ..base.dtypes import dtype_name
 from ..base.errors import CheckpointError
+from ..base.progress import Progress
 from ..base.validate import is_count
 from ..checkpoints.format import DCP_METADATA, MANIFEST, MANIFEST_LIMIT, STEP_DIR, decode_description
 from ..checkpoints.reading import open_checkpoint
 from ..layouts.parts import Box, Part, tiles, within
-from ..state.description import TensorEntry, tensor_key
+from ..output.model_writer import write_model
+from ..output.provenance import made_by, of_input, shown
+from ..output.record import FolderRecord
+from ..output.target import check_out
+from ..state.description import Description, TensorEntry, tensor_key
 
-StoredChunk = tuple[list[Box], Callable[[torch.Tensor, int], None]]  # a chunk on disk: its boxes, fill(slab, first row)
+StoredChunk = tuple[list[Box], Callable[[torch.Tensor, int], None]]  # a chunk on disk: its boxes, fill(out, first row)
 Rows = tuple[int, int] | None  # rows [start, stop) of a tensor; None: all of it
 PLAIN_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]*$")  # a file inside the checkpoint, never a path
 
@@ -40,6 +48,9 @@ _DCP_GLOBALS = {
         "TensorProperties", "MetadataIndex", "StorageMeta", "_MEM_FORMAT_ENCODING",
     },
     "torch.distributed.checkpoint.filesystem": {"_StorageInfo"},
+    # Megatron-Core (since about 0.12) keeps its ranks' save plans in the metadata (``all_local_plans``):
+    # torch's own data classes, built of the metadata classes above; nothing else of the planner's.
+    "torch.distributed.checkpoint.planner": {"SavePlan", "WriteItem", "WriteItemType", "TensorWriteData"},
     "torch.serialization": {"_get_layout"},
     "torch": {"Size"},
     "pathlib": {"Path", "PosixPath", "PurePosixPath", "WindowsPath", "PureWindowsPath"},
@@ -48,7 +59,8 @@ _DCP_GLOBALS = {
 
 
 class _MetadataUnpickler(pickle.Unpickler):
-    """Builds DCP's metadata classes, torch dtypes and sizes; refuses every other global."""
+    """Builds DCP's metadata classes (and the save plans Megatron-Core stores with them), torch dtypes
+    and sizes; refuses every other global."""
 
     def __init__(self, file: io.BufferedReader, where: str) -> None:
         super().__init__(file)
@@ -108,6 +120,58 @@ class SavedAverage:
         """The key tensor ``name`` of ``average`` is stored under."""
         return tensor_key(average, name) if self.tensors[name].role == "average" else name
 
+    # --------------------------------------------------------------- export
+
+    def export(
+        self,
+        out: str | os.PathLike,
+        *,
+        average: str | None = None,
+        dtype: torch.dtype | None = None,
+        max_shard_size: int | str = "5GB",
+        verify: bool = False,
+        progress: Progress | None = None,
+    ) -> Path:
+        """Write ``average`` as a model folder into ``out`` (``shardavg export``), one tensor at a time.
+
+        OUT and every chunk table are checked before anything is written (and with ``verify``,
+        every file against its recorded SHA-256); the folder records the export and this
+        checkpoint as its input (``provenance.json``).
+
+        Args:
+            out: the model folder to write (beside the checkpoint is fine, inside it is not).
+            average: which average, when the averager kept several.
+            dtype: the floating tensors' dtype (default: as saved).
+            max_shard_size: the largest file before the model is split (``"5GB"``, or bytes).
+            verify: first hash every file against the SHA-256 recorded when it was written.
+            progress: shows the bytes read as they are written (default: nothing shown).
+
+        Returns:
+            The folder written.
+
+        Raises:
+            CheckpointError: an OUT that cannot take the export, a checkpoint saved before any
+                update, or a damaged checkpoint; nothing is written then.
+        """
+        check_out(out, "export", [self.path], beside=True)
+        average = self.average(average)
+        description = self.description
+        if description.num_updates == 0:
+            raise CheckpointError(f"{self.path} was saved before any update was applied: it holds no average to export")
+        self.verify()  # a damaged chunk table is refused before anything is written
+        if verify:
+            self.verify_contents()
+        progress = Progress("export", quiet=True) if progress is None else progress
+        total = sum(entry.nbytes for entry in description.tensors)
+        values = progress.counted((self.read(entry.name, average) for entry in description.tensors), total)
+        made = made_by(
+            "export", 1, average=average, step=description.step, dtype=None if dtype is None else dtype_name(dtype),
+            inputs=[of_input(self.path, description.step, 1.0, description.run)],
+        )  # fmt: skip
+        record = FolderRecord.of_average(description, average, False, made)
+        with progress:
+            return write_model(out, description.tensors, values, record, max_shard_size, dtype)
+
     # --------------------------------------------------------------- DCP
 
     def _open_dcp(self, path: Path, key: str) -> None:
@@ -127,6 +191,41 @@ class SavedAverage:
         for name in self.tensors:
             for average in self.averages:
                 self._chunks(name, self.key(name, average))
+
+    def summary(self, verify: bool = False) -> list[tuple[str, Any]]:
+        """What ``shardavg inspect`` shows of it, as ``(label, value)`` rows: step, updates, rules,
+        strategy, tensors by role, bytes, the saving ranks' layouts and the provenance.
+
+        Args:
+            verify: Also read every file and check its SHA-256 against the manifest.
+
+        Returns:
+            The rows, in order.
+        """
+        description = self.description
+        tensors = description.tensors
+        size = sum(t.nbytes for t in tensors)
+        roles = Counter(t.role for t in tensors)
+        where = f"{self.path}" + (" (torch.distributed.checkpoint)" if self.kind == "dcp" else "")
+        rows: list[tuple[str, Any]] = [
+            ("checkpoint", where),
+            ("step", description.step),
+            ("num_updates", _updates(description)),
+            *(
+                ("rule" if average.name is None else f"average {average.name}", json.dumps(average.rule))
+                for average in description.averages
+            ),
+            ("strategy", f"{description.strategy} on {description.world_size} rank(s)"),
+            ("tensors", f"{len(tensors)}: " + ", ".join(f"{n} {role}" for role, n in sorted(roles.items()))),
+            ("bytes", f"{size} ({size / 2**20:.1f} MiB)"),
+            *(("layout", line) for line in _layouts(tensors)),
+        ]
+        if verify:
+            files, checked = self.verify_contents()
+            rows.append(("verified", f"{files} file(s), {checked} bytes: every SHA-256 matches the manifest"))
+        if description.provenance is not None:
+            rows += [("provenance", line) for line in shown(description.provenance)]
+        return rows
 
     def verify_contents(self) -> tuple[int, int]:
         """Hash every file and compare it with the SHA-256 recorded when it was written; returns
@@ -151,7 +250,7 @@ class SavedAverage:
         key = self.key(name, self.average(average))
         dtype, shape = self.tensors[name].torch_dtype, self.tensors[name].shape
         chunks = self._chunks(name, key)
-        out = torch.empty(slab_shape(shape, rows), dtype=dtype)
+        out = torch.empty(rows_shape(shape, rows), dtype=dtype)
         for _, fill in chunks:
             fill(out, rows[0] if rows else 0)
         return out
@@ -176,11 +275,11 @@ class SavedAverage:
             for block in part.packed().blocks:
 
                 def fill(
-                    slab: torch.Tensor, start: int, file=file, at=block.at, box=(block.offsets, block.sizes)
+                    piece: torch.Tensor, start: int, file=file, at=block.at, box=(block.offsets, block.sizes)
                 ) -> None:
-                    met = meet(box, slab, start)
+                    met = meet(box, piece, start)
                     if met is not None:
-                        file.read_box(slab[met[0]], key, at, box[1], met[1])
+                        file.read_box(piece[met[0]], key, at, box[1], met[1])
 
                 chunks.append(([(block.offsets, block.sizes)], fill))
         return chunks
@@ -199,6 +298,19 @@ class SavedAverage:
             else:
                 found.append(([(offsets, sizes)], functools.partial(_fill_box, load, (offsets, sizes))))
         return found
+
+
+def _layouts(tensors: Sequence[TensorEntry]) -> list[str]:
+    """How the saving ranks held the tensors, in words, the commonest first (a checkpoint of
+    ``avg.save``; DCP's chunks are its own)."""
+    shown = Counter(entry.layout.shown() for entry in tensors if entry.layout is not None)
+    return [f"{count} tensor{'s' if count > 1 else ''}: {words}" for words, count in shown.most_common()]
+
+
+def _updates(description: Description) -> str:
+    if description.num_updates == 0:
+        return "0 (saved before the first update: no average yet, nothing to export)"
+    return f"{description.num_updates} ({description.num_skipped} skipped for non-finite weights)"
 
 
 class DcpFolder:
@@ -273,18 +385,18 @@ class DcpFolder:
         chunks = self.boxes(fqn, shape, dtype)
         if not tiles(shape, [(offsets, sizes) for offsets, sizes, _ in chunks]):
             raise CheckpointError(f"{self.path}: the chunks of {fqn!r} do not tile its shape {list(shape)}")
-        out = torch.empty(slab_shape(shape, rows), dtype=dtype)
+        out = torch.empty(rows_shape(shape, rows), dtype=dtype)
         for offsets, sizes, load in chunks:
             _fill_box(load, (offsets, sizes), out, rows[0] if rows else 0)
         return out
 
     def _chunk(self, fqn: str, offsets: tuple, sizes: tuple, dtype: torch.dtype, limit: int) -> torch.Tensor:
         """One chunk DCP stored, checked to be the tensor its metadata says."""
-        piece = self.item(fqn, offsets, limit)
-        if not isinstance(piece, torch.Tensor) or piece.dtype != dtype or tuple(piece.shape) != sizes:
-            got = f"{piece.dtype} {tuple(piece.shape)}" if isinstance(piece, torch.Tensor) else type(piece).__name__
+        loaded = self.item(fqn, offsets, limit)
+        if not isinstance(loaded, torch.Tensor) or loaded.dtype != dtype or tuple(loaded.shape) != sizes:
+            got = f"{loaded.dtype} {tuple(loaded.shape)}" if isinstance(loaded, torch.Tensor) else type(loaded).__name__
             raise CheckpointError(f"{self.path}: a chunk of {fqn!r} is {got}, expected {dtype} {list(sizes)}")
-        return piece
+        return loaded
 
 
 def _load_failure(error: Exception) -> str:
@@ -298,37 +410,37 @@ def _load_failure(error: Exception) -> str:
     return lines[0] if lines else type(error).__name__
 
 
-def slab_shape(shape: tuple[int, ...], rows: Rows) -> tuple[int, ...]:
+def rows_shape(shape: tuple[int, ...], rows: Rows) -> tuple[int, ...]:
     """The shape of rows ``[start, stop)`` of a tensor of ``shape`` (all of it without ``rows``)."""
     return shape if rows is None else (rows[1] - rows[0], *shape[1:])
 
 
-def meet(box: Box, slab: torch.Tensor, start: int) -> tuple[tuple[slice, ...], tuple[int, ...]] | None:
-    """Where ``box`` of a tensor meets ``slab``, its rows from ``start`` on: the slab's slices that
+def meet(box: Box, piece: torch.Tensor, start: int) -> tuple[tuple[slice, ...], tuple[int, ...]] | None:
+    """Where ``box`` of a tensor meets ``piece``, its rows from ``start`` on: the piece's slices that
     take it, and where they begin within the box; None where they do not meet."""
     offsets, sizes = box
     if not offsets:  # a 0-d tensor: one element, all of it
         return (), ()
-    low, high = max(start, offsets[0]), min(start + slab.shape[0], offsets[0] + sizes[0])
+    low, high = max(start, offsets[0]), min(start + piece.shape[0], offsets[0] + sizes[0])
     if high <= low:
         return None
     slices = (slice(low - start, high - start), *(slice(o, o + n) for o, n in zip(offsets[1:], sizes[1:])))
     return slices, (low - offsets[0], *(0,) * (len(offsets) - 1))
 
 
-def _fill_range(load: Callable[[], torch.Tensor], first: int, end: int, slab: torch.Tensor, start: int) -> None:
-    """Elements ``[first, end)`` of the flattened tensor (``load()``), where they meet ``slab``."""
-    base = start * math.prod(slab.shape[1:])
-    low, high = max(first, base), min(end, base + slab.numel())
+def _fill_range(load: Callable[[], torch.Tensor], first: int, end: int, piece: torch.Tensor, start: int) -> None:
+    """Elements ``[first, end)`` of the flattened tensor (``load()``), where they meet ``piece``."""
+    base = start * math.prod(piece.shape[1:])
+    low, high = max(first, base), min(end, base + piece.numel())
     if high > low:
-        slab.view(-1)[low - base : high - base].copy_(load()[low - first : high - first])
+        piece.view(-1)[low - base : high - base].copy_(load()[low - first : high - first])
 
 
-def _fill_box(load: Callable[[], torch.Tensor], box: Box, slab: torch.Tensor, start: int) -> None:
-    """The chunk ``box`` of the tensor (``load()``), where it meets ``slab``."""
-    met = meet(box, slab, start)
+def _fill_box(load: Callable[[], torch.Tensor], box: Box, piece: torch.Tensor, start: int) -> None:
+    """The chunk ``box`` of the tensor (``load()``), where it meets ``piece``."""
+    met = meet(box, piece, start)
     if met is not None:
-        slab[met[0]].copy_(load()[tuple(slice(o, o + n.stop - n.start) for o, n in zip(met[1], met[0]))])
+        piece[met[0]].copy_(load()[tuple(slice(o, o + n.stop - n.start) for o, n in zip(met[1], met[0]))])
 
 
 def _box(offsets: Any, sizes: Any, shape: tuple[int, ...]) -> tuple[Any, Any]:
@@ -342,7 +454,8 @@ def _box(offsets: Any, sizes: Any, shape: tuple[int, ...]) -> tuple[Any, Any]:
 
 def read_dcp_metadata(path: str | os.PathLike) -> Any:
     """The ``.metadata`` of the DCP checkpoint at ``path``, unpickled with an unpickler that builds
-    nothing but DCP's metadata classes (``dcp.load`` would unpickle anything in it)."""
+    nothing but DCP's metadata classes and torch's save plans, which Megatron-Core stores there
+    (``dcp.load`` would unpickle anything in it)."""
     where = Path(path) / DCP_METADATA
     if not _regular(where):
         raise CheckpointError(f"{where} is missing or not a regular file: not a DCP checkpoint")

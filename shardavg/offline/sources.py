@@ -8,8 +8,12 @@ current torchtitan and ``dcp.save(get_model_state_dict(model))`` do; optimizer, 
 loader and train state entries are never the model's); and a Hugging Face safetensors model (one
 file, or a folder by Transformers' conventions: ``model.safetensors`` or its index). Nothing is
 unpickled: DCP's metadata goes through the restricted unpickler, its items through
-``torch.load(weights_only=True)``, safetensors through shardavg's checked reader. A DeepSpeed ZeRO
-checkpoint is refused: its states are pickled Python objects.
+``torch.load(weights_only=True)``, safetensors through shardavg's checked reader. Megatron-Core's
+``torch_dist`` checkpoints are DCP checkpoints (``megatron``); DeepSpeed's raw ZeRO tags and universal
+checkpoints are read for their fp32 masters, with ``torch.load(weights_only=True)`` and the few
+data-only types of DeepSpeed's named (``deepspeed_folders``). A known format that cannot be read is
+refused in one line naming the command that converts it (Lightning's ``.ckpt``, an ``accelerate``
+``save_state`` folder of pickles, a DeepSpeed tag holding other Python objects).
 """
 
 from __future__ import annotations
@@ -30,11 +34,12 @@ from ..base.validate import is_count
 from ..checkpoints.format import DCP_METADATA, MANIFEST, STEP_DIR, STEP_NAME, WEIGHTS_FILE
 from ..checkpoints.storage import SafetensorsFile
 from ..output.model_folder import weights_of
+from ..output.record import FolderRecord
 from ..output.weight_files import check_one_export
-from .saved_average import PLAIN_NAME, DcpFolder, Rows, SavedAverage, check_dcp_items, slab_shape
+from . import deepspeed_folders, megatron
+from .saved_average import PLAIN_NAME, DcpFolder, Rows, SavedAverage, check_dcp_items, rows_shape
 
 RUN_MARKER = "train.json"  # a main-job checkpoint: its step, and every file's hash
-DEEPSPEED_FILE = re.compile(r"^(?:zero_pp_rank_\d+_)?(?:mp_rank_\d+_)?(?:model|optim)_states\.pt$")
 MODEL_KEY = "model"  # the main job's, torchtitan's before 2025 and many trainers' key for the model state dict
 # Top-level keys of training state beside the model in a DCP checkpoint, never the model's tensors
 # (torchtitan's ``optimizer``, ``lr_scheduler``, ``dataloader``, ``train_state``, and their kin).
@@ -44,6 +49,8 @@ NOT_MODEL_KEYS = frozenset({
     "training_state", "rng", "rng_state", "rng_states", "step", "epoch", "extra_state",
 })  # fmt: skip
 RUN_FOLDERS = ("checkpoints", "checkpoint")  # the main job's; torchtitan's
+STATE_DICT = "['state_dict']"  # where a Lightning checkpoint keeps the model
+ACCELERATE_FILES = ("random_states_0.pkl", "optimizer.bin", "scheduler.bin")  # beside its model
 HUB_REPOSITORY = re.compile(r"^(models|datasets|spaces)--.")  # the Hugging Face cache's folder of one repository
 
 
@@ -127,7 +134,10 @@ class DcpSource(Source):
 
     def __init__(self, path: Path, prefix: str | None) -> None:
         self.path, self.folder = path, DcpFolder(path)
-        self.keys, self.left_out = model_tensors(self.folder, prefix)
+        if megatron.is_torch_dist(path) and prefix is None:  # (its keys are the model's: no entry holds it)
+            self.keys, self.left_out = megatron.model_tensors(self.folder)
+        else:
+            self.keys, self.left_out = model_tensors(self.folder, prefix)
         self.specs = {
             name: Spec(stored.properties.dtype, tuple(stored.size)) for name, (_, stored) in self.keys.items()
         }
@@ -179,6 +189,8 @@ def model_tensors(folder: DcpFolder, prefix: str | None = None) -> tuple[dict[st
         }
     merged = {key for key, _ in found.values()}
     left_out = Counter(str(paths[k][0]) for k in tensors if k not in merged)
+    objects = {str(key): None for key in entries if str(key) not in tensors}  # pickled bytes: never read
+    left_out.update(str(path[0]) for path in _nesting(folder.metadata, objects).values())
     if not found:
         groups = sorted({str(path[0]) for path in paths.values()})
         hint = f"; averagers (merge one with --key): {sorted(averagers)}" if averagers else ""
@@ -191,7 +203,7 @@ def model_tensors(folder: DcpFolder, prefix: str | None = None) -> tuple[dict[st
 
 
 def _nesting(metadata: Any, tensors: dict[str, Any]) -> dict[str, tuple]:
-    """Each tensor key's path in the state dict saved, from DCP's ``planner_data`` (its default
+    """Each key's path in the state dict saved, from DCP's ``planner_data`` (its default
     planner records it when it flattens nested dicts); where a key is missing from it, the key
     split at its first dot (a top-level name has no dot to tell from a nested one there)."""
     recorded = getattr(metadata, "planner_data", None)
@@ -255,12 +267,9 @@ class SafetensorsSource(Source):
         return frozenset(self.real.values())
 
     def _step(self) -> int | None:
-        """The step a shardavg export recorded in its metadata, else the folder's name's."""
-        recorded = self.files[0].metadata.get("shardavg") if self.files else None
-        try:
-            step = _a_step(json.loads(recorded).get("step")) if recorded else None
-        except (ValueError, AttributeError):
-            step = None
+        """The step a shardavg export recorded in its weights' record, else the folder's name's."""
+        record = FolderRecord.from_metadata(self.files[0].metadata) if self.files else None
+        step = record.step if record is not None else None
         return step if step is not None else _step_of(self.path if self.path.is_dir() else self.path.parent)
 
     def read(self, name: str, rows: Rows = None) -> torch.Tensor:
@@ -268,11 +277,51 @@ class SafetensorsSource(Source):
         if rows is None:
             return self.where[name].read(name).view(shape)
         row = math.prod(shape[1:])
-        return self.where[name].read(name, rows[0] * row, (rows[1] - rows[0]) * row).view(slab_shape(shape, rows))
+        return self.where[name].read(name, rows[0] * row, (rows[1] - rows[0]) * row).view(rows_shape(shape, rows))
 
     def close(self) -> None:
         for file in self.files:
             file.close()
+
+
+class UniversalSource(Source):
+    """The fp32 masters of a DeepSpeed universal checkpoint (``deepspeed_folders``), one
+    ``zero/<name>/fp32.pt`` per parameter, memory-mapped; its optimizer moments and pickled
+    model states are left out unread."""
+
+    def __init__(self, path: Path) -> None:
+        self.path, self.step = path, _step_of(path)
+        self.files, self.left_out = deepspeed_folders.universal_masters(path)
+        self.shapes = deepspeed_folders.universal_shapes(path)
+        self.specs = {}
+        for name, file in self.files.items():
+            master = deepspeed_folders.load_master(path, name, file, self.shapes)
+            self.specs[name] = Spec(master.dtype, tuple(master.shape))
+
+    def read(self, name: str, rows: Rows = None) -> torch.Tensor:
+        master, spec = deepspeed_folders.load_master(self.path, name, self.files[name], self.shapes), self.specs[name]
+        if master.dtype != spec.dtype or tuple(master.shape) != spec.shape:
+            raise CheckpointError(
+                f"{self.files[name]} changed during the merge: {spec} before, now {master.dtype} {list(master.shape)}"
+            )
+        part = master if rows is None else master[rows[0] : rows[1]]
+        return torch.empty(rows_shape(spec.shape, rows), dtype=spec.dtype).copy_(part)  # (never the mapped file's)
+
+
+class RawZeroSource(Source):
+    """The fp32 masters of a raw DeepSpeed ZeRO-1/2/3 tag (``deepspeed_folders.RawZero``), with its
+    buffers and frozen parameters; a parameter DeepSpeed saved once for several names is offered
+    under its first name, its others in ``ties``."""
+
+    def __init__(self, path: Path) -> None:
+        self.path, self.step = path, _step_of(path)
+        self.zero = deepspeed_folders.RawZero(path)
+        self.specs = {name: Spec(dtype, shape) for name, (dtype, shape) in self.zero.specs.items()}
+        self.ties, self.left_out = self.zero.ties, self.zero.left_out
+
+    def read(self, name: str, rows: Rows = None) -> torch.Tensor:
+        whole = self.zero.read(name)  # (a parameter's elements lie across the ranks' partitions: read whole)
+        return whole if rows is None else whole[rows[0] : rows[1]].clone()
 
 
 def _real(file: Path, given: Path) -> Path:
@@ -345,11 +394,16 @@ def _index(index: Path) -> tuple[dict[str, Path], Any]:
 
 
 def _step_of(folder: Path) -> int | None:
-    """The step a checkpoint folder's name gives (``step-N``, ``checkpoint-N``, ``global_stepN``),
+    """The step a checkpoint folder's name gives (``step-N``, ``checkpoint-N``, ``global_stepN``, ``iter_N``),
     else the one a main-job checkpoint's ``train.json`` records."""
     match = STEP_NAME.match(folder.name)
     if match:
         return int(match.group(1))
+    if megatron.iteration_of(folder) is not None:
+        return megatron.iteration_of(folder)
+    tag = deepspeed_folders.TAG.match(folder.name)  # (``global_step100_universal``)
+    if tag:
+        return int(tag.group(1))
     try:
         return _a_step(json.loads((folder / RUN_MARKER).read_text()).get("step"))
     except (OSError, UnicodeDecodeError, ValueError, AttributeError):
@@ -359,14 +413,6 @@ def _step_of(folder: Path) -> int | None:
 def _a_step(value: object) -> int | None:
     """``value`` where it is a training step (an int >= 0), else None."""
     return value if is_count(value) else None
-
-
-def _deepspeed_files(path: Path) -> list[str]:
-    """DeepSpeed's state files in ``path`` or a tag folder below it (``global_step100/``)."""
-    found = [p.name for p in path.glob("*_states.pt") if DEEPSPEED_FILE.match(p.name)]
-    for tag in (p for p in path.iterdir() if p.is_dir()) if not found else ():
-        found += [f"{tag.name}/{p.name}" for p in tag.glob("*_states.pt") if DEEPSPEED_FILE.match(p.name)]
-    return sorted(found)
 
 
 def open_source(
@@ -379,6 +425,11 @@ def open_source(
     if not path.exists():
         raise CheckpointError(f"{path} does not exist")
     if path.is_file():
+        if path.suffix == ".ckpt":
+            raise CheckpointError(
+                f"{path} is a Lightning checkpoint (.ckpt), a pickle, which shardavg never loads; convert it once "
+                f"where you trust it: {_to_safetensors(path, STATE_DICT, weights_only=False)}, and merge that file"
+            )
         if path.suffix != ".safetensors":
             raise CheckpointError(f"{path} is a file but not a .safetensors one: merge reads no other single file")
         return SafetensorsSource(path)
@@ -386,21 +437,30 @@ def open_source(
         return AverageSource(path, key, average) if key is not None else DcpSource(path, prefix)
     if (path / MANIFEST).exists() or any(STEP_DIR.match(p.name) and (p / MANIFEST).is_file() for p in path.iterdir()):
         return AverageSource(path, key or "ema", average)
+    if deepspeed_folders.is_universal(path):
+        return UniversalSource(path)
     if (
         any(path.glob("*.safetensors"))
         or any(path.glob("*.safetensors.index.json"))
         or (path / "config.json").is_file()
     ):
         return SafetensorsSource(path)
-    deepspeed = _deepspeed_files(path)
+    _refuse_accelerate(path)
+    refused = megatron.refusal(path)
+    if refused is not None:
+        raise refused
+    deepspeed = deepspeed_folders.state_files(path)
+    if deepspeed and "/" not in deepspeed[0]:  # (a tag: its states are in it)
+        try:
+            return RawZeroSource(path)
+        except CheckpointError as error:
+            raise deepspeed_folders.refuse_raw(path, deepspeed, str(error)) from None
     if deepspeed:
         averages = sorted(p.name for p in path.iterdir() if (p / MANIFEST).is_file())
         hint = f"; the averages beside it are shardavg checkpoints: merge {path / averages[0]}" if averages else ""
         raise CheckpointError(
-            f"{path} is a DeepSpeed checkpoint ({deepspeed[0]}, ...): its states are pickled Python objects, which "
-            "shardavg never loads (loading them runs code from the file), and they need DeepSpeed's own reader; "
-            f"convert it once where you trust it (DeepSpeed's zero_to_fp32.py --safe_serialization) and merge the "
-            f"safetensors it writes{hint}"
+            f"{path} is a DeepSpeed checkpoint ({deepspeed[0]}, ...), a run folder of several saves: merge its "
+            f"tags by name ({path / deepspeed[0].split('/')[0]}), or its newest K with --last K {path}{hint}"
         )
     raise CheckpointError(
         f"{path} is not a checkpoint merge reads: no {MANIFEST} (shardavg), .metadata (DCP) or .safetensors "
@@ -408,15 +468,50 @@ def open_source(
     )
 
 
+def _refuse_accelerate(path: Path) -> None:
+    """Refuse an ``accelerator.save_state`` folder that holds no safetensors model, naming what works:
+    its FSDP model's DCP folder, or its pickled model converted (a plain state dict, which
+    ``torch.load``'s default ``weights_only=True`` reads)."""
+    if not any((path / name).is_file() for name in ACCELERATE_FILES):
+        return
+    sharded = sorted(p for p in path.glob("pytorch_model_fsdp_*") if (p / DCP_METADATA).is_file())
+    if sharded:
+        raise CheckpointError(f"{path} is an accelerate save_state folder of an FSDP model: merge its {sharded[0]}")
+    pickled = path / "pytorch_model.bin"
+    if pickled.is_file():
+        raise CheckpointError(
+            f"{path} is an accelerate save_state folder saved with safe_serialization=False ({pickled.name}, a pickle, "
+            f"which shardavg never loads); convert it once: {_to_safetensors(pickled, '', weights_only=True)}, and "
+            "merge the folder"
+        )
+    raise CheckpointError(f"{path} is an accelerate save_state folder without its model's weights: nothing to merge")
+
+
+def _to_safetensors(pickled: Path, entry: str, weights_only: bool) -> str:
+    """A one-line command that writes the state dict ``torch.load(pickled)`` (its ``entry``) as
+    safetensors beside it."""
+    out = pickled.with_name("model.safetensors")
+    return (
+        f'python -c "import torch; from safetensors.torch import save_file; save_file({{k: v.contiguous() for k, v '
+        f"in torch.load('{pickled}', weights_only={weights_only}){entry}.items()}}, '{out}')\""
+    )
+
+
 def finished_checkpoints(run: str | Path) -> list[tuple[int, Path]]:
     """``(step, folder)`` of a run folder's finished checkpoints, oldest first: its ``step-*``
     (or ``checkpoint-*``) folders, or those of its ``checkpoints/`` folder (the main job's) or
-    ``checkpoint/`` folder (torchtitan's). A folder a save is still writing (a hidden staging
-    folder, a main-job folder without its ``train.json``, a DCP folder without ``.metadata``)
-    is left out."""
+    ``checkpoint/`` folder (torchtitan's); a Megatron-LM run's ``iter_*`` folders, a DeepSpeed run's
+    ``global_stepN`` tags (``megatron.finished_iterations``, ``deepspeed_folders.finished_tags``).
+    A folder a save is still writing (a hidden staging folder, a main-job folder without its
+    ``train.json``, a DCP folder without ``.metadata``, an iteration or tag newer than the one
+    the run's tracker file names) is left out."""
     run = Path(run)
     if not run.is_dir():
         raise CheckpointError(f"{run} is not a folder of checkpoints")
+    found = megatron.finished_iterations(run)
+    found = deepspeed_folders.finished_tags(run) if found is None else found
+    if found is not None:
+        return found
     if not any(STEP_NAME.match(p.name) for p in run.iterdir()):
         run = next((run / name for name in RUN_FOLDERS if (run / name).is_dir()), run)
     steps = {folder: STEP_NAME.match(folder.name) for folder in run.iterdir() if folder.is_dir()}

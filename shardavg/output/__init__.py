@@ -1,6 +1,10 @@
-"""Model folders: the consolidated export (gathered, or written by every rank where its parts lie), the
-weight files' plan and writers, the folder's carried files and declared dtype (``model_folder``),
-and the record of how a folder was made (``provenance``).
+"""Model folders, everything that writes or reads one: the record of how a folder was made
+(``record``, with its provenance: ``provenance``), OUT's one check (``target``), the weight
+files' plan and writers (``weight_files``), the folder's weights, carried files and declared
+dtype (``model_folder``), the work split between writers (``work``), the driver every writer
+goes through with the cast and its overflow refusal (``model_writer``), and the averager's
+consolidated export (``export``: gathered, or written by every rank where its parts lie); and
+a merge written as a DCP checkpoint by every worker (``dcp_checkpoint``).
 
 It may import: base, state, checkpoints.
 """

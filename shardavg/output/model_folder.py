@@ -1,5 +1,5 @@
-"""A Hugging Face model folder: which files are its weights, which files travel beside them, and
-the dtype its ``config.json`` declares.
+"""A Hugging Face model folder: which files are its weights, the record of how shardavg made them
+(``read_record``), which files travel beside them, and the dtype its ``config.json`` declares.
 
 Transformers' conventions decide. The weights are ``model.safetensors`` or the files that
 ``model.safetensors.index.json`` names; a PEFT adapter (``adapter_model.safetensors``) is not
@@ -16,6 +16,7 @@ import math
 import re
 from collections import Counter
 from collections.abc import Iterable
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -23,8 +24,10 @@ import torch
 
 from ..base.dtypes import dtype_name
 from ..base.errors import CheckpointError
-from ..checkpoints.format import WEIGHTS_FILE, WEIGHTS_INDEX
-from ..checkpoints.storage import SafetensorsFile, atomic_file
+from ..checkpoints.format import DCP_METADATA, MANIFEST, WEIGHTS_FILE, WEIGHTS_INDEX
+from ..checkpoints.storage import SafetensorsFile, atomic_file, safetensors_metadata
+from . import provenance
+from .record import FolderRecord
 from .weight_files import check_one_export
 
 CONFIG = "config.json"
@@ -112,6 +115,71 @@ def folder_export_id(folder: Path, follow_links: bool = False) -> str | None:
         with SafetensorsFile.open(folder / name, follow_links=follow_links) as file:
             found.append((str(folder / name), file.metadata))
     return check_one_export(found)
+
+
+def weights_record(folder: Path) -> FolderRecord | None:
+    """The record the weights shardavg wrote into ``folder`` carry (a split model's index's, else
+    ``model.safetensors``'), without what lies beside them; None where they carry none."""
+    index = folder / WEIGHTS_INDEX
+    try:
+        if index.is_file():
+            content = json.loads(index.read_text())
+            metadata = content.get("metadata") if isinstance(content, dict) else None
+        else:
+            metadata = safetensors_metadata(folder / WEIGHTS_FILE)
+    except (OSError, ValueError) as error:  # (a CheckpointError too: a truncated header)
+        raise CheckpointError(f"cannot read the record of {folder}'s weights: {error}") from None
+    return FolderRecord.from_metadata(metadata)
+
+
+def read_record(folder: Path) -> FolderRecord | None:
+    """How the model folder ``folder`` was made: its weights' record (``weights_record``), their
+    export id (checked to be one export's: ``folder_export_id``) and the provenance beside them
+    (``provenance.read``); None where its weights are not shardavg's.
+
+    Raises:
+        CheckpointError: a file that cannot be read, weights of two exports, or a provenance
+            shardavg did not write (a ``ProvenanceError``), in one line naming the file.
+    """
+    record = weights_record(folder)
+    if record is None:
+        return None
+    return replace(record, export_id=folder_export_id(folder), provenance=provenance.read(folder))
+
+
+def is_model_folder(path: Path) -> bool:
+    """A folder of safetensors weights (an export, a merge), not a checkpoint."""
+    has_weights = (path / WEIGHTS_FILE).is_file() or (path / WEIGHTS_INDEX).is_file()
+    return path.is_dir() and has_weights and not (path / MANIFEST).exists() and not (path / DCP_METADATA).exists()
+
+
+def folder_summary(path: Path) -> tuple[list[tuple[str, str]], list[str]]:
+    """What ``shardavg inspect`` says of the model folder ``path``: ``(label, value)`` rows (its
+    weight files, export id and provenance), and a line for each file that cannot be read (a
+    missing file, weights of two exports, a crafted ``provenance.json``): what can be read is
+    said all the same."""
+    weights = sorted(p.name for p in path.glob("model*.safetensors"))
+    problems, size = [], 0
+    for name in weights:
+        try:
+            size += (path / name).stat().st_size
+        except OSError as error:
+            problems.append(f"cannot read {path / name}: {error.strerror}")
+    rows = [("model", str(path)), ("files", f"{len(weights)} weight file(s), {size} bytes")]
+    try:
+        export_id = folder_export_id(path) if weights else None
+    except (CheckpointError, OSError) as error:  # (a mix of two exports, a missing file)
+        problems.append(str(error))
+    else:
+        rows.append(("export", export_id or "no export id (not written by shardavg 0.8+)"))
+    try:
+        record = provenance.read(path)
+    except CheckpointError as error:
+        problems.append(str(error))
+        lines = ["unreadable (the error below)"]
+    else:
+        lines = provenance.shown(record) if record is not None else ["none recorded (not written by shardavg 0.6+)"]
+    return rows + [("provenance", line) for line in lines], problems
 
 
 def files_dtype(dtypes: Iterable[tuple[torch.dtype, int]]) -> torch.dtype | None:

@@ -1,7 +1,8 @@
 """Provenance: what an export or a merge was made from and how, beside what it wrote.
 
-A model folder gets ``provenance.json``; a merge written as an averager's checkpoint carries the
-same record in its manifest (``"provenance"``). The record names the inputs (path, step, run id
+A model folder gets ``provenance.json`` (written with its weights' ``record.FolderRecord``); a
+merge written as an averager's checkpoint carries the same record in its manifest
+(``"provenance"``). The record names the inputs (path, step, run id
 and the SHA-256 of each one's manifest: ``shardavg.json``, DCP's ``.metadata``, a model's
 index or its safetensors header), their weights and schedule, the dtype written, the shardavg,
 torch and Python versions, the world size and the command. An input that carries a provenance
@@ -41,7 +42,7 @@ from ..checkpoints.format import (
     parse_manifest,
     read_manifest_bytes,
 )
-from ..checkpoints.storage import atomic_file, open_regular, read_bounded
+from ..checkpoints.storage import open_regular, read_bounded
 
 FILE = "provenance.json"
 NESTED = 3  # levels a record nests an input's record under: the record, its inputs, one input
@@ -126,11 +127,6 @@ def check_replaceable(folder: Path) -> None:
         raise ExportError(
             f"{path} was not written by shardavg ({why}): it would be replaced; write elsewhere, or move it"
         ) from None
-
-
-def write(folder: Path, record: dict[str, Any]) -> None:
-    with atomic_file(folder / FILE) as handle:
-        handle.write(json.dumps(record, indent=1).encode())
 
 
 def load(path: Path) -> dict[str, Any] | None:

@@ -31,8 +31,7 @@ import json
 import math
 import os
 import re
-import stat
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -41,8 +40,7 @@ import torch
 
 from ..base.dist import rank
 from ..base.errors import CheckpointError, ExportError
-from ..checkpoints.format import DCP_METADATA, MANIFEST, WEIGHTS_FILE, WEIGHTS_INDEX
-from ..checkpoints.ownership import enclosing_checkpoint, export_files
+from ..checkpoints.format import WEIGHTS_FILE, WEIGHTS_INDEX
 from ..checkpoints.storage import (
     Entry,
     commit_file,
@@ -52,10 +50,8 @@ from ..checkpoints.storage import (
     safetensors_header,
     staging_path,
 )
-from .provenance import FILE as PROVENANCE
-from .provenance import check_replaceable
+from .record import EXPORT_ID, OWNER, FolderRecord
 
-EXPORT_ID = "export_id"  # the metadata key of an export's id, in every weight file and the index
 EXPORT_ID_FORM = re.compile(r"^[0-9a-f]{12}$")  # fixed length: the headers' sizes do not depend on it
 UNNAMED = "0" * 12  # the id of a plan not yet given its export's (sizes and offsets are the same)
 
@@ -85,16 +81,16 @@ class Slot:
 class WeightPlan:
     """The weight files of one export: their names, headers and sizes, and each entry's slot.
 
-    ``export_id`` (12 hex digits) goes into every file's metadata, the index's and the names of
-    a split model's files; its length is fixed, so the slots and sizes are the same whatever the
-    id (``with_id`` gives the same plan under the export's own)."""
+    The ``record`` of how the folder is made goes into every file's metadata and the index's
+    (its provenance, beside them: ``beside``). ``export_id`` (12 hex digits) goes there too and
+    into the names of a split model's files; its length is fixed, so the slots and sizes are the
+    same whatever the id (``with_id`` gives the same plan under the export's own)."""
 
-    def __init__(
-        self, entries: list[Entry], max_bytes: int, metadata: dict[str, str], export_id: str = UNNAMED
-    ) -> None:
+    def __init__(self, entries: list[Entry], max_bytes: int, record: FolderRecord, export_id: str = UNNAMED) -> None:
         if not EXPORT_ID_FORM.match(export_id):
             raise ValueError(f"an export id is 12 hex digits, got {export_id!r}")
-        self.entries, self.max_bytes, self.metadata, self.export_id = entries, max_bytes, metadata, export_id
+        self.entries, self.max_bytes, self.record, self.export_id = entries, max_bytes, record, export_id
+        metadata = record.to_metadata()
         files = plan_files(entries, max_bytes)
         self.names = (
             [WEIGHTS_FILE]
@@ -116,7 +112,7 @@ class WeightPlan:
             self.index = {
                 "metadata": {
                     "total_size": sum(e.nbytes for e in entries),
-                    "shardavg": metadata["shardavg"],
+                    OWNER: metadata[OWNER],
                     EXPORT_ID: export_id,
                 },
                 "weight_map": {slot.entry.key: self.names[slot.file] for slot in self.slots},
@@ -124,104 +120,24 @@ class WeightPlan:
 
     def with_id(self, export_id: str) -> WeightPlan:
         """The same plan (slots, sizes) as the export ``export_id``'s."""
-        return WeightPlan(self.entries, self.max_bytes, self.metadata, export_id)
+        return WeightPlan(self.entries, self.max_bytes, self.record, export_id)
 
     @property
     def total_bytes(self) -> int:
         return sum(self.sizes)
 
-
-def assign(items_bytes: list[int], writers: int) -> list[int]:
-    """Each item's writer (0 .. writers-1), for items written in order: consecutive runs of about
-    the same bytes (an item is never split)."""
-    total = max(1, sum(items_bytes))
-    owner, start = [], 0
-    for size in items_bytes:
-        owner.append(min(writers - 1, (start + size // 2) * writers // total))
-        start += size
-    return owner
+    @property
+    def beside(self) -> dict[str, bytes]:
+        """The files committed after the weights, in order: the index (of a split model), then the
+        record's provenance (``provenance.json``)."""
+        index = {} if self.index is None else {WEIGHTS_INDEX: json.dumps(self.index, indent=1).encode()}
+        return index | self.record.provenance_file()
 
 
-def row_pieces(shape: tuple[int, ...], nbytes: int, largest: int) -> list[tuple[int, int] | None]:
-    """A tensor of ``shape`` and ``nbytes`` as the work it is split into: ``[None]`` (whole) when it
-    holds at most ``largest`` bytes (or has fewer than two rows), else ranges of consecutive rows
-    of at most ``largest`` bytes each (one row at least)."""
-    if nbytes <= largest or not shape or shape[0] < 2:
-        return [None]
-    step = max(1, largest // max(1, nbytes // shape[0]))
-    return [(start, min(start + step, shape[0])) for start in range(0, shape[0], step)]
-
-
-def check_output_folder(
-    out: str | os.PathLike, inputs: Sequence[Path] = (), *, replaces_checkpoint: bool = False, beside: bool = False
-) -> Path:
-    """OUT of an offline export, post-hoc synthesis or merge, checked before any work is done: a
-    folder named (an empty argument would mean the current directory), outside every checkpoint
-    and snapshot (and no checkpoint itself, unless the output ``replaces_checkpoint``), apart
-    from every input: not one, not inside one, and (unless it may go ``beside`` them, as an
-    export that writes only its own files does) not holding one. The writer checks it again
-    when it takes the folder (``check_target``)."""
-    if not os.fspath(out):
-        raise ValueError("OUT is empty: name the folder to write into (use . for the current directory)")
-    path = Path(out)
-    enclosing = enclosing_checkpoint(path.parent)
-    if enclosing is not None:
-        raise CheckpointError(f"OUT {out} is inside the checkpoint {enclosing}: write to a folder of its own")
-    if not replaces_checkpoint and enclosing_checkpoint(path) is not None:
-        raise CheckpointError(f"OUT {out} is a checkpoint: name a model folder of its own")
-    target = path.resolve()
-    for given in inputs:
-        source = given.resolve()
-        if target == source or source in target.parents or (target in source.parents and not beside):
-            raise CheckpointError(f"OUT {out} and the input {given} lie one inside the other: write to a folder apart")
-    return path
-
-
-def check_target(directory: Path) -> dict[str, bool]:
-    """Refuse a target that is a file, a checkpoint or inside one, or holds weight files shardavg
-    did not write; return the weight files it holds, each with whether it is shardavg's own."""
-    if directory.is_symlink() or (directory.exists() and not directory.is_dir()):
-        raise ExportError(f"{directory} exists and is not a directory: shardavg will not replace it")
-    if (directory / MANIFEST).exists() or (directory / DCP_METADATA).exists():
-        raise ExportError(f"{directory} is a checkpoint: export into a model folder of its own")
-    enclosing = enclosing_checkpoint(directory)
-    if enclosing is not None:
-        raise ExportError(
-            f"{directory} is inside the checkpoint {enclosing}, which holds only its own files: export into a "
-            "model folder of its own"
-        )
-    check_replaceable(directory)
-    _check_temporary(directory / PROVENANCE)  # (a merge writes it after the weights)
-    present = export_files(directory)
-    foreign = sorted(name for name, own in present.items() if not own)
-    if foreign:
-        raise ExportError(
-            f"{directory} holds weight files shardavg did not write ({', '.join(foreign)}): they would be "
-            "replaced; export into another directory, or move them"
-        )
-    return present
-
-
-def _check_temporary(path: Path) -> None:
-    """Refuse anything but a regular file (an earlier write's leftover) at ``path``'s temporary
-    name, before anything is written: a link there would fail the write after the weights were
-    committed."""
-    temporary = staging_path(path)
-    try:
-        mode = os.lstat(temporary).st_mode
-    except FileNotFoundError:
-        return
-    if not stat.S_ISREG(mode):
-        raise ExportError(
-            f"{temporary} is in the way of a temporary file shardavg writes and is not a regular file (a link?): "
-            "shardavg will not write through it; move it"
-        )
-
-
-def create_staged(directory: Path, plan: WeightPlan, beside: Mapping[str, bytes] | None = None) -> None:
+def create_staged(directory: Path, plan: WeightPlan) -> None:
     """The committer's first step: every file under its temporary name, synced: the weight files
     with their header written and their size final (the tensors' bytes are written into them by
-    ``Slots``), the index, and the files ``beside`` the weights (name: bytes, a provenance). So
+    ``Slots``), the index and the provenance (``plan.beside``). So
     whatever is in the way of a name written is refused before anything is committed."""
     try:
         for name, header, size in zip(plan.names, plan.headers, plan.sizes):
@@ -230,20 +146,14 @@ def create_staged(directory: Path, plan: WeightPlan, beside: Mapping[str, bytes]
                 handle.truncate(size)
                 handle.flush()
                 os.fsync(handle.fileno())
-        for name, data in _written_beside(plan, beside).items():
+        for name, data in plan.beside.items():
             with open_exclusive(staging_path(directory / name)) as handle:
                 handle.write(data)
                 handle.flush()
                 os.fsync(handle.fileno())
     except BaseException:
-        discard(directory, plan, beside)
+        discard(directory, plan)
         raise
-
-
-def _written_beside(plan: WeightPlan, beside: Mapping[str, bytes] | None) -> dict[str, bytes]:
-    """The files committed after the weights, in order: the index (of a split model), then ``beside``."""
-    index = {} if plan.index is None else {WEIGHTS_INDEX: json.dumps(plan.index, indent=1).encode()}
-    return index | dict(beside or {})
 
 
 class Slots:
@@ -319,14 +229,12 @@ class Slots:
                 os.close(fd)
 
 
-def commit(
-    directory: Path, plan: WeightPlan, previous: dict[str, bool], beside: Mapping[str, bytes] | None = None
-) -> None:
+def commit(directory: Path, plan: WeightPlan, previous: dict[str, bool]) -> None:
     """The committer's last step, renames only (everything was staged by ``create_staged``):
     every weight file into place, then the index (the switch of a split model: its files have
     names of their own, so a reader of the previous index still finds the previous files), then
-    the files ``beside``; only then the previous export's other weight files are removed."""
-    written = [*plan.names, *_written_beside(plan, beside)]
+    the provenance; only then the previous export's other weight files are removed."""
+    written = [*plan.names, *plan.beside]
     for name in written:
         commit_file(directory / name)
     for stale in set(previous) - set(written):
@@ -334,9 +242,9 @@ def commit(
     fsync_dir(directory)
 
 
-def discard(directory: Path, plan: WeightPlan, beside: Mapping[str, bytes] | None = None) -> None:
+def discard(directory: Path, plan: WeightPlan) -> None:
     """Remove the temporary files of a write that did not finish."""
-    for name in [*plan.names, *_written_beside(plan, beside)]:
+    for name in [*plan.names, *plan.beside]:
         with contextlib.suppress(OSError):
             discard_staged(directory / name)
 

@@ -74,7 +74,7 @@ class AverageState:
         self.updater = Updater(self)
 
     def _allocate(self, count: int) -> list[list[torch.Tensor | None]]:
-        """``count`` sets of shadows carved from one zeroed slab per (device, dtype): the copied
+        """``count`` sets of shadows carved from one zeroed pool per (device, dtype): the copied
         tensors once, shared by every set, then each set's averaged ones in order, so that shadows
         of neighbouring live shards are neighbours too and the update fuses them (small shards that
         lie apart first, back to back, so the update can gather them)."""
@@ -92,10 +92,10 @@ class AverageState:
             if kind is not None:
                 sizes[kind] = sizes.get(kind, 0) + live.numel() * (count if role == "average" else 1)
         # zeros, not empty: a checkpoint saved before the first update must not carry stray memory
-        slabs = {
+        pools = {
             kind: torch.zeros(size, dtype=kind[0], device=kind[1], pin_memory=kind[2]) for kind, size in sizes.items()
         }
-        offsets = dict.fromkeys(slabs, 0)
+        offsets = dict.fromkeys(pools, 0)
 
         small = gatherable(self.live)  # carved first, back to back: the update gathers them (``fused.py``)
         order = small + sorted(set(range(len(self.live))) - set(small))
@@ -106,7 +106,7 @@ class AverageState:
                 kind, live = kinds[index], self.live[index]
                 if kind is not None and self.roles[index] == role:
                     start, offsets[kind] = offsets[kind], offsets[kind] + live.numel()
-                    shadows[index] = slabs[kind][start : offsets[kind]].view(live.shape)
+                    shadows[index] = pools[kind][start : offsets[kind]].view(live.shape)
             return shadows
 
         copied = carve("copy")
@@ -349,7 +349,7 @@ class AverageState:
             step=self.step,
             num_updates=self.num_updates,
             num_skipped=self.num_skipped,
-            averages=tuple(DescribedAverage(a.name, a.rule.to_config()) for a in self.averages.values()),
+            averages=tuple(DescribedAverage(a.name, a.rule.to_json()) for a in self.averages.values()),
             tensors=tuple(
                 TensorEntry(
                     info.name,
@@ -367,7 +367,7 @@ class AverageState:
             ),
             strategy=self.strategy.name,
             world_size=world_size(),
-            options=self.options.describe(),
+            options=self.options,
             run=self.run_id,
         )
 

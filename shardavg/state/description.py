@@ -19,7 +19,7 @@ import torch
 from ..base.dtypes import DTYPES
 from ..layouts.tensor_info import TensorKind
 from ..layouts.tensor_layout import TensorLayout
-from ..update.options import Role
+from ..update.options import Options, Role
 
 FORMAT, VERSION = "shardavg", 6  # the description's format, shared by checkpoints, DCP and exports
 # (2: checksummed; 3: "averages", several named averages, in place of one "rule"; 4: a checkpoint's
@@ -86,7 +86,8 @@ class TensorEntry:
 @dataclass(frozen=True)
 class DescribedAverage:
     """One average of a description: its name (``None`` for an averager's one unnamed average) and
-    its rule's ``to_config()`` (a custom rule: ``{"kind": "custom", "name": ...}``)."""
+    its rule's ``to_json()`` (a custom rule: ``{"kind": "custom", "name": ...}``), checked by
+    ``Rule.from_json`` when read."""
 
     name: str | None
     rule: dict[str, Any]
@@ -106,7 +107,7 @@ class Description:
     tensors: tuple[TensorEntry, ...]
     strategy: str | None = None  # None: written before version 2 recorded it
     world_size: int | None = None
-    options: dict[str, Any] | None = None
+    options: Options | None = None  # None: before version 2; read back, those not recorded are at their defaults
     run: str | None = None  # the run that wrote it (a PostHocEMA's run id), when it had one
     provenance: dict[str, Any] | None = None  # what a merge records of its inputs
     version: int = VERSION
@@ -140,7 +141,7 @@ class Description:
             "averages": [{"name": a.name, "rule": a.rule} for a in self.averages],
             "strategy": self.strategy,
             "world_size": self.world_size,
-            "options": self.options,
+            "options": None if self.options is None else self.options.to_json(),
             **({} if self.run is None else {"run": self.run}),
             **({} if self.provenance is None else {"provenance": self.provenance}),
             "tensors": [entry.to_json() for entry in self.tensors],

@@ -5,7 +5,7 @@ canonical name and aliases, global shape and dtype, and the ``Part`` of the glob
 this rank's *local view* holds (``layouts/parts.py``: boxes of the global tensor; a flat range
 ``[start, end)`` of the flattened tensor is the one-dimensional case). The local view is a
 tensor the engine already owns (a DTensor's local shard, the real part of a ZeRO-3 partition,
-a slice of an FSDP1 flat parameter, or the tensor itself) with exactly ``part.numel``
+a flat range of an FSDP1 flat parameter, or the tensor itself) with exactly ``part.numel``
 elements. Everything else (averaging, swapping, gathering, checkpoints) is built on these two
 answers.
 """

@@ -97,9 +97,9 @@ def dtensor_part(name: str, tensor: DTensor, kind: str) -> Part:
                 f"{', '.join(cls.__name__ for cls in KNOWN)}): cannot tell which part of it this rank holds"
             )
     mesh, placements = tensor.device_mesh, tensor.placements
-    runs = [_runs_along(size, mesh, tuple(_along(placements, d))) for d, size in enumerate(tensor.shape)]
-    part = Part.from_runs(tensor.shape, runs)
-    local, sizes = tensor._local_tensor, tuple(sum(length for _, length in dim) for dim in runs)
+    ranges = [_ranges_along(size, mesh, tuple(_along(placements, d))) for d, size in enumerate(tensor.shape)]
+    part = Part.from_ranges(tensor.shape, ranges)
+    local, sizes = tensor._local_tensor, tuple(sum(length for _, length in dim) for dim in ranges)
     if local.numel() != part.numel or tuple(local.shape) != sizes:
         raise StrategyError(
             f"{kind} {name!r}: its local shard is {tuple(local.shape)}, but its placements {tensor.placements} "
@@ -164,9 +164,9 @@ def _along(placements: tuple[Placement, ...], dim: int) -> list[Placement]:
 
 
 @functools.lru_cache(maxsize=4096)
-def _runs_along(size: int, mesh, placements: tuple[Placement, ...]) -> tuple[tuple[int, int], ...]:
+def _ranges_along(size: int, mesh, placements: tuple[Placement, ...]) -> tuple[tuple[int, int], ...]:
     """The global indices along one dimension of ``size`` that this rank's shard holds, in order,
-    as runs ``(first, length)`` of consecutive ones: DTensor's own split of an ``arange``, its runs
+    as ranges ``(first, length)`` of consecutive ones: DTensor's own split of an ``arange``, its ranges
     found by comparing neighbours (one pass in torch, not one step per index in Python)."""
     if all(isinstance(p, Replicate) for p in placements):
         return ((0, size),) if size else ()

@@ -1,9 +1,9 @@
 """FSDP1 (``FullyShardedDataParallel``), with ``use_orig_params`` True or False.
 
 Each FSDP unit flattens its parameters into one flat parameter and gives every rank an equal
-chunk of it. An original parameter's local view is the slice of this rank's chunk that falls
-inside it (FSDP's own ``_shard_param_infos``), one contiguous range of that parameter. Every
-rank's slice follows from the parameter's offset in the flat parameter and the chunk size
+flat range of it. An original parameter's local view is what of this rank's range falls
+inside it (FSDP's own ``_shard_param_infos``), one flat range of that parameter. Every
+rank's range follows from the parameter's offset in the flat parameter and the ranges' length
 (a ``FlatLayout`` over the unit's process group, or its 2-d device mesh under hybrid
 sharding); a unit that does not shard (``NO_SHARD``) holds its parameters whole on every rank
 of its group.
@@ -37,7 +37,7 @@ def _offsets(flat: torch.Tensor) -> list[int]:
 
 
 class FSDP1(ModuleStrategy):
-    """FSDP1 units: each parameter's local view is its slice of this rank's flat-parameter chunk.
+    """FSDP1 units: each parameter's local view is what it holds of this rank's flat-parameter range.
 
     Args:
         model: A model holding ``FullyShardedDataParallel`` units.
@@ -78,7 +78,7 @@ class FSDP1(ModuleStrategy):
                 aliases.setdefault(primary, []).append(_join(prefix, shared.module_name, shared.param_name))
             offsets = _offsets(flat)
             grid, dim = self._grid(unit)
-            chunk = self._local_shard(flat).numel()
+            range_numel = self._local_shard(flat).numel()
             for index, (fqn, shape, shard) in enumerate(zip(flat._fqns, flat._shapes, flat._shard_param_infos)):
                 name = _join(prefix, canonical_name(fqn))
                 start = shard.intra_param_start_idx if shard.in_shard else 0
@@ -94,7 +94,7 @@ class FSDP1(ModuleStrategy):
                         requires_grad=requires_grad,
                         part=Part.flat(shape, start, end),
                         layout=(
-                            FlatLayout(tuple(shape), grid, dim, chunk, offsets[index])
+                            FlatLayout(tuple(shape), grid, dim, range_numel, offsets[index])
                             if handle.uses_sharded_strategy
                             else MeshLayout(tuple(shape), grid, (("replicate",),))
                         ),
@@ -113,10 +113,10 @@ class FSDP1(ModuleStrategy):
 
     @staticmethod
     def _local_shard(flat: torch.Tensor) -> torch.Tensor:
-        """This rank's chunk; before FSDP's lazy init (the first forward) that is the flat parameter itself."""
+        """This rank's flat range; before FSDP's lazy init (the first forward) that is the flat parameter itself."""
         return getattr(flat, "_local_shard", flat).detach()
 
-    def _slices(self, flat: torch.Tensor) -> list[torch.Tensor]:
+    def _views_of(self, flat: torch.Tensor) -> list[torch.Tensor]:
         local = self._local_shard(flat)
         return [
             local.narrow(0, shard.offset_in_shard, shard.numel_in_shard) if shard.in_shard else local.narrow(0, 0, 0)
@@ -130,7 +130,7 @@ class FSDP1(ModuleStrategy):
             pointers = [self._local_shard(flat).data_ptr() for flat in self._flat_params]
         key = [*map(id, self._flat_params), *pointers]
         if key != self._views_key:  # new flat parameters, or FSDP moved a local shard: slice again
-            self._views = [view for flat in self._flat_params for view in self._slices(flat)]
+            self._views = [view for flat in self._flat_params for view in self._views_of(flat)]
             self._views_key = key
         return self._views
 

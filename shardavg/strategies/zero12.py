@@ -1,14 +1,14 @@
 """DeepSpeed ZeRO-1/2 averaged from the optimizer's fp32 masters (``source="master"``).
 
 ZeRO-1/2 keep every low-precision parameter whole on every rank, but partition the fp32
-master copy: each rank's flat fp32 partition holds a contiguous run of the flattened
+master copy: each rank's flat fp32 partition holds a flat range of the flattened
 parameters, so a parameter's master may be split between ranks. DeepSpeed links each
-parameter to its piece on this rank (``param._hp_mapping``: ``hp_fragment``, a view of the
-flat partition, and where it starts in the flattened parameter), which is exactly this
-adapter's answer: the local view is the fragment, ``[start, end)`` its place, an empty range
-where this rank holds none of it. Every rank's fragment follows from the parameter's offset in
+parameter to its part on this rank (``param._hp_mapping``: ``hp_fragment``, DeepSpeed's view of
+the flat partition, and where it starts in the flattened parameter), which is exactly this
+adapter's answer: the local view is that view, ``[start, end)`` its flat range, an empty range
+where this rank holds none of it. Every rank's part follows from the parameter's offset in
 its group's flat buffer and the partition size (a ``FlatLayout``; where this DeepSpeed does not
-say the offsets, the fragments are gathered). Frozen parameters have no master and are read whole.
+say the offsets, the parts are gathered). Frozen parameters have no master and are read whole.
 
 ``swapped()`` writes the whole live parameters, which every rank holds: the average is
 gathered for it (``swap_gathers``), one bounded bucket at a time.
@@ -27,7 +27,7 @@ from .base import ModuleStrategy, TensorInfo, group_grid, grouped_by_identity, i
 
 
 class Zero12Master(ModuleStrategy):
-    """The fp32 master fragments of a DeepSpeed ZeRO-1/2 engine (``source="master"``).
+    """The fp32 master parts of a DeepSpeed ZeRO-1/2 engine (``source="master"``).
 
     Args:
         model: The ``DeepSpeedEngine`` (stage 1 or 2) that ``deepspeed.initialize`` returned.
@@ -61,9 +61,9 @@ class Zero12Master(ModuleStrategy):
             offsets = getattr(optimizer, "round_robin_bit16_offsets", None)
             starts = offsets[index] if offsets is not None else [0, *accumulate(p.numel() for p in params)]
             group = optimizer.real_dp_process_group[index]
-            chunk = optimizer.bit16_groups_flat[index].numel() // group_grid(group).shape[0]
+            range_numel = optimizer.bit16_groups_flat[index].numel() // group_grid(group).shape[0]
             for param, start in zip(params, starts):
-                placed[id(param)] = (group_grid(group), chunk, int(start))
+                placed[id(param)] = (group_grid(group), range_numel, int(start))
         return placed
 
     def _scan_params(self) -> list[TensorInfo]:
@@ -78,14 +78,14 @@ class Zero12Master(ModuleStrategy):
                 start = 0 if mapping is None else mapping.lp_fragment_address.start
                 end = start if mapping is None else start + mapping.lp_fragment_address.numel
                 part = Part.flat(info.shape, start, end)
-                grid, chunk, offset = placed.get(id(param), (None, 0, 0))
-                layout = None if grid is None else FlatLayout(tuple(info.shape), grid, 0, chunk, offset)
+                grid, range_numel, offset = placed.get(id(param), (None, 0, 0))
+                layout = None if grid is None else FlatLayout(tuple(info.shape), grid, 0, range_numel, offset)
                 info = TensorInfo(info.name, info.aliases, "param", info.shape, torch.float32, True, part, layout)
             infos.append(info)
         return infos
 
     def _param_views(self) -> list[torch.Tensor]:
-        key = [flat.data_ptr() for flat in self._flats]  # the fragments stay put while these do
+        key = [flat.data_ptr() for flat in self._flats]  # the masters stay put while these do
         if key != self._key:
             self._views = [self._master(param) for param in self._params]
             self._key = key

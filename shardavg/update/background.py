@@ -142,14 +142,14 @@ class Background:
         self._step, self._verify = step, verify if ready else None
         landed = threading.Event()
         thread = threading.Thread(
-            target=self._run,
+            target=self._serve,
             args=(step, work, ready, None if ready else verify, landed),
             name=f"shardavg-update-{step}",
         )
         self._thread, self._landed = thread, landed  # (before it starts: an interrupt in start() leaves it recorded)
         thread.start()
 
-    def _run(
+    def _serve(
         self,
         step: int,
         work: Callable[[], object],

@@ -5,7 +5,7 @@ shadow device and dtype, and live dtype and device. It holds one list of shadows
 kept (copied tensors have one, shared by all), so each live shard is read, screened and staged
 once per update however many averages take it in. Within a group, neighbours that lie back to
 back in memory on both sides (FSDP1's flat shard, ZeRO-3's flattened partitions, against
-shadows carved from one slab) are fused into one flat view, so the kernels run over a few large
+shadows carved from one pool) are fused into one flat view, so the kernels run over a few large
 tensors instead of one small tensor per parameter; the elementwise results are the same bits.
 
 The update walks each group's ``Batch``es. A batch either reads the live shards where they are
@@ -17,8 +17,8 @@ them into a small reusable buffer and lerps from there while the copy is still i
   and a ``lerp_`` from it move the bytes of one pass (the live shard read once, the shadow read
   and written once) and give the bits of ``lerp_(shadow, live.float(), weight)``;
 - small shards that lie apart (an FSDP2 bias, a LayerNorm weight: one tensor per parameter,
-  where a kernel's launch costs more than its work) are gathered by one copy, and each run of
-  them whose shadows lie back to back is lerped as one span.
+  where a kernel's launch costs more than its work) are gathered by one copy, and each sequence
+  of them whose shadows lie back to back is lerped as one flat view.
 
 On CUDA, where the Triton kernel of ``kernels.py`` runs, a group casts inside that kernel
 instead (``UpdateGroup.kernel``), which also skips the update on a device-side flag when the
@@ -44,13 +44,13 @@ from .staging import Stager
 
 # Fused views are cut into pieces of at most this many elements: on CPU a bf16 sum or norm over
 # one huge tensor runs 4-6x slower than over 1M-element pieces (measured).
-FUSED_CHUNK = 2**20
+FUSED_PIECE = 2**20
 # A cast is staged in pieces of this many elements, up to STAGED_ELEMENTS per batch: on a 2-core
 # EPYC a bf16-to-fp32 cast and lerp ran fastest at 128K x 8 (5.9 ms for 12.6M elements, where a
 # mul_ then an add_ took 7.3-19 ms and a lerp of fp32 weights 4.2 ms).
 CAST_PIECE, STAGED_ELEMENTS = 2**17, 2**20
 # A launch of the Triton kernel walks up to this many elements (a launch costs more than a CPU call).
-KERNEL_CHUNK = 2**28
+KERNEL_PIECE = 2**28
 # With several averages, the fused pieces are walked in batches of about this many live bytes, so
 # each piece is still in cache when the next average reads it.
 CACHE_BYTES = 4 * 2**20
@@ -86,8 +86,8 @@ class Batch:
 
     ``live`` is read where it is (``staged`` empty: then ``reads`` is ``live``) or copied first
     into ``staged``, views of the group's buffer, cast to the shadows' dtype on the way; ``reads``
-    are then spans of that buffer, one per run of shadows that lie back to back, and
-    ``shadows[k]`` the matching spans of average ``k``'s shadows."""
+    are then flat views of that buffer, one per sequence of shadows that lie back to back, and
+    ``shadows[k]`` the matching views of average ``k``'s shadows."""
 
     live: list[torch.Tensor]
     staged: list[torch.Tensor]
@@ -113,10 +113,10 @@ class Batch:
 @dataclass
 class Screen:
     """What the non-finite screen reads of a group's live shards, planned once: the large pieces
-    where they are, the small ones in runs copied into a scratch, the strided ones as they are."""
+    where they are, the small ones in buckets copied into a scratch, the strided ones as they are."""
 
     large: list[torch.Tensor]
-    runs: list[tuple[list[torch.Tensor], torch.Tensor]]  # (flat small pieces, the scratch span they fill)
+    buckets: list[tuple[list[torch.Tensor], torch.Tensor]]  # (small pieces, flat; the scratch they fill)
     strided: list[torch.Tensor]
 
     @classmethod
@@ -124,27 +124,27 @@ class Screen:
         large = [piece for piece in pieces if piece.numel() >= SUMMED_NUMEL]
         strided = [p for p in pieces if 0 < p.numel() < SUMMED_NUMEL and not p.is_contiguous()]
         small = [p.view(-1) for p in pieces if 0 < p.numel() < SUMMED_NUMEL and p.is_contiguous()]
-        runs: list[tuple[list[torch.Tensor], torch.Tensor]] = []
+        buckets: list[tuple[list[torch.Tensor], torch.Tensor]] = []
         if small:
             size = max(min(SCREENED_ELEMENTS, sum(p.numel() for p in small)), max(p.numel() for p in small))
             scratch = torch.empty(size, dtype=small[0].dtype, device=small[0].device)
-            run: list[torch.Tensor] = []
+            bucket: list[torch.Tensor] = []
             filled = 0
             for piece in small:
-                if run and filled + piece.numel() > scratch.numel():
-                    runs.append((run, scratch[:filled]))
-                    run, filled = [], 0
-                run.append(piece)
+                if bucket and filled + piece.numel() > scratch.numel():
+                    buckets.append((bucket, scratch[:filled]))
+                    bucket, filled = [], 0
+                bucket.append(piece)
                 filled += piece.numel()
-            runs.append((run, scratch[:filled]))
-        return cls(large, runs, strided)
+            buckets.append((bucket, scratch[:filled]))
+        return cls(large, buckets, strided)
 
     def values(self) -> list[torch.Tensor]:
         """Values that are non-finite when the pieces hold NaN or infinity (and, rarely, when a
         finite sum or product overflows)."""
         values = [value for piece in self.large for value in _screened(piece)]
-        for run, scratch in self.runs:
-            torch.cat(run, out=scratch)
+        for bucket, scratch in self.buckets:
+            torch.cat(bucket, out=scratch)
             values.extend(_screened(scratch))
         return values + (list(torch._foreach_norm(self.strided, 2)) if self.strided else [])
 
@@ -216,15 +216,15 @@ def _batches(group: UpdateGroup) -> list[Batch]:
     rest = sorted(set(range(len(group.live_tensors))) - set(gathered))
     rest_shadows, rest_live = [[s[p] for p in rest] for s in group.shadows], [group.live_tensors[p] for p in rest]
     cast = live.dtype != shadow.dtype and not group.kernel
-    chunk = CAST_PIECE if cast else KERNEL_CHUNK if group.kernel else FUSED_CHUNK
-    shadow_sets, pieces = fuse(rest_shadows, rest_live, chunk)
-    screened = list(pieces) if chunk == FUSED_CHUNK else fuse(rest_shadows, rest_live)[1]
+    piece_numel = CAST_PIECE if cast else KERNEL_PIECE if group.kernel else FUSED_PIECE
+    shadow_sets, pieces = fuse(rest_shadows, rest_live, piece_numel)
+    screened = list(pieces) if piece_numel == FUSED_PIECE else fuse(rest_shadows, rest_live)[1]
     if group.gathered is not None:
         staging = group.gathered.staging
         screened.append(staging)
-        pieces += staging.split(chunk)
-        for pieces_k, span in zip(shadow_sets, group.gathered.shadows):
-            pieces_k += span.split(chunk)
+        pieces += staging.split(piece_numel)
+        for pieces_k, gathered_k in zip(shadow_sets, group.gathered.shadows):
+            pieces_k += gathered_k.split(piece_numel)
     group.screen = Screen.of(screened)
     if cast:  # every piece cast through the buffer
         return _staged_batches(pieces, shadow_sets, shadow.dtype)
@@ -239,8 +239,8 @@ def _staged_batches(
     pieces: list[torch.Tensor], shadow_sets: list[list[torch.Tensor]], dtype: torch.dtype
 ) -> list[Batch]:
     """Batches of at most ``STAGED_ELEMENTS`` staged elements (or one larger piece) through one
-    buffer of ``dtype``: each piece copied into it, each run of pieces whose shadows lie back to
-    back in every average lerped as one span."""
+    buffer of ``dtype``: each piece copied into it, each sequence of pieces whose shadows lie back
+    to back in every average lerped as one flat view."""
     if not pieces:
         return []
     largest = max(piece.numel() for piece in pieces)
@@ -263,7 +263,7 @@ def _staged_batch(pieces: list[torch.Tensor], shadow_sets: list[list[torch.Tenso
         staged.append(buffer[offset : offset + piece.numel()].view(piece.shape))
         offset += piece.numel()
     reads: list[torch.Tensor] = []
-    spans: list[list[torch.Tensor]] = [[] for _ in shadow_sets]
+    views: list[list[torch.Tensor]] = [[] for _ in shadow_sets]
     start = 0
     for stop in range(1, len(pieces) + 1):
         flat = staged[stop - 1].dim() == 1 and stop < len(pieces) and staged[stop].dim() == 1
@@ -271,16 +271,16 @@ def _staged_batch(pieces: list[torch.Tensor], shadow_sets: list[list[torch.Tenso
             continue
         if stop - start == 1:
             reads.append(staged[start])
-            for span, shadows in zip(spans, shadow_sets):
-                span.append(shadows[start])
+            for views_k, shadows in zip(views, shadow_sets):
+                views_k.append(shadows[start])
         else:
             length = sum(p.numel() for p in pieces[start:stop])
             first = staged[start].data_ptr() - buffer.data_ptr()
             reads.append(buffer[first // buffer.itemsize :][:length])
-            for span, shadows in zip(spans, shadow_sets):
-                span.append(shadows[start].detach().as_strided((length,), (1,)))
+            for views_k, shadows in zip(views, shadow_sets):
+                views_k.append(shadows[start].detach().as_strided((length,), (1,)))
         start = stop
-    return Batch(pieces, staged, reads, spans)
+    return Batch(pieces, staged, reads, views)
 
 
 def gatherable(live_tensors: Sequence[torch.Tensor]) -> list[int]:
@@ -331,10 +331,12 @@ def _set_count(role: Role, shadow_sets: Sequence[Sequence]) -> int:
 
 
 def fuse(
-    shadow_sets: Sequence[Sequence[torch.Tensor]], live_tensors: Sequence[torch.Tensor], chunk: int = FUSED_CHUNK
+    shadow_sets: Sequence[Sequence[torch.Tensor]],
+    live_tensors: Sequence[torch.Tensor],
+    piece_numel: int = FUSED_PIECE,
 ) -> tuple[list, list]:
-    """Merge each run of tensors that are back to back in memory on every side (the live shards
-    and each average's shadows) into one flat view, cut into pieces of ``chunk`` elements (empty
+    """Merge each sequence of tensors that are back to back in memory on every side (the live shards
+    and each average's shadows) into one flat view, cut into pieces of ``piece_numel`` elements (empty
     shards, which have no place in memory, are left out: there is nothing to update)."""
     kept = [position for position, live in enumerate(live_tensors) if live.numel()]
     live_tensors = [live_tensors[p] for p in kept]
@@ -350,9 +352,9 @@ def fuse(
         ):
             continue
         if live_tensors[start].is_contiguous() and all(shadows[start].is_contiguous() for shadows in shadow_sets):
-            fused_live.extend(_pieces(live_tensors[start:stop], chunk))
+            fused_live.extend(_pieces(live_tensors[start:stop], piece_numel))
             for fused, shadows in zip(fused_sets, shadow_sets):
-                fused.extend(_pieces(shadows[start:stop], chunk))
+                fused.extend(_pieces(shadows[start:stop], piece_numel))
         else:  # a strided live shard (adjacency needs dense ones, so it is alone): as it is
             fused_live.append(live_tensors[start])
             for fused, shadows in zip(fused_sets, shadow_sets):
@@ -371,10 +373,10 @@ def _adjacent(first: torch.Tensor, second: torch.Tensor) -> bool:
     )
 
 
-def _pieces(tensors: Sequence[torch.Tensor], chunk: int) -> list[torch.Tensor]:
-    """Flat views of at most ``chunk`` elements over adjacent dense tensors."""
-    span = tensors[0].detach().as_strided((sum(t.numel() for t in tensors),), (1,))
-    return list(span.split(chunk))
+def _pieces(tensors: Sequence[torch.Tensor], piece_numel: int) -> list[torch.Tensor]:
+    """Flat views of at most ``piece_numel`` elements over adjacent dense tensors."""
+    fused_view = tensors[0].detach().as_strided((sum(t.numel() for t in tensors),), (1,))
+    return list(fused_view.split(piece_numel))
 
 
 def groups_current(groups: Sequence[UpdateGroup]) -> bool:

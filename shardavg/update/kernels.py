@@ -22,7 +22,7 @@ later, whose interpreter rounds an fma once); on CUDA, compiled, only
 
 One launch per piece costs 10-20 us of host time, more than a small shard's bytes take on a GPU
 (under FSDP2 a rank holds one piece per parameter): ``plan`` builds once, on the device, the
-tables of a list of pieces (each one's address, and per block of ``BLOCK`` elements the piece it
+tables of a list of pieces (each one's address, and per program of ``PROGRAM_NUMEL`` elements the piece it
 belongs to), and ``masked_update_many_`` then updates all of them in one launch, element by
 element the same arithmetic as ``masked_update_``.
 
@@ -45,7 +45,7 @@ from typing import Any
 import torch
 
 MAX_SHADOWS = 4  # averages updated by one launch (one read of the live piece); more take another launch
-BLOCK = 1024  # elements per program
+PROGRAM_NUMEL = 1024  # elements per program
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 EXACT_INTERPRETER = (3, 9)  # the first Triton whose interpreter computes an fp32 fma with one rounding
 
@@ -73,7 +73,7 @@ def _usable(device_type: str) -> bool:
 
 def _version(text: str) -> tuple[int, ...]:
     """``3.9.0+git1a2b`` as (3, 9): the release's major and minor."""
-    return tuple(int("".join(c for c in part if c.isdigit()) or 0) for part in text.split(".")[:2])
+    return tuple(int("".join(c for c in field if c.isdigit()) or 0) for field in text.split(".")[:2])
 
 
 def reset() -> None:
@@ -103,14 +103,14 @@ def masked_update_(
     if not live.numel() or not shadows:
         return
     kernel = _module().masked_lerp
-    grid = ((live.numel() + BLOCK - 1) // BLOCK,)
+    grid = ((live.numel() + PROGRAM_NUMEL - 1) // PROGRAM_NUMEL,)
     for start in range(0, len(shadows), MAX_SHADOWS):
-        part, part_weights = shadows[start : start + MAX_SHADOWS], weights[start : start + MAX_SHADOWS]
+        launched, launched_weights = shadows[start : start + MAX_SHADOWS], weights[start : start + MAX_SHADOWS]
         slots: list[Any] = []
         for slot in range(MAX_SHADOWS):  # (unused slots are never touched: COUNT says how many are real)
-            slots += [part[slot], part_weights[slot]] if slot < len(part) else [None, None]
-        copy = sum(1 << slot for slot, weight in enumerate(part_weights) if weight is None)
-        options = {"COUNT": len(part), "COPY": copy, "BLOCK": BLOCK, "num_warps": 4}
+            slots += [launched[slot], launched_weights[slot]] if slot < len(launched) else [None, None]
+        copy = sum(1 << slot for slot, weight in enumerate(launched_weights) if weight is None)
+        options = {"COUNT": len(launched), "COPY": copy, "PROGRAM_NUMEL": PROGRAM_NUMEL, "num_warps": 4}
         kernel[grid](live, ok, live.numel(), *slots, **options, enable_fp_fusion=False)  # (its fmas are explicit)
 
 
@@ -121,8 +121,8 @@ class Plan:
     tensors too (none is freed under it), and is rebuilt when one is reallocated.
 
     The tables live on the pieces' device, int64: an address per piece for the live pieces and
-    for each average's shadows, and per program (a block of ``BLOCK`` elements) the piece it
-    works on and which of its blocks, so that one launch spends one program on a 5-element
+    for each average's shadows, and per program (``PROGRAM_NUMEL`` elements) the piece it
+    works on and which of its programs it is, so that one launch spends one program on a 5-element
     piece and thousands on a large one, none on padding."""
 
     reads: tuple[torch.Tensor, ...]  # the non-empty pieces, in order
@@ -130,7 +130,7 @@ class Plan:
     live_table: torch.Tensor  # (pieces,): each read's address
     shadow_tables: tuple[torch.Tensor, ...]  # per average, (pieces,): each shadow's address
     numels: torch.Tensor  # (pieces,)
-    piece_of_block: torch.Tensor  # (programs,)
+    piece_of_program: torch.Tensor  # (programs,)
     index_in_piece: torch.Tensor  # (programs,)
     align: int  # bytes: the largest power of two, up to 16, that divides every address
 
@@ -140,7 +140,7 @@ class Plan:
 
     @property
     def programs(self) -> int:
-        return self.piece_of_block.numel()
+        return self.piece_of_program.numel()
 
 
 def plan(reads: Sequence[torch.Tensor], shadow_sets: Sequence[Sequence[torch.Tensor]]) -> Plan:
@@ -171,18 +171,18 @@ def plan(reads: Sequence[torch.Tensor], shadow_sets: Sequence[Sequence[torch.Ten
     pointers = [[read.data_ptr() for read in reads]] + [[s.data_ptr() for s in shadows] for shadows in shadow_sets]
     addresses = to_device(torch.tensor(pointers, dtype=torch.int64).reshape(len(pointers), len(reads)), device)
     numels = torch.tensor([read.numel() for read in reads], dtype=torch.int64)
-    counts = (numels + BLOCK - 1) // BLOCK
+    counts = (numels + PROGRAM_NUMEL - 1) // PROGRAM_NUMEL
     pieces = torch.repeat_interleave(torch.arange(len(reads)), counts)
     firsts = torch.repeat_interleave(torch.cumsum(counts, 0) - counts, counts)
-    blocks = to_device(torch.stack([pieces, torch.arange(pieces.numel()) - firsts]), device)
+    programs = to_device(torch.stack([pieces, torch.arange(pieces.numel()) - firsts]), device)
     return Plan(
         reads=tuple(reads),
         shadow_sets=tuple(map(tuple, shadow_sets)),
         live_table=addresses[0],
         shadow_tables=tuple(addresses[1:]),
         numels=to_device(numels, device),
-        piece_of_block=blocks[0],
-        index_in_piece=blocks[1],
+        piece_of_program=programs[0],
+        index_in_piece=programs[1],
         align=math.gcd(16, *(pointer for row in pointers for pointer in row)),
     )
 
@@ -216,17 +216,23 @@ def masked_update_many_(plan: Plan, weights: Sequence[torch.Tensor | None], ok: 
     module = _module()
     live = module.TL_DTYPES[plan.reads[0].dtype]
     for start in range(0, plan.averages, MAX_SHADOWS):
-        part = range(start, min(start + MAX_SHADOWS, plan.averages))
+        launched = range(start, min(start + MAX_SHADOWS, plan.averages))
         slots: list[Any] = []
         dtypes: list[Any] = []
         for slot in range(MAX_SHADOWS):  # (unused slots are never touched: COUNT says how many are real)
             k = start + slot
-            slots += [plan.shadow_tables[k], weights[k]] if k in part else [None, None]
-            dtypes.append(module.TL_DTYPES[plan.shadow_sets[k][0].dtype] if k in part else None)
-        copy = sum(1 << slot for slot, k in enumerate(part) if weights[k] is None)
-        options = {"ALIGN": plan.align, "COUNT": len(part), "COPY": copy, "BLOCK": BLOCK, "num_warps": 4}
+            slots += [plan.shadow_tables[k], weights[k]] if k in launched else [None, None]
+            dtypes.append(module.TL_DTYPES[plan.shadow_sets[k][0].dtype] if k in launched else None)
+        copy = sum(1 << slot for slot, k in enumerate(launched) if weights[k] is None)
+        options = {
+            "ALIGN": plan.align,
+            "COUNT": len(launched),
+            "COPY": copy,
+            "PROGRAM_NUMEL": PROGRAM_NUMEL,
+            "num_warps": 4,
+        }
         module.masked_lerp_many[(plan.programs,)](
-            plan.live_table, plan.piece_of_block, plan.index_in_piece, plan.numels, ok, *slots, live, *dtypes,
+            plan.live_table, plan.piece_of_program, plan.index_in_piece, plan.numels, ok, *slots, live, *dtypes,
             **options, enable_fp_fusion=False,
         )  # fmt: skip
 

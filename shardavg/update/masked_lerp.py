@@ -54,11 +54,11 @@ def one_shadow(shadow, weight, live_values, offsets, mask, COPY: tl.constexpr):
 @triton.jit
 def masked_lerp(
     live, ok, numel, s0, w0, s1, w1, s2, w2, s3, w3,
-    COUNT: tl.constexpr, COPY: tl.constexpr, BLOCK: tl.constexpr,
+    COUNT: tl.constexpr, COPY: tl.constexpr, PROGRAM_NUMEL: tl.constexpr,
 ):  # fmt: skip
     """``COUNT`` shadows (``s0``..) updated from one read of ``live``, each with its weight (``w0``..;
     bit k of ``COPY``: copy into shadow k); where ``ok`` is false every access is masked off."""
-    offsets = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    offsets = tl.program_id(0).to(tl.int64) * PROGRAM_NUMEL + tl.arange(0, PROGRAM_NUMEL)
     mask = offsets < tl.where(tl.load(ok) != 0, numel, 0)  # (the interpreter widens a mask & a scalar flag to int32)
     live_values = load_f32(live + offsets, mask)
     one_shadow(s0, w0, live_values, offsets, mask, COPY & 1)
@@ -77,17 +77,17 @@ TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float
 @triton.jit
 def address(table, piece, DTYPE: tl.constexpr, ALIGN: tl.constexpr):
     """Entry ``piece`` of the int64 ``table`` as a pointer to ``DTYPE``, which the compiler is told
-    is a multiple of ``ALIGN`` bytes (so that a whole block loads and stores in vectors)."""
+    is a multiple of ``ALIGN`` bytes (so that a whole program's elements load and store in vectors)."""
     return tl.multiple_of(tl.load(table + piece).to(tl.pointer_type(DTYPE)), ALIGN)
 
 
 @triton.jit
-def one_block(
+def one_program(
     live_table, t0, w0, t1, w1, t2, w2, t3, w3, piece, offsets, mask,
     LIVE: tl.constexpr, S0: tl.constexpr, S1: tl.constexpr, S2: tl.constexpr, S3: tl.constexpr,
     ALIGN: tl.constexpr, COUNT: tl.constexpr, COPY: tl.constexpr,
 ):  # fmt: skip
-    """One block of piece ``piece``: its live values read once, each of ``COUNT`` shadows updated."""
+    """One program's elements of piece ``piece``: its live values read once, each of ``COUNT`` shadows updated."""
     live_values = load_f32(address(live_table, piece, LIVE, ALIGN) + offsets, mask)
     one_shadow(address(t0, piece, S0, ALIGN), w0, live_values, offsets, mask, COPY & 1)
     if COUNT > 1:
@@ -100,23 +100,23 @@ def one_block(
 
 @triton.jit
 def masked_lerp_many(
-    live_table, piece_of_block, index_in_piece, numels, ok, t0, w0, t1, w1, t2, w2, t3, w3,
+    live_table, piece_of_program, index_in_piece, numels, ok, t0, w0, t1, w1, t2, w2, t3, w3,
     LIVE: tl.constexpr, S0: tl.constexpr, S1: tl.constexpr, S2: tl.constexpr, S3: tl.constexpr,
-    ALIGN: tl.constexpr, COUNT: tl.constexpr, COPY: tl.constexpr, BLOCK: tl.constexpr,
+    ALIGN: tl.constexpr, COUNT: tl.constexpr, COPY: tl.constexpr, PROGRAM_NUMEL: tl.constexpr,
 ):  # fmt: skip
-    """``masked_lerp`` over many pieces in one launch: program ``p`` updates block
-    ``index_in_piece[p]`` of piece ``piece_of_block[p]``, whose addresses it reads from
+    """``masked_lerp`` over many pieces in one launch: program ``p`` updates the
+    ``index_in_piece[p]``-th ``PROGRAM_NUMEL`` elements of piece ``piece_of_program[p]``, whose addresses it reads from
     ``live_table`` and each shadow's table (``t0``..; int64, one entry per piece, elements of
-    ``LIVE``, ``S0``..). A block inside its piece (all but a piece's last) goes unmasked, in
-    vectors; where ``ok`` is false every block is masked off whole."""
+    ``LIVE``, ``S0``..). A program inside its piece (all but a piece's last) goes unmasked, in
+    vectors; where ``ok`` is false every program is masked off whole."""
     program = tl.program_id(0)
-    piece = tl.load(piece_of_block + program)
-    first = tl.load(index_in_piece + program) * BLOCK  # (int64: a piece may hold 2**31 elements or more)
-    offsets = first + tl.arange(0, BLOCK)
+    piece = tl.load(piece_of_program + program)
+    first = tl.load(index_in_piece + program) * PROGRAM_NUMEL  # (int64: a piece may hold 2**31 elements or more)
+    offsets = first + tl.arange(0, PROGRAM_NUMEL)
     limit = tl.where(tl.load(ok) != 0, tl.load(numels + piece), 0)
-    if first + BLOCK <= limit:
-        one_block(live_table, t0, w0, t1, w1, t2, w2, t3, w3, piece, offsets, None,
+    if first + PROGRAM_NUMEL <= limit:
+        one_program(live_table, t0, w0, t1, w1, t2, w2, t3, w3, piece, offsets, None,
                   LIVE, S0, S1, S2, S3, ALIGN, COUNT, COPY)  # fmt: skip
     else:
-        one_block(live_table, t0, w0, t1, w1, t2, w2, t3, w3, piece, offsets, offsets < limit,
+        one_program(live_table, t0, w0, t1, w1, t2, w2, t3, w3, piece, offsets, offsets < limit,
                   LIVE, S0, S1, S2, S3, ALIGN, COUNT, COPY)  # fmt: skip

@@ -1,74 +1,241 @@
-"""An averager's settings, checked where they enter, and what they decide: each tensor's role."""
+"""An averager's settings, each declared once, and what they decide: each tensor's role.
+
+An option is one field of ``Options`` and nothing else: its type, its default, the check it
+passes where it enters (``WeightAverager(**options)``, or a description's ``options`` read back
+from a file), whether descriptions record it, and its docstring, which the API reference shows.
+``WeightAverager`` and the integrations pass their keywords through to it, and a description
+writes and reads it with ``to_json``/``from_json``: adding a field here is adding an option.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field, fields
 from typing import Any, Literal
 
 import torch
 
 from ..base import validate
-from ..base.dtypes import dtype_name
+from ..base.dtypes import DTYPES, dtype_name
+from ..base.errors import CheckpointError
 from ..layouts.tensor_info import TensorInfo
 
 Role = Literal["average", "copy", "live"]  # averaged; copied at each update; not stored (live value exported)
 BufferPolicy = Literal["copy", "average", "ignore"]
 NonfinitePolicy = Literal["raise", "skip", "off"]
 
+Check = Callable[[str, Any], Any]  # (name, value) -> the value kept, or ValueError naming the option
 
-@dataclass(frozen=True)
+
+def option(
+    default: Any,
+    check: Check,
+    recorded: bool = False,
+    required: bool = False,
+    to_json: Callable[[Any], Any] | None = None,
+    from_json: Callable[[Any], Any] | None = None,
+) -> Any:
+    """Declare one field of ``Options``: its default, its check and how descriptions keep it.
+
+    Args:
+        default: The value when the option is not given.
+        check: Called with the option's name and value where it enters; returns the value kept
+            (a device string becomes a ``torch.device``) or raises ``ValueError`` naming it.
+        recorded: Descriptions (checkpoints, DCP, exports) record it: it shapes the saved average.
+        required: A recorded option every description since format 2 holds; one added later is
+            read as its default where a description lacks it (written before it existed).
+        to_json: Its value as JSON (default: the value itself).
+        from_json: Its value from JSON, raising ``ValueError`` for a value it cannot be (default:
+            the JSON value itself); ``check`` then runs on the result.
+
+    Returns:
+        The dataclass field.
+    """
+    metadata = {
+        "check": check, "recorded": recorded, "required": required,
+        "to_json": to_json or _itself, "from_json": from_json or _itself,
+    }  # fmt: skip
+    return field(default=default, metadata=metadata)
+
+
+def _itself(value: Any) -> Any:
+    """A plain JSON value: its own JSON."""
+    return value
+
+
+def _count(minimum: int) -> Check:
+    """An int (never a bool) of at least ``minimum``."""
+
+    def check(name: str, value: Any) -> int:
+        validate.count(name, value, minimum)
+        return value
+
+    return check
+
+
+def _policy(choices: Any) -> Check:
+    """One of a ``Literal``'s values."""
+
+    def check(name: str, value: Any) -> str:
+        validate.choice(f"{name} policy", value, choices)
+        return value
+
+    return check
+
+
+def _flag(name: str, value: Any) -> bool:
+    if not isinstance(value, bool):
+        raise ValueError(f"{name} must be True or False, got {value!r}")
+    return value
+
+
+def _floating_dtype(name: str, value: Any) -> torch.dtype | None:
+    validate.floating_dtype(name, value)
+    return value
+
+
+def _device(name: str, value: Any) -> torch.device | None:
+    """None, or a ``torch.device`` (a string such as ``"cpu"`` converted)."""
+    return value if value is None or isinstance(value, torch.device) else torch.device(value)
+
+
+def _dtype_from_json(value: Any) -> torch.dtype | None:
+    if value is None:
+        return None
+    if not (isinstance(value, str) and value in DTYPES):
+        raise ValueError(f"{value!r} is not a dtype name")
+    return DTYPES[value]
+
+
+@dataclass(frozen=True, kw_only=True)
 class Options:
     """How an averager averages: the settings ``WeightAverager`` takes besides the model and the rule.
 
-    Each option is documented here, once; ``WeightAverager`` passes its arguments of the same
-    names through, and ``avg.options`` gives them back. A value out of its range is refused on
-    construction, naming it.
-
-    Attributes:
-        every_n_steps: Update every ``every_n_steps`` optimizer steps, counted from ``start_step``.
-            Default 1 (every step).
-        start_step: The first step that updates; that update copies the live weights. Default 0.
-        dtype: Shadow dtype of floating tensors. The default, ``torch.float32``, averages
-            bf16/fp16 weights without rounding each update; ``None`` keeps the live dtype.
-        buffers: ``"copy"`` (default: the live value at each update), ``"average"`` (floating
-            buffers averaged, integer ones copied) or ``"ignore"`` (not stored: exports carry the
-            live value).
-        device: Where the shadows live: ``None`` (default) next to each live shard, ``"cpu"`` (or
-            any device) offloaded there. A string is converted to a ``torch.device``.
-        include_frozen: Also average parameters with ``requires_grad=False``; by default (False)
-            they are not stored and exports carry their live values.
-        on_nonfinite: What a NaN or infinity in a live weight does: ``"raise"`` (default) raises
-            ``NonFiniteError`` and ``"skip"`` warns, both leaving the average untouched; ``"off"``
-            skips the check (one read of every live shard less per update) and averages whatever
-            is there.
-        background: Run each update on a thread of its own (default False): ``update()`` returns
-            once it has copied the buffers; the next optimizer step, and every reader of the
-            averages, waits for it; an error it meets is raised at the next call. The averages are
-            bitwise those of the update in the loop.
+    Each option is declared and documented here, once: ``WeightAverager(model, rule, **options)``
+    and the integrations pass their keywords of these names through, ``avg.options`` gives them
+    back, and checkpoints record those that shape the saved average (``to_json``). A value out of
+    its range is refused on construction, naming it.
 
     Raises:
         ValueError: An option out of its range or not one of its choices.
+        TypeError: An option that does not exist.
     """
 
-    every_n_steps: int = 1
-    start_step: int = 0
-    dtype: torch.dtype | None = torch.float32
-    buffers: BufferPolicy = "copy"
-    device: torch.device | None = None
-    include_frozen: bool = False
-    on_nonfinite: NonfinitePolicy = "raise"
-    background: bool = False
+    every_n_steps: int = option(1, _count(1), recorded=True, required=True)
+    """Update every ``every_n_steps`` optimizer steps, counted from ``start_step``. Default 1 (every step)."""
+
+    start_step: int = option(0, _count(0), recorded=True, required=True)
+    """The first step that updates; that update copies the live weights. Default 0."""
+
+    dtype: torch.dtype | None = option(
+        torch.float32, _floating_dtype, recorded=True, required=True,
+        to_json=lambda value: None if value is None else dtype_name(value), from_json=_dtype_from_json,
+    )  # fmt: skip
+    """Shadow dtype of floating tensors. The default, ``torch.float32``, averages bf16/fp16 weights
+    without rounding each update; ``None`` keeps the live dtype."""
+
+    buffers: BufferPolicy = option("copy", _policy(BufferPolicy), recorded=True, required=True)
+    """``"copy"`` (default: the live value at each update), ``"average"`` (floating buffers averaged,
+    integer ones copied) or ``"ignore"`` (not stored: exports carry the live value)."""
+
+    device: torch.device | None = option(None, _device)
+    """Where the shadows live: ``None`` (default) next to each live shard, ``"cpu"`` (or any device)
+    offloaded there. A string is converted to a ``torch.device``."""
+
+    include_frozen: bool = option(False, _flag, recorded=True, required=True)
+    """Also average parameters with ``requires_grad=False``; by default (False) they are not stored
+    and exports carry their live values."""
+
+    on_nonfinite: NonfinitePolicy = option("raise", _policy(NonfinitePolicy))
+    """What a NaN or infinity in a live weight does: ``"raise"`` (default) raises ``NonFiniteError``
+    and ``"skip"`` warns, both leaving the average untouched; ``"off"`` skips the check (one read of
+    every live shard less per update) and averages whatever is there."""
+
+    background: bool = option(False, _flag)
+    """Run each update on a thread of its own (default False): ``update()`` returns once it has
+    copied the buffers; the next optimizer step, and every reader of the averages, waits for it; an
+    error it meets is raised at the next call. The averages are bitwise those of the update in the loop."""
 
     def __post_init__(self) -> None:
-        validate.count("every_n_steps", self.every_n_steps, 1)
-        validate.count("start_step", self.start_step, 0)
-        validate.floating_dtype("dtype", self.dtype)
-        validate.choice("buffers policy", self.buffers, BufferPolicy)
-        validate.choice("on_nonfinite policy", self.on_nonfinite, NonfinitePolicy)
-        if not isinstance(self.background, bool):
-            raise ValueError(f"background must be True or False, got {self.background!r}")
-        if self.device is not None and not isinstance(self.device, torch.device):
-            object.__setattr__(self, "device", torch.device(self.device))
+        for spec in fields(self):
+            object.__setattr__(self, spec.name, spec.metadata["check"](spec.name, getattr(self, spec.name)))
+
+    @classmethod
+    def names(cls) -> tuple[str, ...]:
+        """Every option's name, in declaration order.
+
+        Returns:
+            The field names.
+        """
+        return tuple(spec.name for spec in fields(cls))
+
+    @classmethod
+    def from_keywords(cls, keywords: Mapping[str, Any], caller: str, own: tuple[str, ...] = ()) -> Options:
+        """The options that ``caller``'s keyword arguments name (its ``own`` keywords left out), checked.
+
+        Args:
+            keywords: Keyword arguments, each an option's name or one of ``own``.
+            caller: Who took them, for the message (``"WeightAverager"``).
+            own: The caller's keywords that are not options.
+
+        Returns:
+            The options.
+
+        Raises:
+            TypeError: A keyword that is neither an option nor one of ``own``, named with the known ones.
+            ValueError: An option out of its range or not one of its choices.
+        """
+        unknown = sorted(set(keywords) - set(cls.names()) - set(own))
+        if unknown:
+            raise TypeError(
+                f"{caller} got unknown keyword argument(s) {unknown}: it takes {', '.join((*own, *cls.names()))} "
+                "(the options are documented in shardavg.update.options.Options)"
+            )
+        return cls(**{name: value for name, value in keywords.items() if name not in own})
+
+    def to_json(self) -> dict[str, Any]:
+        """The options that shape the saved average, as a description records them.
+
+        Returns:
+            Each recorded option by name (a dtype by its name, or None), in declaration order.
+        """
+        return {
+            spec.name: spec.metadata["to_json"](getattr(self, spec.name))
+            for spec in fields(self)
+            if spec.metadata["recorded"]
+        }
+
+    @classmethod
+    def from_json(cls, data: Any, where: str) -> Options:
+        """The options a description recorded (``to_json``), checked as on construction; the
+        options it does not record take their defaults.
+
+        Args:
+            data: The description's ``options``, as parsed JSON.
+            where: Where it came from, for the message.
+
+        Returns:
+            The options.
+
+        Raises:
+            CheckpointError: ``data`` lacks a required option, holds one not recorded, or a value
+                an option refuses (one line naming ``where`` and each value at fault).
+        """
+        recorded = [spec for spec in fields(cls) if spec.metadata["recorded"]]
+        required = sorted(spec.name for spec in recorded if spec.metadata["required"])
+        optional = sorted(spec.name for spec in recorded if not spec.metadata["required"])
+        if not (isinstance(data, dict) and set(required) <= set(data) <= {spec.name for spec in recorded}):
+            also = f" (and may hold {optional})" if optional else ""
+            raise CheckpointError(f"{where}: 'options' must hold {required}{also}, got {str(data)[:200]}")
+        values, wrong = {}, []
+        for spec in (spec for spec in recorded if spec.name in data):
+            try:
+                values[spec.name] = spec.metadata["check"](spec.name, spec.metadata["from_json"](data[spec.name]))
+            except (ValueError, TypeError):
+                wrong.append(f"{spec.name}={str(repr(data[spec.name]))[:80]}")
+        if wrong:
+            raise CheckpointError(f"{where}: 'options' has invalid values: {', '.join(wrong)}")
+        return cls(**values)
 
     def role(self, info: TensorInfo) -> Role:
         """What the averager does with one tensor under these options.
@@ -98,18 +265,3 @@ class Options:
             True when ``step`` is ``start_step + k * every_n_steps`` for some ``k >= 0``.
         """
         return step >= self.start_step and not (step - self.start_step) % self.every_n_steps
-
-    def describe(self) -> dict[str, Any]:
-        """The options that shape the saved average, as plain data (recorded in each checkpoint).
-
-        Returns:
-            ``every_n_steps``, ``start_step``, ``dtype`` (by name, or None), ``buffers`` and
-                ``include_frozen``.
-        """
-        return {
-            "every_n_steps": self.every_n_steps,
-            "start_step": self.start_step,
-            "dtype": None if self.dtype is None else dtype_name(self.dtype),
-            "buffers": self.buffers,
-            "include_frozen": self.include_frozen,
-        }

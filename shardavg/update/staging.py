@@ -65,7 +65,7 @@ class Stager:
             staged, event = issued[number]
             if event is not None:
                 event.synchronize()
-            yield [[_part(shadows[s.position], s) for s in bucket] for shadows in shadow_sets], staged
+            yield [[_staged_view(shadows[s.position], s) for s in bucket] for shadows in shadow_sets], staged
 
     def _side_stream(self, source: torch.device, target: torch.device) -> torch.cuda.Stream | None:
         """The copy stream for CUDA to host, ordered after the compute stream's work so far."""
@@ -96,7 +96,7 @@ class Stager:
                 length = staged_range.stop - staged_range.start
                 view = buffer[offset : offset + length]
                 offset += length
-                source = _part(live_tensors[staged_range.position], staged_range)
+                source = _staged_view(live_tensors[staged_range.position], staged_range)
                 view = view.view(source.shape)
                 view.copy_(source, non_blocking=stream is not None)
                 staged.append(view)
@@ -111,7 +111,7 @@ class Stager:
         return sum(buffer.nbytes for buffers in self._buffers.values() for buffer in buffers)
 
 
-def _part(tensor: torch.Tensor, staged: StagedRange) -> torch.Tensor:
+def _staged_view(tensor: torch.Tensor, staged: StagedRange) -> torch.Tensor:
     return tensor if staged.whole else tensor.reshape(-1)[staged.start : staged.stop]
 
 

@@ -1,0 +1,194 @@
+"""``shardavg merge`` on Megatron-Core ``torch_dist`` checkpoints, built here as ``dist_checkpointing.save``
+lays them out (Megatron itself is not installed): flat keys, layer stacks ``[L, ...]`` stored in chunks by
+layer and tensor-parallel offset, the optimizer under ``optimizer.state.*``, pickled objects as bytes
+entries, the ranks' save plans in DCP's metadata (``all_local_plans``), ``metadata.json`` and
+``common.pt`` beside it, ``iter_NNNNNNN`` folders and ``latest_checkpointed_iteration.txt``."""
+
+from __future__ import annotations
+
+import io
+import json
+import logging
+import math
+import pickle
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from helpers import Payload
+from test_merge import read_model
+from torch.distributed.checkpoint.metadata import (
+    ChunkStorageMetadata,
+    MetadataIndex,
+    TensorProperties,
+    TensorStorageMetadata,
+)
+from torch.distributed.checkpoint.planner import SavePlan, TensorWriteData, WriteItem, WriteItemType
+
+import shardavg
+import shardavg.cli
+
+LAYERS = 3
+
+
+def model(seed: int) -> dict[str, torch.Tensor]:
+    """A GPT's tensors as Megatron-Core names them: the layers stacked ``[L, ...]``."""
+    g = torch.Generator().manual_seed(seed)
+    return {
+        "embedding.word_embeddings.weight": torch.randn(8, 4, generator=g),
+        "decoder.layers.self_attention.linear_qkv.weight": torch.randn(LAYERS, 6, 4, generator=g),
+        "decoder.layers.self_attention.linear_qkv.layer_norm_weight": torch.randn(LAYERS, 4, generator=g),
+        "decoder.layers.mlp.linear_fc2.weight": torch.randn(LAYERS, 4, 8, generator=g).to(torch.bfloat16),
+        "decoder.final_layernorm.weight": torch.randn(4, generator=g),
+    }
+
+
+def chunks(name: str, tensor: torch.Tensor, tp: int) -> list[tuple[tuple[int, ...], torch.Tensor]]:
+    """``(offsets, chunk)`` as ``tp`` ranks save it: a stack by layer and, within a layer, by its
+    tensor-parallel offset along its first dim; a replicated vector whole."""
+    if tensor.dim() == 1:
+        return [((0,), tensor)]
+    if not name.startswith("decoder.layers."):
+        rows = tensor.shape[0] // tp
+        return [((r * rows, 0), tensor[r * rows : (r + 1) * rows]) for r in range(tp)]
+    found = []
+    for layer in range(tensor.shape[0]):
+        if tensor.dim() == 2:
+            found.append(((layer, 0), tensor[layer : layer + 1]))
+            continue
+        rows = tensor.shape[1] // tp
+        for r in range(tp):
+            found.append(((layer, r * rows, 0), tensor[layer : layer + 1, r * rows : (r + 1) * rows]))
+    return found
+
+
+def megatron_save(folder: Path, tensors: dict[str, torch.Tensor], marker: Path, tp: int) -> None:
+    """``folder`` as ``dist_checkpointing.save`` writes it with the torch_dist backend at ``tp`` ranks."""
+    pieces, where = {}, {}
+    for name, tensor in tensors.items():
+        for offsets, chunk in chunks(name, tensor, tp):
+            pieces[f"piece{len(pieces)}"] = chunk.clone()
+            where[f"piece{len(pieces) - 1}"] = (name, offsets)
+    optimizer = {
+        f"optimizer.state.{k}.{n}": t.float() * 0.5 for n, t in tensors.items() for k in ("exp_avg", "fp32_param")
+    }
+    evil = pickle.dumps(Payload(marker))
+    objects = {
+        "rng_state/shard_0.0_1.2": io.BytesIO(evil),
+        "rng_state/shard_0.1_1.2": io.BytesIO(evil),
+        "common_state": io.BytesIO(evil),
+        "decoder.layers.self_attention.linear_proj._extra_state/shard_0_3": io.BytesIO(evil),
+        "optimizer.param_groups/shard_0_1": io.BytesIO(evil),
+    }
+    dcp.save(pieces | optimizer | objects, checkpoint_id=str(folder), no_dist=True)
+    with open(folder / ".metadata", "rb") as handle:
+        metadata = pickle.load(handle)  # (our own, just written)
+    entries, storage = metadata.state_dict_metadata, metadata.storage_data
+    plans: list[list[WriteItem]] = [[] for _ in range(tp)]
+    for piece, (name, offsets) in where.items():
+        stored = entries.pop(piece)
+        tensor = tensors[name]
+        chunk = ChunkStorageMetadata(torch.Size(offsets), stored.size)
+        entry = entries.setdefault(name, TensorStorageMetadata(TensorProperties(tensor.dtype), tensor.shape, []))
+        entry.chunks.append(chunk)
+        storage[MetadataIndex(name, offsets)] = storage.pop(MetadataIndex(piece, (0,) * tensor.dim()))
+        data = TensorWriteData(chunk=chunk, properties=TensorProperties(tensor.dtype), size=tensor.shape)
+        plans[len(entry.chunks) % tp].append(
+            WriteItem(MetadataIndex(name, offsets), WriteItemType.SHARD, tensor_data=data)
+        )
+    metadata.planner_data = {}  # (Megatron flattens the state dict itself: DCP records no nesting)
+    metadata.all_local_plans = [SavePlan(items, planner_data={}) for items in plans]
+    metadata.mcore_data = {}
+    with open(folder / ".metadata", "wb") as handle:
+        pickle.dump(metadata, handle)
+    (folder / "metadata.json").write_text(json.dumps({"sharded_backend": "torch_dist", "sharded_backend_version": 1}))
+    (folder / "common.pt").write_bytes(evil)
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory) -> Path:
+    """A Megatron-LM run folder: iterations 100, 200, 300 finished, 400 written after the tracker (in flight),
+    saved at TP1 and TP2 in turn (a run resumed at another layout)."""
+    root = tmp_path_factory.mktemp("megatron")
+    for seed, step in enumerate((100, 200, 300, 400)):
+        megatron_save(root / f"iter_{step:07d}", model(seed), root / "unpickled", tp=1 + seed % 2)
+    (root / "latest_checkpointed_iteration.txt").write_text("300")
+    return root
+
+
+def numpy_mean(states: list[dict[str, torch.Tensor]], shares: list[float]) -> dict[str, np.ndarray]:
+    """sum(w_i * x_i) in fp32, input order, by numpy; the output in the inputs' dtype."""
+    out = {}
+    for name in states[0]:
+        total = np.zeros(states[0][name].shape, dtype=np.float32)
+        for state, share in zip(states, shares):
+            total = total + state[name].float().numpy() * np.float32(share)
+        out[name] = total
+    return out
+
+
+def assert_matches(got: dict[str, torch.Tensor], want: dict[str, np.ndarray], dtypes: dict[str, torch.dtype]) -> None:
+    assert sorted(got) == sorted(want)
+    for name, value in want.items():
+        assert got[name].dtype == dtypes[name], name
+        expected = torch.from_numpy(value).to(dtypes[name])
+        assert torch.equal(got[name], expected), (name, (got[name].float() - expected.float()).abs().max())
+
+
+def test_a_torch_dist_checkpoint_merges_exactly_and_leaves_its_training_state_unread(
+    run: Path, tmp_path, caplog
+) -> None:
+    caplog.set_level(logging.INFO, logger="shardavg")
+    out = shardavg.merge(run, tmp_path / "out", last=2)  # iterations 200 and 300: 400 is past the tracker
+    dtypes = {name: t.dtype for name, t in model(0).items()}
+    assert_matches(read_model(out), numpy_mean([model(1), model(2)], [0.5, 0.5]), dtypes)
+    assert not (run / "unpickled").exists()  # no object, common.pt included, was unpickled
+    said = caplog.text
+    assert (
+        "merged its 5 model tensors; left out 1 under '*._extra_state', 1 under 'common.pt', 1 under 'common_state', "
+        "11 under 'optimizer', 2 under 'rng_state'" in said
+    ), said
+
+
+def test_ema_weights_follow_the_iterations(run: Path, tmp_path) -> None:
+    out = shardavg.merge(run, tmp_path / "out", last=3, ema=0.99)
+    weights = [0.99**200, 0.99**100, 0.99**0]
+    shares = [w / math.fsum(weights) for w in weights]
+    dtypes = {name: t.dtype for name, t in model(0).items()}
+    assert_matches(read_model(out), numpy_mean([model(0), model(1), model(2)], shares), dtypes)
+
+
+def test_iterations_are_steps_and_an_unfinished_one_is_left_out(run: Path) -> None:
+    from shardavg.offline.sources import finished_checkpoints
+
+    assert [step for step, _ in finished_checkpoints(run)] == [100, 200, 300]
+
+
+def test_other_plan_globals_are_still_refused(tmp_path: Path) -> None:
+    folder = tmp_path / "ckpt"
+    dcp.save({"w": torch.ones(2)}, checkpoint_id=str(folder), no_dist=True)
+    with open(folder / ".metadata", "rb") as handle:
+        metadata = pickle.load(handle)
+    from torch.distributed.checkpoint.planner import LoadPlan
+
+    metadata.all_local_plans = [LoadPlan([])]
+    with open(folder / ".metadata", "wb") as handle:
+        pickle.dump(metadata, handle)
+    with pytest.raises(shardavg.CheckpointError, match="asks to load torch.distributed.checkpoint.planner.LoadPlan"):
+        shardavg.merge([folder], tmp_path / "out")
+
+
+def test_a_run_folder_and_the_legacy_format_are_refused_naming_what_works(run: Path, tmp_path: Path) -> None:
+    with pytest.raises(shardavg.CheckpointError, match="is a Megatron-LM run folder of several checkpoints: merge"):
+        shardavg.merge([run], tmp_path / "out")
+    legacy = tmp_path / "legacy" / "iter_0000100"
+    (legacy / "mp_rank_00").mkdir(parents=True)
+    (legacy / "mp_rank_00" / "model_optim_rng.pt").write_bytes(pickle.dumps(Payload(tmp_path / "unpickled")))
+    with pytest.raises(shardavg.CheckpointError) as refused:
+        shardavg.merge([legacy], tmp_path / "out")
+    message = str(refused.value)
+    assert "in its legacy torch format (mp_rank_00/model_optim_rng.pt" in message and "\n" not in message
+    assert f"--load {legacy.parent} --ckpt-convert-format torch_dist --ckpt-convert-save OUT" in message
+    assert not (tmp_path / "unpickled").exists()
