@@ -152,7 +152,7 @@ def _merge_parser(commands: Any) -> None:  # (argparse's subparsers action)
         "--format", choices=("safetensors", "shardavg", "dcp"), default="safetensors",
         help="a model folder (default); an averager's checkpoint that avg.load restores at any world size; or a "
         "DCP checkpoint under the inputs' keys that their trainer loads back (from Megatron-Core inputs with "
-        "metadata.json, common.pt and *._extra_state carried: load it with --no-load-optim --no-load-rng)",
+        "metadata.json, the common state and *._extra_state carried: load it with --no-load-optim --no-load-rng)",
     )  # fmt: skip
     merge.add_argument(
         "--collective", action=argparse.BooleanOptionalAction,

@@ -1,11 +1,13 @@
 """``shardavg merge --format dcp``: the merge as a ``torch.distributed.checkpoint`` folder under the inputs'
 keys, loaded back with DCP's own loaders (``dcp.load`` without a process group, ``dcp_to_torch_save``) and
 equal to numpy's weighted average; a Megatron-Core merge carrying its files and ``*._extra_state`` byte for
-byte; OUT refused where it is not the merge's own; a merge that fails leaves no ``.metadata``."""
+byte; OUT refused where it is not the merge's own; a merge that fails leaves OUT as it was (the earlier merge
+whole, or nothing) and no staging folder."""
 
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -83,7 +85,7 @@ def test_dcp_inputs_merge_into_a_checkpoint_their_trainer_loads(tmp_path: Path) 
     whole = torch.load(tmp_path / "whole.pt", weights_only=True)
     assert sorted(whole) == ["model"]  # the optimizer is not a merge's
     assert_equal(whole["model"], want)
-    assert sorted(p.name for p in out.iterdir()) == [".metadata", "__0_0.distcp", "provenance.json"]
+    assert names(out) == [".metadata", "__0_*.distcp", "provenance.json"]
     made = json.loads((out / "provenance.json").read_text())
     assert made["made"] == "merge" and made["output"] == "dcp" and made["world_size"] == 1
     assert [i["left_out"] for i in made["inputs"]] == [{"optimizer": 3}] * 3
@@ -108,14 +110,14 @@ def test_a_megatron_merge_carries_its_files_and_extra_state_byte_for_byte(tmp_pa
     out = shardavg.merge(inputs, tmp_path / "out", output="dcp")
     for name in ("metadata.json", "common.pt"):
         assert (out / name).read_bytes() == (inputs[-1] / name).read_bytes(), name
-    extra = "decoder.layers.self_attention.linear_proj._extra_state/shard_0_3"
-    assert raw_item(out, extra) == raw_item(inputs[-1], extra)
+    for carried in ("decoder.layers.self_attention.linear_proj._extra_state/shard_0_3", "common_state"):
+        assert raw_item(out, carried) == raw_item(inputs[-1], carried), carried  # (0.19 loads its common state here)
     mean = numpy_mean([megatron_model(0), megatron_model(1)], [0.5, 0.5])
     dtypes = {name: tensor.dtype for name, tensor in megatron_model(0).items()}
     want = {name: torch.from_numpy(value).to(dtypes[name]) for name, value in mean.items()}
     assert_equal(loaded(out, want, None), want)  # Megatron's flat keys, its [L, ...] stacks whole
     again = open_source(out)  # a torch_dist checkpoint again
-    assert again.left_out == {"*._extra_state": 1, "common.pt": 1}
+    assert again.left_out == {"*._extra_state": 1, "common.pt": 1, "common_state": 1}
     again.close()
     assert not (tmp_path / "unpickled").exists()  # nothing carried was unpickled
     left_out = json.loads((out / "provenance.json").read_text())["inputs"][1]["left_out"]
@@ -167,35 +169,142 @@ def test_out_is_refused_unless_it_is_new_empty_or_an_earlier_dcp_merge(tmp_path:
         shardavg.merge(inputs, model_folder, output="dcp")
 
 
-def test_a_merge_that_fails_leaves_no_metadata_and_a_folder_merge_can_take_again(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+def interrupted_after_the_first_piece(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Make every worker's part fail after its first piece is written (a full disk, a bad input found late)."""
+    written = dcp_checkpoint.write_part
+
+    def interrupted(folder, rank, chunks, objects=(), merge="0"):
+        def some():
+            for count, chunk in enumerate(chunks):
+                if count == 1:
+                    raise OSError("No space left on device")
+                yield chunk
+
+        return written(folder, rank, some(), objects, merge)
+
+    monkeypatch.setattr(dcp_checkpoint, "write_part", interrupted)
+
+
+def snapshot(folder: Path) -> dict[str, bytes]:
+    return {path.name: path.read_bytes() for path in sorted(folder.iterdir())}
+
+
+@pytest.mark.parametrize("where", ["writing", "committing", "swapping"])
+def test_a_remerge_that_fails_leaves_the_earlier_merge_whole_and_no_staging(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, where: str
 ) -> None:
     for seed in (1, 2):
         torchtitan_save(tmp_path / f"step-{seed}", seed)
     inputs = [tmp_path / "step-1", tmp_path / "step-2"]
     out = shardavg.merge(inputs, tmp_path / "out", output="dcp")
-    written = dcp_checkpoint.write_part
+    before = snapshot(out)
+    if where == "writing":
+        interrupted_after_the_first_piece(monkeypatch)
+        error, message = OSError, "No space left on device"
+    elif where == "committing":
+        monkeypatch.setattr(dcp_checkpoint, "commit", lambda *args: (_ for _ in ()).throw(OSError("disk gone")))
+        error, message = OSError, "disk gone"
+    else:  # someone wrote into OUT during the merge: it is no longer the merge's to replace
+        committed = dcp_checkpoint.commit
 
-    def interrupted(folder, rank, chunks, objects=()):
-        def some():
-            for count, chunk in enumerate(chunks):
-                if count == 2:
-                    raise OSError("No space left on device")
-                yield chunk
+        def commit_then_someone_writes(*args):
+            committed(*args)
+            (out / "notes.txt").write_text("mine")
 
-        return written(folder, rank, some(), objects)
-
-    monkeypatch.setattr(dcp_checkpoint, "write_part", interrupted)
-    with pytest.raises(OSError, match="No space left on device"):
+        monkeypatch.setattr(dcp_checkpoint, "commit", commit_then_someone_writes)
+        error, message = shardavg.CheckpointError, r"holds files a merge did not write \(notes.txt\)"
+    with pytest.raises(error, match=message):
         shardavg.merge(inputs, out, weights=[1, 3], output="dcp")
-    assert not (out / ".metadata").exists()  # not a checkpoint: neither the earlier merge nor the new one
-    assert not (out / "__0_0.distcp").exists() and json.loads((out / "provenance.json").read_text())["output"] == "dcp"
-    monkeypatch.setattr(dcp_checkpoint, "write_part", written)
-    monkeypatch.setattr(dcp_checkpoint, "commit", lambda *args: (_ for _ in ()).throw(OSError("disk gone")))
-    with pytest.raises(OSError, match="disk gone"):
-        shardavg.merge(inputs, out, output="dcp")
-    assert (out / "__0_0.distcp").exists() and not (out / ".metadata").exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out", "step-1", "step-2"]  # no staging, no lock
+    if where == "swapping":
+        (out / "notes.txt").unlink()
+    assert snapshot(out) == before  # the earlier merge, byte for byte
+    want = expected([1, 2], [0.5, 0.5])
+    assert_equal(loaded(out, want, "model"), want)
     monkeypatch.undo()
-    shardavg.merge(inputs, out, weights=[1, 3], output="dcp")  # the leftovers are the merge's: taken again
+    shardavg.merge(inputs, out, weights=[1, 3], output="dcp")  # a merge that succeeds replaces it
     want = expected([1, 2], [0.25, 0.75])
     assert_equal(loaded(out, want, "model"), want)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out", "step-1", "step-2"]
+    assert names(out) == [".metadata", "__0_*.distcp", "provenance.json"]
+    assert dcp.FileSystemReader(str(out)).read_metadata().storage_meta.checkpoint_id == out  # (not its staging name)
+
+
+def test_a_first_merge_that_fails_leaves_no_out(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    for seed in (1, 2):
+        torchtitan_save(tmp_path / f"step-{seed}", seed)
+    inputs = [tmp_path / "step-1", tmp_path / "step-2"]
+    interrupted_after_the_first_piece(monkeypatch)
+    with pytest.raises(OSError, match="No space left on device"):
+        shardavg.merge(inputs, tmp_path / "out", output="dcp")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step-1", "step-2"]  # not even an empty folder
+    monkeypatch.setattr(merge_module.megatron, "is_torch_dist", lambda path: 1 / 0)  # the lead's preparation fails
+    with pytest.raises(ZeroDivisionError):
+        shardavg.merge(inputs, tmp_path / "out", output="dcp")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step-1", "step-2"]
+
+
+def test_what_a_killed_merge_left_is_removed_and_anything_else_refused(tmp_path: Path) -> None:
+    for seed in (1, 2):
+        torchtitan_save(tmp_path / f"step-{seed}", seed)
+    inputs = [tmp_path / "step-1", tmp_path / "step-2"]
+    out, staging = tmp_path / "out", tmp_path / ".out.incomplete"
+    staging.mkdir()
+    (staging / ".shardavg-staging").write_text("a killed merge's token")
+    (staging / "__0_0.distcp").write_bytes(b"half a part")
+    (staging / ".__1_0.distcp.incomplete").write_bytes(b"half a part")
+    shardavg.merge(inputs, out, output="dcp")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out", "step-1", "step-2"]
+    want = expected([1, 2], [0.5, 0.5])
+    assert_equal(loaded(out, want, "model"), want)
+    staging.mkdir()
+    (staging / "notes.txt").write_text("mine")
+    with pytest.raises(
+        shardavg.CheckpointError, match=r"\.out\.incomplete is in the way of the merge into .*: move it"
+    ):
+        shardavg.merge(inputs, out, weights=[1, 3], output="dcp")
+    assert (staging / "notes.txt").read_text() == "mine"
+    assert_equal(loaded(out, want, "model"), want)
+
+
+def names(folder: Path) -> list[str]:
+    """The folder's files, a part's merge token shown as ``*``."""
+    return sorted(re.sub(r"^(__\d+_)[0-9a-f]{32}(\.distcp)$", r"\1*\2", p.name) for p in folder.iterdir())
+
+
+def test_a_reader_holding_an_earlier_merges_metadata_finds_its_files_gone_not_the_new_bytes(tmp_path: Path) -> None:
+    """Each merge names its parts by its own token: a reader that read the earlier ``.metadata``
+    and opens its parts after a re-merge swapped the folder gets "no such file", never the new
+    merge's bytes at the earlier offsets (DCP's reader checks no identity of its own)."""
+    inputs = [tmp_path / f"step-{seed}" for seed in (1, 2)]
+    for seed, folder in zip((1, 2), inputs):
+        torchtitan_save(folder, seed)
+    out = shardavg.merge(inputs, tmp_path / "out", weights=[1, 1], output="dcp")
+    earlier = dcp.FileSystemReader(str(out)).read_metadata()
+    shardavg.merge(inputs, out, weights=[1, 3], output="dcp")
+    parts = {info.relative_path for info in earlier.storage_data.values()}
+    assert parts and not any((out / part).exists() for part in parts)
+    state = {"model": {name: torch.empty_like(t) for name, t in expected([1, 2], [0.5, 0.5]).items()}}
+    with pytest.raises(dcp.api.CheckpointException) as failed:
+        dcp.load(state, storage_reader=KeptMetadata(str(out), earlier), no_dist=True)
+    assert [type(error) for error, _ in failed.value.failures.values()] == [FileNotFoundError]
+
+
+class KeptMetadata(dcp.FileSystemReader):
+    """A reader that keeps the ``.metadata`` it read first, as a load that began before a re-merge does."""
+
+    def __init__(self, path: str, metadata: object) -> None:
+        super().__init__(path)
+        self.kept = metadata
+
+    def read_metadata(self, *args: object, **kwargs: object) -> object:
+        return self.kept
+
+
+def test_the_current_directory_as_out_is_refused_before_anything_is_read(tmp_path: Path, monkeypatch) -> None:
+    """A dcp merge replaces OUT whole (a staged folder swapped into place): ``.`` cannot be."""
+    (tmp_path / "work").mkdir()
+    monkeypatch.chdir(tmp_path / "work")
+    with pytest.raises(ValueError, match="names the current or a parent directory"):
+        shardavg.merge([tmp_path / "missing-1", tmp_path / "missing-2"], ".", output="dcp")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["work"] and not any((tmp_path / "work").iterdir())

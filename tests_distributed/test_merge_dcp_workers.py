@@ -1,7 +1,8 @@
 """``torchrun -m shardavg merge --format dcp`` at 2 workers: each worker writes its own part of the DCP
 checkpoint (the largest tensor in row pieces across both), the first commits ``.metadata``; the result
 loads back with DCP's own ``dcp_to_torch_save`` equal to the one-process merge, and a Megatron merge
-carries its files and ``*._extra_state`` byte for byte."""
+carries its files and ``*._extra_state`` byte for byte; a re-merge that fails late on the workers leaves
+the earlier merge byte for byte and no staging folder."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from launcher import torchrun
 from test_dcp_checkpoint import raw_item
-from test_merge_dcp_output import torchtitan_save
+from test_merge_dcp_output import torchtitan_save, weights
 from test_merge_megatron import megatron_save, model
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
@@ -67,9 +68,10 @@ def test_two_workers_write_a_dcp_checkpoint_equal_to_one_process(tmp_path: Path,
         elif isinstance(value, torch.Tensor):
             assert torch.equal(got[key], value) and got[key].dtype == value.dtype, key
     chunks = files_of_chunks(out)
-    assert {file for files in chunks.values() for file in files} == {"__0_0.distcp", "__1_0.distcp"}
+    parts = {file for files in chunks.values() for file in files}
+    assert sorted(file.split("_")[2] for file in parts) == ["0", "1"] and len({f.split("_")[3] for f in parts}) == 1
     if kind == "torchtitan":  # (the embedding, over half the bytes, in row pieces from both workers)
-        assert chunks["model.embed.weight"] == {"__0_0.distcp", "__1_0.distcp"}, chunks
+        assert chunks["model.embed.weight"] == parts, chunks
     else:
         for name in ("metadata.json", "common.pt"):
             assert (out / name).read_bytes() == (inputs[-1] / name).read_bytes(), name
@@ -78,3 +80,22 @@ def test_two_workers_write_a_dcp_checkpoint_equal_to_one_process(tmp_path: Path,
         assert not (tmp_path / "unpickled").exists()
     made = json.loads((out / "provenance.json").read_text())
     assert made["world_size"] == 2 and made["output"] == "dcp", made
+
+
+def test_two_workers_that_fail_late_leave_the_earlier_merge_whole(tmp_path: Path) -> None:
+    """A re-merge at 2 workers over an earlier merge that fails while the workers write (a value
+    an fp16 output cannot hold, found only when its rows are merged): every worker fails, the
+    staging folder goes, and OUT is the earlier merge byte for byte."""
+    inputs = [tmp_path / "inputs" / name for name in ("step-1", "step-2")]
+    torchtitan_save(inputs[0], 1)
+    huge = weights(2)
+    huge["embed.weight"][:, 0] = 1e6  # (in every row: whichever worker merges which rows fails)
+    dcp.save({"model": huge}, checkpoint_id=str(inputs[1]), no_dist=True)
+    out = shardavg.merge(inputs, tmp_path / "out", output="dcp")
+    before = {path.name: path.read_bytes() for path in sorted(out.iterdir())}
+    args = [*map(str, inputs), "--out", str(out), "--format", "dcp", "--dtype", "float16"]
+    launch = torchrun("scenario_merge.py", 2, "cli", str(tmp_path), *args, timeout=180)
+    assert launch.returncode != 0 and "overflow float16" in launch.output, launch.output[-5000:]
+    assert [r["code"] for r in launch.reports("EXIT")] == [2, 2], launch.output[-5000:]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["inputs", "out"]  # no staging folder, no lock
+    assert {path.name: path.read_bytes() for path in sorted(out.iterdir())} == before

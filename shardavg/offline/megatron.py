@@ -1,7 +1,8 @@
 """Megatron-Core's ``torch_dist`` checkpoints, as ``dist_checkpointing.save`` writes them.
 
 A ``torch_dist`` checkpoint is a ``torch.distributed.checkpoint`` folder with Megatron's own
-``metadata.json`` (``"sharded_backend": "torch_dist"``) and ``common.pt`` beside it. Its keys are
+``metadata.json`` (``"sharded_backend": "torch_dist"``) beside it, and its common state in
+``common.pt`` (Megatron-Core up to 0.16) or in the entry ``common_state/shard_0_1`` (0.19). Its keys are
 flat (``decoder.layers.self_attention.linear_qkv.weight``, a layer stack ``[L, ...]`` stored in
 chunks by layer and tensor-parallel offset), with the optimizer's state beside the model under
 ``optimizer.`` and Python objects (``rng_state``, ``common_state``, Transformer Engine's
@@ -30,6 +31,7 @@ TRACKER = "latest_checkpointed_iteration.txt"  # the newest finished iteration, 
 OBJECT_KEY = re.compile(r"/shard_[\d.]+_[\d.]+$")  # a ShardedObject's suffix in the DCP key
 LEFT_OUT = ("optimizer", "common_state", "rng_state")  # (key prefixes) training state beside the model
 EXTRA_STATE = "*._extra_state"  # Transformer Engine's per-module pickled state, by its name's end
+CARRIED = (EXTRA_STATE, "common_state")  # the objects a DCP output carries from its newest input, as bytes
 OBJECT_LIMIT = 2**26  # (bytes) the most a carried object of a layer may hold
 
 
@@ -110,13 +112,14 @@ def _tracked(run: Path) -> int | None:
 
 def carried(folder: DcpFolder) -> tuple[list[tuple[str, bytes]], list[Path]]:
     """What a merge written as a DCP checkpoint carries from its newest ``torch_dist`` input for
-    Megatron to load it: the ``*._extra_state`` objects its model's load asks for, as DCP stored
-    them (``(key, bytes)``, never unpickled), and its ``metadata.json`` and ``common.pt`` (copied
-    byte for byte). The optimizer and ``rng_state`` are not a merge's (load it with
-    ``--no-load-optim --no-load-rng``, or ``--finetune``)."""
+    Megatron to load it: the objects its load asks for, as DCP stored them (``(key, bytes)``, never
+    unpickled): the model's ``*._extra_state`` and the common state (``common_state``, where
+    Megatron-Core 0.19 keeps it, reading ``common.pt`` only where that exists); and its
+    ``metadata.json`` and ``common.pt`` (copied byte for byte). The optimizer and ``rng_state`` are
+    not a merge's (load it with ``--no-load-optim --no-load-rng``, or ``--finetune``)."""
     objects = []
     for key, stored in folder.metadata.state_dict_metadata.items():
-        if group_of(str(key)) == EXTRA_STATE and not isinstance(getattr(stored, "chunks", None), list):
+        if group_of(str(key)) in CARRIED and not isinstance(getattr(stored, "chunks", None), list):
             file, start, length = folder.location(str(key), None, OBJECT_LIMIT)
             with open(file, "rb") as handle:
                 handle.seek(start)

@@ -38,7 +38,7 @@ from ..base.errors import CheckpointError, ProvenanceError
 from ..base.logs import log
 from ..base.progress import Progress
 from ..checkpoints.checkpoint import save_whole
-from ..checkpoints.ownership import LOCK_FILE
+from ..checkpoints.ownership import LOCK_FILE, target_path
 from ..checkpoints.storage import Entry, atomic_file, open_regular
 from ..output import dcp_checkpoint
 from ..output.model_folder import (
@@ -245,25 +245,29 @@ def _write_checkpoint(out: Path, merging: Merging, made: dict | None, workers: W
 def _write_dcp(
     out: Path, merging: Merging, mine: list[Work], made: dict | None, workers: Workers, progress: Progress
 ) -> Path:
-    """The merge as a DCP checkpoint (``output.dcp_checkpoint``): the first worker takes the folder
-    (its record written, an earlier merge's ``.metadata`` gone); every worker writes its pieces
-    into a file of its own, in parallel, each piece a chunk of its rows under the key of each of
-    its names; once every worker has, the first carries a Megatron input's files and commits
-    ``.metadata``, last. A failure anywhere is every worker's, and leaves no ``.metadata``."""
+    """The merge as a DCP checkpoint (``output.dcp_checkpoint``), staged beside ``out`` and swapped
+    into place whole: the first worker makes the staging folder (``staged``: locked, its record
+    written); every worker, once it has proved it sees that folder (``joined``), writes its pieces
+    into a file of its own there, in parallel, each piece a chunk of its rows under the key of each
+    of its names; once every worker has, the first carries a Megatron input's files, commits
+    ``.metadata`` there and swaps the folder into place. A failure anywhere is every worker's, and
+    leaves ``out`` as it was (an earlier merge, whole, or nothing) and no staging folder."""
     keys, nesting, newest = _dcp_keys(merging.sources)
     tensors = {keys(n): (s.dtype, s.shape) for planned, s in zip(merging.plan, merging.specs) for n in planned.names}
     error: Exception | None = None
+    token = ""
     objects: list[tuple[str, bytes]] = []
     files: list[Path] = []
     with contextlib.ExitStack() as held:
         if workers.lead:
             try:
-                held.enter_context(dcp_checkpoint.taken(out, made or {}))
+                token = held.enter_context(dcp_checkpoint.staged(out, made or {}))
                 if newest is not None and megatron.is_torch_dist(newest.path):
                     objects, files = megatron.carried(newest.folder)
             except Exception as caught:
                 error = caught
         workers.agree(error, f"preparing {out}")
+        token = all_gathered(token)[0] if workers.together else token
 
         def chunks() -> Iterator[tuple[str, Rows, torch.Tensor]]:
             for piece, tensor in merging.each(mine, progress):
@@ -273,15 +277,18 @@ def _write_dcp(
 
         written: list[dcp_checkpoint.Written] = []
         try:
-            written = dcp_checkpoint.write_part(out, workers.rank, chunks(), objects)
+            staging = dcp_checkpoint.joined(out, token, workers.rank)
+            written = dcp_checkpoint.write_part(staging, workers.rank, chunks(), objects, merge=token)
         except Exception as caught:
             error = caught
         workers.agree(error, f"writing the merge to {out}")
         everyone = all_gathered(written) if workers.together else [written]
         if workers.lead:
             try:
-                dcp_checkpoint.carry(out, files)
-                dcp_checkpoint.commit(out, tensors, [chunk for part in everyone for chunk in part], nesting)
+                dcp_checkpoint.carry(staging, files)
+                chunks_written = [chunk for part in everyone for chunk in part]
+                dcp_checkpoint.commit(staging, tensors, chunks_written, nesting, out)
+                dcp_checkpoint.swap(out)
             except Exception as caught:
                 error = caught
         workers.agree(error, f"committing the merge to {out}")
@@ -387,8 +394,8 @@ def _check_out(out: str | os.PathLike, inputs: list[Path], output: Output) -> No
     could replace), nor inside any checkpoint; new, empty, or holding nothing but an earlier
     merge (or export) of shardavg's in the same format, which it replaces."""
     weights = check_out(out, "merge", inputs, replaces_checkpoint=output != "safetensors")  # (all shardavg's)
-    if output == "dcp":
-        dcp_checkpoint.check_replaceable(Path(out))
+    if output == "dcp":  # (replaced whole, by a staged folder swapped into place)
+        dcp_checkpoint.check_replaceable(target_path(out, "merge", replaced_whole=True))
     if output == "safetensors" and Path(out).is_dir():
         own = set(weights) | carried_before(Path(out))
         others = sorted(p.name for p in Path(out).iterdir() if p.name not in own | {*HF_CONFIGS, LOCK_FILE, PROVENANCE})

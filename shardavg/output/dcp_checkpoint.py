@@ -2,7 +2,7 @@
 
 Megatron-Core (``dist_checkpointing.load``) and torchtitan (its ``CheckpointManager``, a model-only
 checkpoint) resume or evaluate from a DCP folder, never from a model folder. Every worker writes the
-chunks it merged into a file of its own (``__{rank}_0.distcp``), each chunk as DCP writes an item
+chunks it merged into a file of its own (``__{rank}_{token}.distcp``), each chunk as DCP writes an item
 (``torch.save`` of the tensor, one after another), synced and committed under its name only when
 complete (``write_part``); the first worker then gathers what each wrote (plain data) and writes
 ``.metadata`` through DCP's own ``FileSystemWriter.finish`` (``commit``): the keys, shapes and
@@ -13,9 +13,13 @@ asks for: ``write_part``'s ``objects``) and its files (Megatron's ``metadata.jso
 ``common.pt``: ``carry``).
 
 Such a folder is shardavg's when its ``provenance.json`` says a merge wrote it as DCP, and it holds
-nothing but the files a merge writes there (``check_replaceable``); ``taken`` holds it for one
-write: locked, its previous ``.metadata`` removed first (so a merge that fails leaves no folder
-that looks complete: ``.metadata`` is written last, by ``commit``), its record written first.
+nothing but the files a merge writes there (``check_replaceable``). A merge never writes into it:
+``staged`` holds it (locked beside it, as a checkpoint swapped whole is) and makes a staging folder
+beside it (``.OUT.incomplete``: a marker with this merge's token, which every worker checks it sees
+before writing there, ``joined``; then the record); every part, the carried files and ``.metadata``
+go there, and ``swap`` moves it into place in one exchange once ``.metadata`` is written. Until
+then OUT is the earlier merge, whole, or nothing; a merge that fails removes its staging folder,
+and one a killed merge left is recognised by its marker (``is_own_staging``) and removed by the next.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ import contextlib
 import io
 import json
 import re
+import secrets
 import shutil
 import stat
 from collections.abc import Iterable, Iterator
@@ -35,8 +40,8 @@ import torch
 
 from ..base.errors import CheckpointError, ProvenanceError
 from ..checkpoints.format import DCP_METADATA
-from ..checkpoints.ownership import LOCK_FILE, TargetLock, entries_of, temporary_of
-from ..checkpoints.storage import atomic_file
+from ..checkpoints.ownership import LOCK_FILE, STAGING_MARKER, TargetLock, entries_of, target_path, temporary_of
+from ..checkpoints.storage import atomic_file, commit_directory, read_bounded, replaced_path, staging_path
 from .provenance import FILE as PROVENANCE
 from .provenance import load as load_provenance
 
@@ -44,7 +49,7 @@ Rows = tuple[int, int] | None  # rows [start, stop) of a tensor; None: all of it
 FORMAT = "dcp"  # what a merge's provenance says it wrote (``"output"``), making the folder shardavg's
 # what a merge writes into its DCP folder: the metadata (DCP's temporary name too), the parts, the
 # files carried from a Megatron input, the record
-OWN_FILE = re.compile(r"^(\.metadata(\.tmp)?|__\d+_\d+\.distcp|metadata\.json|common\.pt|provenance\.json)$")
+OWN_FILE = re.compile(r"^(\.metadata(\.tmp)?|__\d+_[0-9a-f]+\.distcp|metadata\.json|common\.pt|provenance\.json)$")
 
 
 @dataclass(frozen=True)
@@ -60,9 +65,11 @@ class Written:
     length: int
 
 
-def part_name(rank: int) -> str:
-    """The file worker ``rank`` writes its chunks into (DCP's own naming)."""
-    return f"__{rank}_0.distcp"
+def part_name(rank: int, merge: str = "0") -> str:
+    """The file worker ``rank`` writes its chunks into: DCP's naming, with the ``merge``'s token
+    in place of DCP's file index, so that a reader that took an earlier merge's ``.metadata``
+    finds its files gone after a re-merge rather than the new merge's bytes at the old offsets."""
+    return f"__{rank}_{merge}.distcp"
 
 
 def write_part(
@@ -70,13 +77,14 @@ def write_part(
     rank: int,
     chunks: Iterable[tuple[str, Rows, torch.Tensor]],
     objects: Iterable[tuple[str, bytes]] = (),
+    merge: str = "0",
 ) -> list[Written]:
     """Write this worker's ``chunks`` (``(key, rows or None, tensor)``: a whole tensor, or its rows
     ``[start, stop)``) into its file of ``folder``, one after another as DCP stores items, then
     ``objects`` (``(key, bytes)``: an input's pickled object, such as Megatron's ``*._extra_state``,
     copied as it was stored, never unpickled); the file appears, complete and synced, only when all
-    are written. Returns where each lies."""
-    name, written, start = part_name(rank), [], 0
+    are written, named by ``part_name(rank, merge)``. Returns where each lies."""
+    name, written, start = part_name(rank, merge), [], 0
     with atomic_file(folder / name) as handle:
         for key, rows, tensor in chunks:
             buffer = io.BytesIO()
@@ -99,11 +107,14 @@ def commit(
     tensors: dict[str, tuple[torch.dtype, tuple[int, ...]]],
     written: list[Written],
     nesting: dict[str, tuple] | None = None,
+    named: Path | None = None,
 ) -> None:
     """Write ``folder``'s ``.metadata`` (the first worker, once every worker's part is written):
     ``tensors`` (``{key: (dtype, shape)}``) and the chunks every worker ``written``, checked to
     cover each tensor; ``nesting`` (``{key: path}``), how the state dict saved nested each entry
-    (DCP's ``planner_data``; default: every key at the top level)."""
+    (DCP's ``planner_data``; default: every key at the top level); ``named``, the path the
+    checkpoint is read at (recorded as DCP's ``checkpoint_id``; default ``folder``): OUT, where
+    ``folder`` is its staging folder."""
     from torch.distributed.checkpoint import FileSystemWriter
     from torch.distributed.checkpoint.filesystem import _StorageInfo
     from torch.distributed.checkpoint.metadata import (
@@ -111,6 +122,7 @@ def commit(
         ChunkStorageMetadata,
         Metadata,
         MetadataIndex,
+        StorageMeta,
         TensorProperties,
         TensorStorageMetadata,
     )
@@ -141,7 +153,10 @@ def commit(
         if held != entry.size.numel():
             raise CheckpointError(f"{folder}: the workers wrote {held} of {key!r}'s {entry.size.numel()} elements")
     planner = {key: tuple((nesting or {}).get(key, (key,))) for key in entries}
-    FileSystemWriter(folder).finish(Metadata(entries, planner_data=planner), [results])
+    writer = FileSystemWriter(folder)
+    recorded = StorageMeta(checkpoint_id=named or folder, save_id=writer.save_id)
+    writer.storage_meta = lambda: recorded  # (finish records the writer's own path: the staging folder's)
+    writer.finish(Metadata(entries, planner_data=planner), [results])
 
 
 def carry(folder: Path, files: Iterable[Path]) -> None:
@@ -171,36 +186,112 @@ def check_replaceable(folder: Path) -> None:
         record = load_provenance(folder / PROVENANCE) if PROVENANCE in entries else None
     except ProvenanceError as error:
         raise CheckpointError(f"OUT {folder} is no merge of shardavg's ({error}): name a new or empty folder") from None
-    if not isinstance(record, dict) or record.get("made") != "merge" or record.get("output") != FORMAT:
+    if not _written_as_dcp(record):
         what = "a DCP checkpoint" if DCP_METADATA in entries else "files"
         raise CheckpointError(
             f"OUT {folder} holds {what} shardavg's merge did not write (no {PROVENANCE} of a merge written as "
             f"{FORMAT}): name a new or empty folder"
         )
-    foreign = sorted(
-        name
-        for name, st in entries.items()
-        if not stat.S_ISREG(st.st_mode) or not (OWN_FILE.match(name) or temporary_of(name, OWN_FILE))
-    )
+    foreign = _foreign(entries)
     if foreign:
         shown = ", ".join(foreign[:8]) + (f", ... {len(foreign) - 8} more" if len(foreign) > 8 else "")
         raise CheckpointError(f"OUT {folder} holds files a merge did not write ({shown}): name a new or empty folder")
 
 
+def _written_as_dcp(record: Any) -> bool:
+    """Whether a ``provenance.json`` record is a merge's written as DCP."""
+    return isinstance(record, dict) and record.get("made") == "merge" and record.get("output") == FORMAT
+
+
+def _foreign(entries: dict[str, Any]) -> list[str]:
+    """The entries (``{name: stat}``) that are not a regular file a merge writes into its folder."""
+    return sorted(
+        name
+        for name, st in entries.items()
+        if not stat.S_ISREG(st.st_mode) or not (OWN_FILE.match(name) or temporary_of(name, OWN_FILE))
+    )
+
+
+def is_own_staging(folder: Path) -> bool:
+    """Whether ``folder`` (``.OUT.incomplete``) is what a killed merge left: a real folder of
+    nothing but the files a merge writes, marked as its staging folder (before the swap), or an
+    earlier merge (swapped out by it), or empty."""
+    entries = entries_of(folder)
+    if entries is None:
+        return False
+    rest = {name: st for name, st in entries.items() if name not in (STAGING_MARKER, LOCK_FILE)}
+    marked = STAGING_MARKER in entries and stat.S_ISREG(entries[STAGING_MARKER].st_mode)
+    if _foreign(rest) or (STAGING_MARKER in entries and not marked):
+        return False
+    if marked or not rest:
+        return True
+    try:
+        return _written_as_dcp(load_provenance(folder / PROVENANCE))
+    except ProvenanceError:
+        return False
+
+
 @contextlib.contextmanager
-def taken(folder: Path, made: dict[str, Any]) -> Iterator[None]:
-    """Hold ``folder`` for one merge written as DCP (the first worker, while every worker writes):
-    made if new, locked, checked again (``check_replaceable``), emptied of an earlier merge's
-    files, ``.metadata`` first (from then on it is no checkpoint until ``commit``), and its record
-    ``made`` (with ``"output": "dcp"``) written before any part, so that even a merge that fails
-    leaves a folder shardavg can tell is its own."""
-    folder.mkdir(parents=True, exist_ok=True)
-    with TargetLock.inside(folder):
-        check_replaceable(folder)
-        (folder / DCP_METADATA).unlink(missing_ok=True)
-        for name in sorted(entries_of(folder) or {}):
-            if name not in (LOCK_FILE, PROVENANCE):  # (replaced below: the folder stays provably ours)
-                (folder / name).unlink()
-        with atomic_file(folder / PROVENANCE) as handle:
-            handle.write(json.dumps(made | {"output": FORMAT}, indent=1).encode())
-        yield
+def staged(out: Path, made: dict[str, Any]) -> Iterator[str]:
+    """Hold ``out`` for one merge written as DCP (the first worker, from before any part is written
+    to the swap): locked beside it (it is replaced whole), checked again (``check_replaceable``),
+    what a killed merge left beside it removed, and its staging folder made: the marker, holding a
+    new token (yielded: every worker proves it sees this folder by it, ``joined``), then the record
+    ``made`` (with ``"output": "dcp"``). When the block raises, the staging folder goes and ``out``
+    is as it was: the earlier merge, or nothing (not even an empty folder)."""
+    out = target_path(out, "merge", replaced_whole=True)
+    with TargetLock.beside(out):
+        check_replaceable(out)
+        staging = staging_path(out)
+        for leftover in (staging, replaced_path(out)):
+            if not (leftover.exists() or leftover.is_symlink()):
+                continue
+            if not is_own_staging(leftover):
+                raise CheckpointError(
+                    f"{leftover} is in the way of the merge into {out} and is not shardavg's: move it"
+                )
+            if leftover == staging or out.exists():  # (a .replaced without OUT is the earlier merge: kept)
+                shutil.rmtree(leftover)
+        staging.mkdir(parents=True)
+        try:
+            token = secrets.token_hex(16)
+            (staging / STAGING_MARKER).write_text(token)  # (in a folder just made: its name alone marks it)
+            with atomic_file(staging / PROVENANCE) as handle:
+                handle.write(json.dumps(made | {"output": FORMAT}, indent=1).encode())
+            yield token
+        except BaseException:
+            shutil.rmtree(staging, ignore_errors=True)
+            raise
+
+
+def joined(out: Path, token: str, rank: int) -> Path:
+    """The staging folder of ``out`` that worker ``rank`` writes its part into, proved to be the
+    one the first worker made for this merge (its marker holds ``token``): a folder that is not
+    the same on every worker (a node-local disk at the same path) is refused before anything is
+    written, where its part would be missing from the checkpoint."""
+    staging = staging_path(out)
+    unshared = (
+        f"rank {rank} does not share {out} with the first worker (rank 0): each sees its own folder at that "
+        "path (a node-local disk?); merge into a folder on a file system every worker sees"
+    )
+    try:
+        found = read_bounded(staging / STAGING_MARKER, 64, lambda size: CheckpointError(f"{staging}: {unshared}"))
+    except FileNotFoundError:
+        raise CheckpointError(f"{staging} is not there to write into: {unshared}") from None
+    if found != token.encode():
+        raise CheckpointError(f"{staging} is another merge's staging folder: {unshared}")
+    return staging
+
+
+def swap(out: Path) -> None:
+    """Move ``out``'s staging folder, complete (``.metadata`` committed into it), into place (the
+    first worker, within ``staged``): its marker removed, ``out`` checked once more to be
+    replaceable (a folder someone wrote into meanwhile is left alone), then exchanged with it in
+    one step (``storage.commit_directory``); the earlier merge is removed after."""
+    staging = staging_path(out)
+    (staging / STAGING_MARKER).unlink()
+    check_replaceable(out)
+    commit_directory(staging, out)
+    replaced = replaced_path(out)
+    if replaced.exists() and is_own_staging(replaced):  # (the earlier merge, kept by a swap killed long ago)
+        shutil.rmtree(replaced)
