@@ -7,6 +7,7 @@ exactly what an uninterrupted run reads at step N, with no loader state to save.
 
 from __future__ import annotations
 
+import os
 import random
 import sysconfig
 from dataclasses import dataclass
@@ -24,10 +25,17 @@ class Corpus:
 
 
 def stdlib_sources() -> list[Path]:
-    """The standard library's ``.py`` files, without whatever is installed into it."""
+    """The standard library's ``.py`` files, without whatever is installed into it.
+
+    A walk that never enters the skipped folders: ``rglob`` went through the interpreter's own
+    ``site-packages`` too (here 43,000 of its 51,000 files), half a second on every rank of every run."""
     root = Path(sysconfig.get_paths()["stdlib"])
     skip = {"site-packages", "dist-packages", "__pycache__"}
-    return sorted(p for p in root.rglob("*.py") if not skip & set(p.relative_to(root).parts) and p.is_file())
+    found = []
+    for folder, subfolders, names in os.walk(root):
+        subfolders[:] = [name for name in subfolders if name not in skip]
+        found += [Path(folder, name) for name in names if name.endswith(".py")]
+    return sorted(path for path in found if path.is_file())
 
 
 def text_files(path: Path) -> list[Path]:

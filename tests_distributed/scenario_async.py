@@ -11,7 +11,7 @@ and averager load it: model, optimizer and every average equal, bitwise, what th
 ``kill``: an FSDP2 run saves asynchronously at step 3 (completed), writes the reference of that
 step, then starts a second asynchronous save at step 6 and SIGKILLs rank 1 while it is in flight.
 ``resume`` (a later launch): the half-written checkpoint is refused by the checker, and the one of
-step 3 loads and equals the reference bitwise.
+step 3 loads and equals the reference bitwise. ``resume+inflight`` runs both in turn in one launch.
 """
 
 from __future__ import annotations
@@ -213,10 +213,11 @@ def resume(root: Path, group: dist.ProcessGroup) -> None:
 
 
 def main() -> None:
-    mode, root = sys.argv[1], Path(sys.argv[2])
+    modes, root = sys.argv[1].split("+"), Path(sys.argv[2])  # several: in turn, in this launch
     harness.init_distributed()
     group = dist.new_group(backend="gloo")  # the checkpoint's own: its background collectives never meet training's
-    {"inflight": inflight, "kill": kill, "resume": resume}[mode](root, group)
+    for mode in modes:
+        {"inflight": inflight, "kill": kill, "resume": resume}[mode](root, group)
     harness.finish()
 
 

@@ -3,6 +3,8 @@
     torchrun --standalone --nproc_per_node N tests_distributed/scenario_checkpoint.py MODE ENGINES ROOT
 
 ENGINES is a comma-separated list of replicated, fsdp2, fsdp1, zero3 (or "all"); MODE is one of
+these, or several joined by "+" and run in turn in one launch (a launch costs more than a mode),
+each for every engine:
   save           train, then write avg.save, a DCP checkpoint, two exports and the reference
   load           load every checkpoint under ROOT/saved (any engine, any world size) both ways
   kill           save once, then SIGKILL rank 1 in the middle of the next save
@@ -349,11 +351,10 @@ ENGINES = ("replicated", "fsdp2", "fsdp1", "zero3")
 
 @record
 def main() -> None:
-    mode, kinds, root = sys.argv[1], sys.argv[2], Path(sys.argv[3])
+    modes, kinds, root = sys.argv[1].split("+"), sys.argv[2], Path(sys.argv[3])
     kinds = ENGINES if kinds == "all" else tuple(kinds.split(","))
-    harness.SAME_DATA_ON_EVERY_RANK = mode.startswith("resume")
     harness.init_distributed(deepspeed="zero3" in kinds)
-    run = {
+    runs = {
         "save": save,
         "load": load,
         "kill": kill,
@@ -364,11 +365,13 @@ def main() -> None:
         "resume-second": resume_second,
         "export-memory": export_memory,
         "concurrent": concurrent,
-    }[mode]
-    for kind in kinds:
-        run(kind, root)
-        dist.barrier()
-        harness.report("DONE", {"mode": mode, "engine": kind, "world_size": dist.get_world_size()})
+    }
+    for mode in modes:
+        harness.SAME_DATA_ON_EVERY_RANK = mode.startswith("resume")
+        for kind in kinds:
+            runs[mode](kind, root)
+            dist.barrier()
+            harness.report("DONE", {"mode": mode, "engine": kind, "world_size": dist.get_world_size()})
     harness.finish()
 
 

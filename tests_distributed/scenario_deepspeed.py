@@ -2,7 +2,8 @@
 
     torchrun --standalone --nproc_per_node N tests_distributed/scenario_deepspeed.py MODE ROOT
 
-MODE is one of
+MODE is one of these, or several joined by "+" and run in turn in one launch (a launch costs more
+than a mode):
   resume      for ZeRO stages 1, 2 and 3: train, save_checkpoint, train on (the reference); a new
               engine and averager load_checkpoint (through ``latest``) and train on: bitwise the
               same; a tag the engine saved alone is refused, or with strict=False re-seeds
@@ -255,9 +256,10 @@ def after_kill(root: Path) -> None:
 
 @record
 def main() -> None:
-    mode, root = sys.argv[1], Path(sys.argv[2])
+    modes, root = sys.argv[1].split("+"), Path(sys.argv[2])
     harness.init_distributed(deepspeed=True)
-    {"resume": resume, "master": master, "kill": kill, "after-kill": after_kill}[mode](root)
+    for mode in modes:
+        {"resume": resume, "master": master, "kill": kill, "after-kill": after_kill}[mode](root)
     harness.finish()
 
 

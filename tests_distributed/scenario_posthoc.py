@@ -5,7 +5,8 @@ full snapshots read whole.
     torchrun --standalone --nproc_per_node N tests_distributed/scenario_posthoc.py MODE ROOT
 
 MODE is ``write`` (each engine trains with a PostHocEMA and writes its snapshots under
-ROOT/<engine>-ws<N>) or ``read`` (each engine synthesizes from every directory under ROOT).
+ROOT/<engine>-ws<N>) or ``read`` (each engine synthesizes from every directory under ROOT), or
+``write+read``, both in turn in one launch.
 """
 
 from __future__ import annotations
@@ -89,9 +90,10 @@ def read(root: Path) -> None:
 
 
 def main() -> None:
-    mode, root = sys.argv[1], Path(sys.argv[2])
+    modes, root = sys.argv[1].split("+"), Path(sys.argv[2])  # several: in turn, in this launch
     harness.init_distributed(deepspeed=True)
-    {"write": write, "read": read}[mode](root)
+    for mode in modes:
+        {"write": write, "read": read}[mode](root)
     harness.finish()
 
 

@@ -5,15 +5,17 @@ Each launch runs every engine in turn, so a world size costs one launch per phas
 
 from __future__ import annotations
 
+import functools
 import json
 import signal
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 import torch
-from launcher import HERE, torchrun
+from launcher import HERE, Launch, torchrun
 from safetensors.torch import load_file
 
 pytestmark = pytest.mark.slow  # a torchrun launch: python -m pytest -m "not slow" leaves it out
@@ -23,30 +25,41 @@ SCRIPT = "scenario_checkpoint.py"
 
 
 def run_ok(mode: str, world_size: int, root: Path, engines: str = "all", timeout: float = 420):
+    """Launch MODE (several modes joined by "+" run in turn in the launch) for ENGINES; every one done."""
     launch = torchrun(SCRIPT, world_size, mode, engines, str(root), timeout=timeout)
     assert launch.returncode == 0, launch.output[-20000:]
     done = {(r["mode"], r["engine"]) for r in launch.reports("DONE")}
     expected = ENGINES if engines == "all" else engines.split(",")
-    assert done == {(mode, e) for e in expected}, launch.output[-5000:]
+    assert done == {(m, e) for m in mode.split("+") for e in expected}, launch.output[-5000:]
     return launch
 
 
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory) -> Path:
-    """Checkpoints of every engine at world sizes 2 and 4 (both forms), with exports and references."""
+    """Checkpoints of every engine at world sizes 2 and 4 (both forms), with exports and references;
+    and the first launch of the resume check at 1, 2 and 4, riding along where a launch is made
+    anyway (a launch costs more than a mode)."""
     root = tmp_path_factory.mktemp("checkpoints")
     for world_size in (2, 4):
-        run_ok("save", world_size, root)
+        run_ok("save+resume-first", world_size, root)
+    run_ok("resume-first", 1, root)
     assert len(list((root / "saved").iterdir())) == 2 * len(ENGINES)
     return root
 
 
+@pytest.fixture(scope="module")
+def loaded(saved: Path) -> Callable[[int], Launch]:
+    """The launch at a world size that loads every saved checkpoint, then resumes every engine from
+    the checkpoint its first resume launch wrote at that world size; made once."""
+    return functools.cache(lambda world_size: run_ok("load+resume-second", world_size, saved))
+
+
 @pytest.mark.parametrize("world_size", [1, 2, 4])
-def test_every_checkpoint_loads_at_any_world_size_under_any_strategy(saved: Path, world_size: int) -> None:
-    launch = run_ok("load", world_size, saved)
-    loaded = {(r["source"], r["how"], r["into"]) for r in launch.reports("LOADED")}
+def test_every_checkpoint_loads_at_any_world_size_under_any_strategy(saved: Path, loaded, world_size: int) -> None:
+    launch = loaded(world_size)
+    found = {(r["source"], r["how"], r["into"]) for r in launch.reports("LOADED")}
     sources = [p.name for p in (saved / "saved").iterdir()]
-    assert loaded == {(s, how, e) for s in sources for how in ("avg", "dcp") for e in ENGINES}
+    assert found == {(s, how, e) for s in sources for how in ("avg", "dcp") for e in ENGINES}
 
 
 VERIFY_EXPORT = """
@@ -99,9 +112,10 @@ def test_exports_load_strictly_in_a_process_without_shardavg(saved: Path) -> Non
 
 
 @pytest.mark.parametrize("world_size", [1, 2, 4])
-def test_resume_is_bitwise_an_uninterrupted_run(tmp_path: Path, world_size: int) -> None:
-    run_ok("resume-first", world_size, tmp_path)
-    launch = run_ok("resume-second", world_size, tmp_path)
+def test_resume_is_bitwise_an_uninterrupted_run(loaded, world_size: int) -> None:
+    """Each engine checkpointed model, optimizer and average at step k in one launch and went on
+    to 2k; a new launch restores it and ends bitwise where the first did."""
+    launch = loaded(world_size)
     assert {r["engine"] for r in launch.reports("RESUMED")} == set(ENGINES)
 
 
