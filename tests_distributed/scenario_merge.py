@@ -5,7 +5,7 @@
 MODE ``cli`` runs ``shardavg merge ARGS`` as ``torchrun -m shardavg merge`` does (each worker
 writes its share of the model folder). MODE ``disagree`` has the last worker pass other weights
 than the others, and MODE ``missing`` has it name an input that does not exist: every worker
-must refuse together, before anything is written.
+must refuse together, before anything is written. ``disagree+missing`` runs both in turn.
 """
 
 from __future__ import annotations
@@ -29,17 +29,18 @@ def main() -> None:
         harness.report("EXIT", {"code": code})
         raise SystemExit(code)
     dist.init_process_group("gloo")
-    inputs = sorted(p for p in (root / "inputs").iterdir())
-    last = dist.get_rank() == dist.get_world_size() - 1
-    weights = [1.0] * len(inputs)
-    if mode == "disagree" and last:
-        weights[0] = 2.0
-    if mode == "missing" and last:
-        inputs[0] = root / "no-such-checkpoint"
-    with harness.expect_raises(shardavg.CheckpointError, "rank"):
-        shardavg.merge(inputs, root / "refused", weights=weights, collective=True)
-    assert not (root / "refused").exists(), "a refused merge wrote something"
-    harness.report("REFUSED", {"mode": mode, "world_size": dist.get_world_size()})
+    for refusal in mode.split("+"):  # several: in turn, in this launch
+        inputs = sorted(p for p in (root / "inputs").iterdir())
+        last = dist.get_rank() == dist.get_world_size() - 1
+        weights = [1.0] * len(inputs)
+        if refusal == "disagree" and last:
+            weights[0] = 2.0
+        if refusal == "missing" and last:
+            inputs[0] = root / "no-such-checkpoint"
+        with harness.expect_raises(shardavg.CheckpointError, "rank"):
+            shardavg.merge(inputs, root / "refused", weights=weights, collective=True)
+        assert not (root / "refused").exists(), "a refused merge wrote something"
+        harness.report("REFUSED", {"mode": refusal, "world_size": dist.get_world_size()})
     harness.finish()
 
 
