@@ -244,7 +244,12 @@ class WeightAverager:
             RuntimeError: Called inside ``swapped()``.
             ValueError: ``step`` is not after the last step seen.
             NonFiniteError: A live weight holds NaN or infinity under ``on_nonfinite="raise"``
-                (in the background, raised at the next call instead).
+                (in the background, or checked on an accelerator, raised at the next call instead:
+                an ``update()`` that raises for an earlier step has taken no step of its own).
+
+        Warns:
+            RuntimeWarning: An update skipped under ``on_nonfinite="skip"``, naming its step: at once,
+                or (in the background, or checked on an accelerator) at the next call, in its thread.
         """
         if self._state.swapped:
             raise RuntimeError("update() inside swapped(): the live model holds averaged weights")

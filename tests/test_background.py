@@ -165,6 +165,34 @@ def test_an_error_surfaces_at_the_next_call_once_naming_the_step() -> None:
         WeightAverager(net, background="yes")
 
 
+def test_a_skipped_updates_warning_comes_in_the_loops_thread_at_the_next_call_once() -> None:
+    """The thread keeps the warning: a ``catch_warnings`` (or ``pytest.warns``) around the loop's
+    next call records it, attributed to the loop's line, once per skipped update."""
+    net = model()
+    averager = WeightAverager(net, EMA(decay=0.9), on_nonfinite="skip", background=True)
+    train(net, [averager], steps=2)
+    averager.wait()  # (a write to the weights other than an optimizer step's waits by hand)
+    with torch.no_grad():
+        net[0].weight[0, 0] = float("nan")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert averager.update(3) is True  # handed off
+        while updating():  # the thread's work over, the update not yet collected
+            time.sleep(0.005)
+        assert [str(w.message) for w in caught] == [], "the update's thread issued the warning itself"
+        averager.update(4)  # collects step 3 (still NaN: step 4 is skipped too, on the thread)
+    given = [str(w.message) for w in caught]
+    assert given == ["skipping the update at step 3 on rank 0: non-finite live values in ['0.weight']"], given
+    assert caught[0].filename == __file__, "attributed to shardavg, not to the loop's update() call"
+    with pytest.warns(RuntimeWarning, match=r"^skipping the update at step 4 on rank 0") as next_one:
+        averager.wait()
+    assert len(next_one) == 1
+    with warnings.catch_warnings(record=True) as again:
+        warnings.simplefilter("always")
+        assert (averager.num_updates, averager.num_skipped) == (2, 2)
+    assert again == [], "a skipped update warned twice"
+
+
 def test_no_thread_outlives_its_update_and_an_exit_waits_for_it(tmp_path: Path) -> None:
     gated = Gated()
     averager = WeightAverager(model(), gated, background=True)

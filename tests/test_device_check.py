@@ -1,10 +1,13 @@
 """The non-finite check as it runs on an accelerator, forced onto the CPU: the update turns no
-tensor into a Python value, masks a non-finite update on the device, and the verdict, read
-later, raises or skips exactly as the host-side check does at once. Each test runs twice: the
-masked update in ATen (``where`` then ``lerp``, where Triton does not run), and the Triton kernel
-that CUDA runs by default, here through Triton's interpreter on the CPU."""
+tensor it computes into a Python value, masks a non-finite update on the device, and the verdict,
+read at the next call (the CPU's always by the next ``update()``), raises or skips exactly as the
+host-side check does at once. Each test of the update's bits runs twice: the masked update in ATen
+(``where`` then ``lerp``, where Triton does not run), and the Triton kernel that CUDA runs by
+default, here through Triton's interpreter on the CPU."""
 
 from __future__ import annotations
+
+import warnings
 
 import pytest
 import torch
@@ -93,10 +96,11 @@ def test_the_update_reads_nothing_back_and_equals_the_host_checked_one(model, tr
         if step == 1:  # the first update is checked on the host (it copies)
             on_device.update()
             continue
+        on_device.updater.settle(block=False)  # (the last update's verdict, on the host: what update() reads first)
         with functions, scalars:
             on_device.update()
+        assert len(on_device.updater.pending) == 1, "the update did not take the device path: the check is vacuous"
     assert functions.seen == [] and scalars.count == 0, (functions.seen, scalars.count)
-    assert len(on_device.updater.pending) == 6, "the updates did not take the device path: the check is vacuous"
     assert on_device.num_updates == 7 and not on_device.updater.pending
     assert_same(on_host, on_device)
 
@@ -110,9 +114,18 @@ def test_masked_updates_raise_or_skip_later_exactly_as_on_the_host(model, traine
             if poisoned:
                 with torch.no_grad():
                     model.block.up.weight[0, 0] = float("nan")
-            with HostReads() as reads:
-                on_device.update()  # issued and masked on the device: no error yet
-            assert reads.seen == [] or step == 1, reads.seen
+            if step == 6 and policy == "skip":  # the verdict of step 5, on the host: given at the next update()
+                with pytest.warns(RuntimeWarning, match=r"skipped the update at step 5 on rank 0.*block.up.weight"):
+                    on_device.update()
+            elif step == 6:
+                with pytest.raises(NonFiniteError, match=r"block.up.weight.*at step 5.*masked out"):
+                    on_device.update()
+                on_device.update()  # (the refused call took no step: this one takes step 6)
+            else:
+                on_device.updater.settle(block=False)  # (the last verdict, on the host: what update() reads first)
+                with HostReads() as reads:
+                    on_device.update()  # issued and masked on the device: no error yet
+                assert reads.seen == [] or step == 1, reads.seen
             if poisoned and policy == "skip":
                 with pytest.warns(RuntimeWarning, match=r"non-finite live values in \['block.up.weight'\]"):
                     on_host.update()
@@ -124,16 +137,41 @@ def test_masked_updates_raise_or_skip_later_exactly_as_on_the_host(model, traine
             if poisoned:
                 with torch.no_grad():
                     model.block.up.weight[0, 0] = 0.5
-        assert len(on_device.updater.pending) == 7
-        if policy == "skip":
-            with pytest.warns(RuntimeWarning, match=r"skipped the update at step 5 on rank 0.*block.up.weight"):
-                assert (on_device.num_updates, on_device.num_skipped) == (7, 1)
-            assert (on_host.num_updates, on_host.num_skipped) == (7, 1)
-        else:
-            with pytest.raises(NonFiniteError, match=r"block.up.weight.*at step 5.*masked out"):
-                on_device.num_updates  # noqa: B018
-            assert on_device.num_updates == on_host.num_updates == 7
+        assert len(on_device.updater.pending) == 1, "the last update did not take the device path"
+        assert (on_device.num_updates, on_device.num_skipped) == (on_host.num_updates, on_host.num_skipped)
+        assert on_host.num_updates == 7 and on_host.num_skipped == (policy == "skip")
         assert_same(on_host, on_device)
+
+
+@pytest.mark.parametrize("policy", ["raise", "skip"])
+def test_the_next_update_gives_the_verdict_the_cpu_already_holds(model, trainer, policy) -> None:
+    """Forced onto the CPU, the device path's verdict is on the host as soon as it is computed: the
+    next ``update()`` raises or warns for it, once, not whatever call next reads the count. A
+    refused call changes nothing: the step it was given is still to come."""
+    averager = WeightAverager(model, EMA(decay=0.9), on_nonfinite=policy)
+    averager.updater.on_device = True
+    for _ in range(2):
+        trainer.step()
+        averager.update()
+    with torch.no_grad():
+        model.block.up.weight[0, 0] = float("nan")
+    averager.update()  # step 3: issued and masked on the device, no error yet
+    assert averager.updater.pending, "the update did not take the device path: the check is vacuous"
+    with torch.no_grad():
+        model.block.up.weight[0, 0] = 0.5
+    trainer.step()
+    if policy == "raise":
+        with pytest.raises(NonFiniteError, match=r"\['block.up.weight'\] at step 3 on rank 0 .*masked out"):
+            averager.update(4)
+        assert averager.step == 3 and averager.update(4) is True  # refused before it took step 4
+    else:
+        with pytest.warns(RuntimeWarning, match=r"^skipped the update at step 3 on rank 0.*'block.up.weight'") as given:
+            averager.update(4)
+        assert len(given) == 1
+    with warnings.catch_warnings(record=True) as again:
+        warnings.simplefilter("always")
+        assert (averager.num_updates, averager.num_skipped) == (3, policy == "skip")
+    assert again == [], "the verdict was given twice"
 
 
 @pytest.mark.parametrize("rule", [PowerEMA(gamma=5.0), EMA(decay=0.9)])

@@ -1,7 +1,8 @@
 """The Hugging Face Trainer callback in one process: an average is never paired with other weights
 on resume (a copied checkpoint, an earlier run's folder at the same step, a checkpoint without
 an average), and the export is what ``from_pretrained`` loads, the best checkpoint's average with
-``load_best_model_at_end``. (Training under DDP and ZeRO-3 is tested under torchrun.)"""
+``load_best_model_at_end``; more than one process taking itself for the Trainer's process zero is
+refused under ``save_total_limit``. (Training under DDP and ZeRO-3 is tested under torchrun.)"""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from safetensors.torch import load_file
 from scenario_hf_trainer import Tokens, tiny_gpt2
 from transformers import GPT2LMHeadModel, Trainer, TrainingArguments
 
+import shardavg.integrations.transformers as hf
 from shardavg import EMA, CheckpointError
 from shardavg.integrations.transformers import WeightAveragingCallback, with_weight_averaging
 from shardavg.offline.saved_average import SavedAverage
@@ -107,3 +109,36 @@ def test_an_average_not_saved_with_its_checkpoint_is_refused(first, tmp_path) ->
     with_weight_averaging(run, EMA(decay=0.9))
     with pytest.raises(CheckpointError, match=r"shardavg was not saved with .*checkpoint-4 \(its average is of step 2"):
         run.train(resume_from_checkpoint=str(mixed))
+
+
+def two_processes_zero(monkeypatch) -> None:
+    """What the callback sees on each of 2 ranks when accelerate takes every one for process 0 of 1
+    (DeepSpeed on a machine without GPUs): both ranks' ``should_save`` true."""
+    monkeypatch.setattr(hf, "distributed", lambda: True, raising=False)  # (absent before the check)
+    monkeypatch.setattr(hf, "world_size", lambda: 2, raising=False)
+    monkeypatch.setattr(hf, "all_gathered", lambda value: [value, value], raising=False)
+
+
+def test_every_rank_rotating_checkpoints_is_refused_before_anything_is_written(tmp_path, monkeypatch) -> None:
+    # Each rank would run the Trainer's rotate_checkpoints(use_mtime=True) on output_dir at once: one
+    # rank's rmtree of checkpoint-3 makes it the newest by mtime to the other, which deletes checkpoint-6
+    # (under load: a run kept only checkpoint-8 of a limit of 2). Before: trained, saved and rotated.
+    two_processes_zero(monkeypatch)
+    run = trainer(tmp_path / "out", steps=4, save_total_limit=2)
+    with_weight_averaging(run, EMA(decay=0.9))
+    with pytest.raises(CheckpointError) as refused:
+        run.train()
+    said = str(refused.value)
+    assert "ranks [0, 1] of 2 each take themselves for the Trainer's process zero" in said, said
+    assert f"rotates the checkpoints in {tmp_path / 'out'} at once" in said and "save_total_limit=2 keeps" in said, said
+    assert 'PartialState(backend="gloo")' in said and '"use_configured_state": True' in said, said
+    assert not list((tmp_path / "out").glob("checkpoint-*"))  # refused before the first step
+
+
+def test_every_rank_saving_without_a_limit_is_said_once_per_run(tmp_path, monkeypatch) -> None:
+    two_processes_zero(monkeypatch)
+    run = trainer(tmp_path / "out", steps=2)
+    averaging = with_weight_averaging(run, EMA(decay=0.9))
+    with pytest.warns(UserWarning, match=r"each writes the same checkpoint files in .*out.*use_configured_state"):
+        run.train()
+    assert averaging.averager.num_updates == 2

@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import shutil
 import subprocess
 from pathlib import Path
 
@@ -25,6 +26,7 @@ from safetensors.torch import load_file, save_file
 import shardavg
 import shardavg.cli
 from shardavg import EMA, SWA, WeightAverager
+from shardavg.output.record import FolderRecord
 
 STEPS = 4
 
@@ -438,3 +440,34 @@ def test_provenance_is_written_beside_every_merge_and_export_and_a_merge_of_merg
     assert (record["made"], record["dtype"], record["step"], record["writers"]) == ("export", "bfloat16", 1, 1)
     avg.export(exported)  # an export replaces its own provenance with the rest
     assert json.loads((exported / "provenance.json").read_text())["dtype"] is None
+
+
+def test_a_merge_removes_only_what_it_can_prove_an_earlier_merge_wrote(
+    run: Run, tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    """A weights file in OUT whose record named ``notes.txt`` among the files a merge carried had the
+    merge remove the user's notes.txt. A file is an earlier merge's when its content is what that
+    merge recorded (its SHA-256, in its provenance), not when a file in OUT names it."""
+    with_tokenizer = tmp_path / "with-tokenizer"
+    shutil.copytree(run.hf(4), with_tokenizer)
+    (with_tokenizer / "tokenizer.json").write_text('{"vocab": {}}')
+    out = tmp_path / "out"
+    shardavg.merge([run.hf(3), with_tokenizer], out)
+    carried = json.loads((out / "provenance.json").read_text())["carried"]
+    assert carried == {"tokenizer.json": hashlib.sha256(b'{"vocab": {}}').hexdigest()}
+    refused = Refusals(capsys)
+    (out / "tokenizer.json").write_text('{"vocab": {"edited": 0}}')  # the user's now: kept, and said so
+    edited = "holds files a merge did not write (tokenizer.json)"
+    refused(str(run.hf(3)), str(run.hf(4)), "--out", str(out), match=edited)
+    (out / "tokenizer.json").write_text('{"vocab": {}}')  # what the merge wrote: the next merge may remove it
+    shardavg.merge([run.hf(3), run.hf(4)], out)  # (the newest input carries no tokenizer)
+    assert not (out / "tokenizer.json").exists()
+
+    forged = tmp_path / "forged"
+    forged.mkdir()
+    record = FolderRecord("merge", 4, carried=("notes.txt",))
+    save_file({"w": torch.ones(1)}, str(forged / "model.safetensors"), metadata=record.to_metadata())
+    (forged / "notes.txt").write_text("mine")
+    claimed = "holds files a merge did not write (notes.txt); the record of its weights names notes.txt among the files"
+    refused(str(run.hf(3)), str(run.hf(4)), "--out", str(forged), match=claimed)
+    assert (forged / "notes.txt").read_text() == "mine"

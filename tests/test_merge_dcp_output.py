@@ -6,6 +6,7 @@ whole, or nothing) and no staging folder."""
 
 from __future__ import annotations
 
+import io
 import json
 import re
 from pathlib import Path
@@ -37,11 +38,15 @@ def weights(seed: int) -> dict[str, torch.Tensor]:
     }
 
 
-def torchtitan_save(folder: Path, seed: int) -> None:
-    """``folder`` as torchtitan before 2025 saves it: ``{"model": ..., "optimizer": ...}`` through ``dcp.save``."""
+def torchtitan_save(folder: Path, seed: int, training: bool = False) -> None:
+    """``folder`` as torchtitan before 2025 saves it: ``{"model": ..., "optimizer": ...}`` through ``dcp.save``;
+    ``training``: with the training state a step it resumes from holds (``train_state``, ``dataloader``)."""
     model = weights(seed)
     optimizer = {"state": {name: t.float() * 2 for name, t in model.items() if t.is_floating_point()}}
-    dcp.save({"model": model, "optimizer": optimizer}, checkpoint_id=str(folder), no_dist=True)
+    state = {"model": model, "optimizer": optimizer}
+    if training:
+        state |= {"train_state": {"step": torch.tensor(seed)}, "dataloader": {"dp_rank_0": io.BytesIO(b"position")}}
+    dcp.save(state, checkpoint_id=str(folder), no_dist=True)
 
 
 def hf_save(folder: Path, seed: int) -> None:
@@ -308,3 +313,24 @@ def test_the_current_directory_as_out_is_refused_before_anything_is_read(tmp_pat
     with pytest.raises(ValueError, match="names the current or a parent directory"):
         shardavg.merge([tmp_path / "missing-1", tmp_path / "missing-2"], ".", output="dcp")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["work"] and not any((tmp_path / "work").iterdir())
+
+
+def test_out_as_a_step_of_a_torchtitan_run_is_refused_saying_how_to_load_a_merge(tmp_path: Path) -> None:
+    """A merge written as ``checkpoint/step-N`` of a torchtitan run became the step its next restart resumed
+    from, which then failed on the training state ("Missing key ... dataloader.dp_rank_0")."""
+    checkpoint = tmp_path / "run" / "checkpoint"
+    inputs = [checkpoint / f"step-{step}" for step in (10, 20)]
+    for seed, folder in enumerate(inputs):
+        torchtitan_save(folder, seed, training=True)
+    for name in ("step-30", "merged-step-30"):  # (torchtitan finds step-N anywhere in a folder's name)
+        with pytest.raises(shardavg.CheckpointError) as refused:
+            shardavg.merge(inputs, checkpoint / name, output="dcp")
+        message = str(refused.value)
+        assert f"OUT {checkpoint / name} would be a step of the torchtitan run checkpointed in {checkpoint}" in message
+        assert "checkpoint.initial_load_path=OUT and checkpoint.initial_load_model_only=true" in message
+        assert "\n" not in message and not (checkpoint / name).exists()
+    models = tmp_path / "models"  # steps without training state (a model-only save): no run resumes from them
+    for seed in (1, 2):
+        torchtitan_save(models / f"step-{seed}", seed)
+    out = shardavg.merge([models / "step-1", models / "step-2"], models / "step-3", output="dcp")
+    assert_equal(loaded(out, expected([1, 2], [0.5, 0.5]), "model"), expected([1, 2], [0.5, 0.5]))

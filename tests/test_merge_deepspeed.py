@@ -101,6 +101,25 @@ def save_universal(folder: Path, weights: dict[str, torch.Tensor], marker: Path)
     (folder / "mp_rank_00_model_states.pt").write_bytes(pickle.dumps(Payload(marker)))
 
 
+def save_universal_zero3(
+    folder: Path, weights: dict[str, torch.Tensor], buffer: torch.Tensor, frozen: torch.Tensor | None = None
+) -> None:
+    """``ds_to_universal``'s output at ZeRO-3 (``RANKS`` ranks): each master flat in ``zero/``, the ranks'
+    model states copied beside it, holding the buffer whole and the frozen parameter ``embed`` (if any)
+    in a flat part per rank, as the raw tag's do."""
+    for name, value in weights.items():
+        (folder / "zero" / name).mkdir(parents=True)
+        torch.save(value.reshape(-1).clone(), folder / "zero" / name / "fp32.pt")
+    flat = torch.zeros(0) if frozen is None else frozen.reshape(-1)
+    parts = torch.cat([flat, flat.new_zeros(-len(flat) % RANKS)]).chunk(RANKS)
+    for rank in range(RANKS):
+        state = model_state(buffer)
+        if frozen is not None:
+            state["frozen_param_shapes"] = OrderedDict(embed=frozen.shape)
+            state["frozen_param_fragments"] = OrderedDict(embed=parts[rank].clone())
+        torch.save(state, folder / f"zero_pp_rank_{rank}_mp_rank_00_model_states.pt")
+
+
 def numpy_mean(states: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
     out = {}
     for name in states[0]:
@@ -171,10 +190,25 @@ def test_a_zero3_universal_checkpoint_is_shaped_by_its_model_states(tmp_path: Pa
         torch.save(value.reshape(-1).clone(), folder / "zero" / name / "fp32.pt")  # (ZeRO-3: flat)
     torch.save(model_state(torch.zeros(2)), folder / "zero_pp_rank_0_mp_rank_00_model_states.pt")
     got = open_source(folder)
-    assert_equal({name: got.read(name) for name in got.specs}, masters(5))
+    assert_equal({name: got.read(name) for name in got.specs}, masters(5) | {"running": torch.zeros(2)})
     (folder / "zero_pp_rank_0_mp_rank_00_model_states.pt").unlink()
     with pytest.raises(shardavg.CheckpointError, match="whose model states do not give fc1.bias's shape as data"):
         open_source(folder)
+
+
+def test_a_zero3_universal_checkpoint_keeps_its_buffers_and_frozen_parameters_in_its_model_states(
+    tmp_path: Path,
+) -> None:
+    """``ds_to_universal`` writes a ZeRO-3 tag's masters into ``zero/`` and copies its ranks' model states
+    beside them, where the buffers (whole) and the frozen parameters (a flat part per rank) stay: the
+    merge reads them there, as from the raw tag (it wrote the masters alone before, saying nothing)."""
+    frozen = torch.randn(3, 3, generator=torch.Generator().manual_seed(9)).to(torch.bfloat16)  # (9 over 2 ranks)
+    buffer = torch.tensor([1.5, -2.0])
+    folder = tmp_path / "global_step5_universal"
+    save_universal_zero3(folder, masters(5), buffer, frozen)
+    assert "model states" not in open_source(folder).left_out  # (read, not left out)
+    got = read_model(shardavg.merge([folder], tmp_path / "out"))
+    assert_equal(got, masters(5) | {"running": buffer, "embed": frozen})
 
 
 def test_a_run_folder_named_as_an_input_names_its_tags(tmp_path: Path) -> None:

@@ -25,6 +25,7 @@ from test_merge import Refusals, listing, read_model
 
 import shardavg
 import shardavg.cli
+from shardavg.output.record import FolderRecord
 
 SHAPES = {"embed.weight": (8, 4), "norm.weight": (4,)}
 
@@ -69,7 +70,7 @@ def test_a_link_out_of_an_input_is_refused_by_name_and_nothing_is_written(
     real = (folder / name).resolve()
     refused = Refusals(capsys)
     refused(str(folder), "--out", str(tmp_path / "out"), match=f"{folder / name} links to {real}, outside {folder}")
-    with pytest.raises(shardavg.CheckpointError, match="a merge reads and carries only its inputs' own files"):
+    with pytest.raises(shardavg.CheckpointError, match="shardavg reads and carries only a checkpoint's own files"):
         shardavg.merge([folder], tmp_path / "out")
     assert not (tmp_path / "out").exists()
 
@@ -160,6 +161,22 @@ def test_an_inputs_unreadable_provenance_leaves_the_merges_own(tmp_path: Path, c
     assert not isinstance(record["inputs"][0].get("provenance"), dict), "the unreadable provenance was recorded"
     assert record["inputs"][1]["provenance"]["by"] == "plain"
     assert [r.levelname for r in caplog.records if str(deep) in r.getMessage()] == ["WARNING"], caplog.text
+
+
+@pytest.mark.parametrize("depth", [150, 100_000])  # (under Python's recursion limit, and far past it)
+def test_a_weights_record_nested_too_deep_is_refused_in_one_line(tmp_path: Path, depth: int) -> None:
+    """A model folder whose weights' shardavg record nests 100,000 arrays deep ended the merge in a
+    ``RecursionError`` traceback: refused in one line instead, the file named where it is known."""
+    deep = tmp_path / "deep"
+    deep.mkdir()
+    record = "[" * depth + "]" * depth
+    save_file({n: torch.zeros(s) for n, s in SHAPES.items()}, str(deep / "model.safetensors"), {"shardavg": record})
+    deeper = r"JSON nested more than 100 levels deep \(JSON_DEPTH\)"
+    with pytest.raises(shardavg.CheckpointError, match=deeper) as refused:
+        shardavg.merge([deep, model(tmp_path / "plain", 1)], tmp_path / "out")
+    assert "\n" not in str(refused.value) and not (tmp_path / "out").exists()
+    with pytest.raises(shardavg.CheckpointError, match=rf"^the shardavg record in {deep}/model.safetensors: {deeper}"):
+        FolderRecord.from_metadata({"shardavg": record}, where=deep / "model.safetensors")
 
 
 # --------------------------------------------------------------------------- weights, inputs, prefix

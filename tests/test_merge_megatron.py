@@ -11,6 +11,7 @@ import json
 import logging
 import math
 import pickle
+import tracemalloc
 from pathlib import Path
 
 import numpy as np
@@ -18,8 +19,9 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 from helpers import Payload
-from test_merge import read_model
+from test_merge import Refusals, read_model
 from torch.distributed.checkpoint.metadata import (
+    BytesStorageMetadata,
     ChunkStorageMetadata,
     MetadataIndex,
     TensorProperties,
@@ -29,6 +31,9 @@ from torch.distributed.checkpoint.planner import SavePlan, TensorWriteData, Writ
 
 import shardavg
 import shardavg.cli
+from shardavg.offline import megatron
+from shardavg.offline.saved_average import DcpFolder
+from shardavg.output import dcp_checkpoint
 
 LAYERS = 3
 
@@ -64,8 +69,11 @@ def chunks(name: str, tensor: torch.Tensor, tp: int) -> list[tuple[tuple[int, ..
     return found
 
 
-def megatron_save(folder: Path, tensors: dict[str, torch.Tensor], marker: Path, tp: int) -> None:
-    """``folder`` as ``dist_checkpointing.save`` writes it with the torch_dist backend at ``tp`` ranks."""
+def megatron_save(
+    folder: Path, tensors: dict[str, torch.Tensor], marker: Path, tp: int, extra: dict[str, bytes] | None = None
+) -> None:
+    """``folder`` as ``dist_checkpointing.save`` writes it with the torch_dist backend at ``tp`` ranks;
+    ``extra``: more pickled objects (``{key: bytes}``), Transformer Engine's ``*._extra_state`` of other layers."""
     pieces, where = {}, {}
     for name, tensor in tensors.items():
         for offsets, chunk in chunks(name, tensor, tp):
@@ -81,7 +89,7 @@ def megatron_save(folder: Path, tensors: dict[str, torch.Tensor], marker: Path, 
         "common_state": io.BytesIO(evil),
         "decoder.layers.self_attention.linear_proj._extra_state/shard_0_3": io.BytesIO(evil),
         "optimizer.param_groups/shard_0_1": io.BytesIO(evil),
-    }
+    } | {key: io.BytesIO(data) for key, data in (extra or {}).items()}
     dcp.save(pieces | optimizer | objects, checkpoint_id=str(folder), no_dist=True)
     with open(folder / ".metadata", "rb") as handle:
         metadata = pickle.load(handle)  # (our own, just written)
@@ -192,3 +200,133 @@ def test_a_run_folder_and_the_legacy_format_are_refused_naming_what_works(run: P
     assert "in its legacy torch format (mp_rank_00/model_optim_rng.pt" in message and "\n" not in message
     assert f"--load {legacy.parent} --ckpt-convert-format torch_dist --ckpt-convert-save OUT" in message
     assert not (tmp_path / "unpickled").exists()
+
+
+EXTRA = "decoder.layers.self_attention.linear_proj._extra_state/shard_0_3"  # (an object megatron_save writes)
+
+
+def two_iterations(root: Path, extra: dict[str, bytes] | None = None) -> list[Path]:
+    """``iter_0000010`` and ``iter_0000030`` of a run in ``root``, the newest with ``extra`` objects."""
+    folders = [root / "iter_0000010", root / "iter_0000030"]
+    for seed, folder in enumerate(folders):
+        megatron_save(folder, model(seed), root / "unpickled", tp=1, extra=extra if seed else None)
+    return folders
+
+
+@pytest.mark.parametrize("name", ["common.pt", "metadata.json"])
+def test_a_carried_file_linked_out_of_the_input_is_refused_by_name_before_anything_is_written(
+    tmp_path: Path, capsys: pytest.CaptureFixture, name: str
+) -> None:
+    """``common.pt -> /etc/passwd`` (a file outside, here) was copied into OUT; ``metadata.json`` too."""
+    older, newest = two_iterations(tmp_path / "run")
+    outside = tmp_path / "outside.json"
+    outside.write_bytes((newest / name).read_bytes())  # (metadata.json: still Megatron's, read through the link)
+    (newest / name).unlink()
+    (newest / name).symlink_to(outside)
+    out = tmp_path / "out"
+    refused = Refusals(capsys)
+    refused(str(older), str(newest), "--format", "dcp", "--out", str(out), match=f"{newest / name} links to {outside}")
+    with pytest.raises(shardavg.CheckpointError, match="shardavg reads and carries only a checkpoint's own files"):
+        shardavg.merge([older, newest], out, output="dcp")
+    assert not out.exists()
+
+
+def aliased(folder: Path, count: int) -> list[str]:
+    """``count`` more ``*._extra_state`` entries in ``folder``'s ``.metadata``, each pointing at the
+    bytes of the one megatron_save stored (a crafted metadata: N entries, one range of bytes)."""
+    with open(folder / ".metadata", "rb") as handle:
+        metadata = pickle.load(handle)  # (our own, just written)
+    keys = [f"decoder.layers.{n}.mlp._extra_state/shard_0_1" for n in range(count)]
+    for key in keys:
+        metadata.state_dict_metadata[key] = BytesStorageMetadata()
+        metadata.storage_data[MetadataIndex(key)] = metadata.storage_data[MetadataIndex(EXTRA)]
+    with open(folder / ".metadata", "wb") as handle:
+        pickle.dump(metadata, handle)
+    return keys
+
+
+def test_carried_objects_that_alias_one_range_of_bytes_are_refused_naming_both(tmp_path: Path) -> None:
+    """24 entries pointing at one 64 MiB range were each read into memory and written again (N x 64 MiB)."""
+    inputs = two_iterations(tmp_path)
+    keys = aliased(inputs[-1], 3)
+    with pytest.raises(shardavg.CheckpointError) as refused:
+        shardavg.merge(inputs, tmp_path / "out", output="dcp")
+    message = str(refused.value)
+    assert "are stored in the same bytes" in message and "\n" not in message, message
+    named = [key for key in [EXTRA, *keys] if repr(key) in message]
+    assert len(named) == 2, message  # (both of one overlapping pair)
+    assert not (tmp_path / "out").exists()
+
+
+def test_carried_objects_are_copied_a_piece_at_a_time_never_held(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Four 8 MiB ``*._extra_state`` objects carried: the Python heap grows by less than one of them
+    while the merge finds and writes them (each was read whole into a list before any was written:
+    32 MiB). Measured over those two steps alone, whatever reading the inputs costs."""
+    size = 8 * 2**20
+    extra = {f"decoder.layers.{n}.mlp._extra_state/shard_0_1": bytes([n + 1]) * size for n in range(4)}
+    inputs = two_iterations(tmp_path, extra)
+    grown: dict[str, int] = {}
+
+    def measured(module, name: str) -> None:
+        original = getattr(module, name)
+
+        def call(*args, **kwargs):
+            before = tracemalloc.get_traced_memory()[0]
+            tracemalloc.reset_peak()
+            try:
+                return original(*args, **kwargs)
+            finally:
+                grown[name] = tracemalloc.get_traced_memory()[1] - before
+
+        monkeypatch.setattr(module, name, call)
+
+    measured(megatron, "carried")
+    measured(dcp_checkpoint, "write_part")
+    tracemalloc.start()
+    try:
+        out = shardavg.merge(inputs, tmp_path / "out", output="dcp")
+    finally:
+        tracemalloc.stop()
+    assert sorted(grown) == ["carried", "write_part"] and max(grown.values()) < size, grown
+    for key in extra:
+        assert stored(out, key, 2 * size) == stored(inputs[-1], key, 2 * size), key  # (byte for byte)
+
+
+def stored(folder: Path, key: str, limit: int) -> bytes:
+    """An object's bytes as DCP stored them in ``folder`` (never unpickled)."""
+    file, start, length = DcpFolder(folder).location(key, None, limit)
+    with open(file, "rb") as handle:
+        handle.seek(start)
+        return handle.read(length)
+
+
+@pytest.mark.parametrize("text", ["\u00b2", "9" * 5000, "300 # the newest", "\xff"])
+def test_a_tracker_that_holds_no_iteration_is_refused_in_one_line_naming_it(tmp_path: Path, text: str) -> None:
+    """``²`` (``str.isdigit`` says it is a digit) and 5,000 digits gave int()'s bare ValueError."""
+    two_iterations(tmp_path)
+    tracker = tmp_path / "latest_checkpointed_iteration.txt"
+    tracker.write_bytes(text.encode("latin-1") if text == "\xff" else text.encode())
+    with pytest.raises(shardavg.CheckpointError) as refused:
+        shardavg.merge(tmp_path, tmp_path / "out", last=1)
+    message = str(refused.value)
+    assert message.startswith(f"{tracker} holds no iteration") and "\n" not in message, message
+    assert "or remove it" in message
+
+
+def test_a_step_folder_linked_out_of_its_run_is_refused(tmp_path: Path) -> None:
+    """A run's ``iter_*`` linked to another run's checkpoint was merged as the run's own."""
+    run = tmp_path / "run"
+    older, newest = two_iterations(run)
+    elsewhere = tmp_path / "elsewhere" / "iter_0000030"
+    elsewhere.parent.mkdir()
+    newest.rename(elsewhere)
+    newest.symlink_to(elsewhere)
+    with pytest.raises(shardavg.CheckpointError, match=f"{newest} links to {elsewhere}, outside {run}"):
+        shardavg.merge(run, tmp_path / "out", last=2)
+    assert not (tmp_path / "out").exists()
+    newest.unlink()
+    newest.symlink_to(older.name)  # (a link within the run: the same checkpoint twice, refused as such)
+    with pytest.raises(ValueError, match="are one checkpoint"):
+        shardavg.merge(run, tmp_path / "out", last=2)

@@ -84,6 +84,19 @@ def test_the_averager_takes_every_option_by_keyword_and_refuses_an_unknown_one(t
         Options(include_frozen=1)
 
 
+ABSENT_DEVICES = ["nonsense", 123, True, "meta", "cuda:4096", *([] if torch.cuda.is_available() else ["cuda"])]
+
+
+@pytest.mark.parametrize("device", ABSENT_DEVICES)
+def test_a_device_this_machine_lacks_is_refused_in_one_line_naming_it(trainer, device) -> None:
+    """torch takes "meta" (the averager then fails at its first export) and "cuda" on a CPU machine
+    (failing at the first shadow), and refuses 123 in its own words: each is refused on entry."""
+    with pytest.raises(ValueError, match=r"^device=.* is not a device of this machine: use None .*'cpu'") as refused:
+        WeightAverager(trainer.model, EMA(decay=0.9), device=device)
+    assert repr(device) in str(refused.value) and "\n" not in str(refused.value)
+    assert WeightAverager(trainer.model, EMA(decay=0.9), device="cpu:0").options.device == torch.device("cpu", 0)
+
+
 def test_the_integrations_refuse_a_bad_option_when_built() -> None:
     from shardavg.integrations.lightning import ShardedWeightAveraging
 

@@ -17,7 +17,10 @@ import pytest
 PACKAGE = Path(__file__).resolve().parents[1] / "shardavg"
 
 PARTS = {  # bottom first: a part imports only parts before it; a module, only modules before it
-    "base": ["base.errors", "base.validate", "base.dtypes", "base.dist", "base.logs", "base.progress", "base"],
+    "base": [
+        "base.errors", "base.links", "base.validate", "base.untrusted", "base.dtypes", "base.dist", "base.logs",
+        "base.progress", "base",
+    ],
     "rules": ["rules"],
     "layouts": ["layouts.parts", "layouts.tensor_layout", "layouts.tensor_info", "layouts.shard_layout", "layouts"],
     "strategies": [

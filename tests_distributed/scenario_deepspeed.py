@@ -10,6 +10,8 @@ than a mode):
   kill        save tag A, then SIGKILL rank 1 while it writes its shard of the average for tag B
   after-kill  load_checkpoint follows ``latest``: tag A, whole, equal to its reference
   master      bf16 at ZeRO 1, 2, 3 with source="master": bitwise an EMA of the gathered fp32 masters
+  offload     bf16 ZeRO-3 with parameters (and optimizer) offloaded to the CPU: both sources bitwise
+              EMAs of the gathered live weights and fp32 masters; NVMe refused, naming the config key
 """
 
 from __future__ import annotations
@@ -37,17 +39,16 @@ STEPS = 6
 class Run:
     """A DeepSpeed engine at a ZeRO stage with a fresh TiedNet (the same initial weights every time)."""
 
-    def __init__(self, stage: int, bf16: bool = False, source: str = "live") -> None:
+    def __init__(self, stage: int, bf16: bool = False, source: str = "live", zero: dict | None = None) -> None:
         import deepspeed
 
-        zero: dict = {"stage": stage}
-        if stage == 3:
-            zero["stage3_param_persistence_threshold"] = 0
+        zero = {"stage": stage} | ({"stage3_param_persistence_threshold": 0} if stage == 3 else {}) | (zero or {})
         config = {
             "train_micro_batch_size_per_gpu": 8,
             "gradient_accumulation_steps": 1,
             "zero_optimization": zero,
             "zero_allow_untested_optimizer": True,
+            "zero_force_ds_cpu_optimizer": False,  # SGD with offload_optimizer (DeepSpeed's CPUAdam needs a build)
             "bf16": {"enabled": bf16},
         }
         self.stage = stage
@@ -227,6 +228,85 @@ def master(root: Path) -> None:
     harness.report("MASTER", {"world_size": dist.get_world_size()})
 
 
+def offload(root: Path) -> None:
+    """bf16 ZeRO-3 with "offload_param" on the CPU (the partitions then live in flat CPU buffers, marked
+    "not-nvme" by DeepSpeed), at persistence threshold 0 alone and at DeepSpeed's default with
+    "offload_optimizer" on the CPU too: the live-source EMA is bitwise an EMA of the gathered live
+    weights, the master-source one of the gathered fp32 masters, each view is the memory the optimizer
+    writes (never a copy, as DeepSpeed's local-master getter makes of CPU masters on a GPU: simulated
+    here), and swapped() writes the offloaded partitions and restores them bit for bit. NVMe (which
+    DeepSpeed cannot run here, without libaio) is refused as its config or partition says it."""
+    import deepspeed
+    from deepspeed.runtime.zero.offload_config import OffloadDeviceEnum
+    from deepspeed.utils import safe_get_full_fp32_param
+    from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
+
+    cpu = {"device": "cpu"}
+    for zero in (
+        {"offload_param": cpu},
+        {"offload_param": cpu, "offload_optimizer": cpu, "stage3_param_persistence_threshold": 100_000},  # the default
+    ):
+        run = Run(3, bf16=True, source="master", zero=zero)
+        live_source = WeightAverager(run.engine, RULES["ema"])
+        params, optimizer = dict(run.engine.module.named_parameters()), run.engine.optimizer
+        if "offload_optimizer" in zero:  # as on a GPU: DeepSpeed's local master, moved to the device, is a copy
+            local = optimizer.get_local_fp32_param
+            optimizer.get_local_fp32_param = lambda param, key=None, local=local: local(param, key).clone()
+            run.avg = WeightAverager(run.engine, RULES, source="master")  # (built anew: the views are read once)
+        references = {}
+        for source in ("live", "master"):
+            torch.manual_seed(0)
+            references[source] = AveragedModel(harness.TiedNet(), multi_avg_fn=get_ema_multi_avg_fn(0.9))
+        for step in range(1, STEPS + 1):
+            run.train(range(step, step + 1))
+            live_source.update()
+            with deepspeed.zero.GatheredParameters(list(params.values())):
+                live = {n: p.detach().float().clone() for n, p in params.items()}
+            masters = {n: safe_get_full_fp32_param(p) for n, p in params.items() if p.requires_grad}
+            for source, weights in (("live", live), ("master", live | masters)):
+                plain = harness.TiedNet()
+                plain.load_state_dict(weights, strict=False)
+                references[source].update_parameters(plain)
+        written = {  # the flat buffers the optimizer writes: bf16 partitions (on the CPU) and fp32 masters
+            "live": {t.untyped_storage().data_ptr() for t in optimizer.fp16_partitioned_groups_flat},
+            "master": {t.untyped_storage().data_ptr() for t in optimizer.fp32_partitioned_groups_flat},
+        }
+        for source, averager in (("live", live_source), ("master", run.avg)):
+            for info, view in zip(averager.tensors, averager.strategy.local_views()):
+                if info.kind == "param" and info.requires_grad:
+                    assert view.untyped_storage().data_ptr() in written[source], (zero, source, info.name)
+            got = averager.full_state_dict("ema" if source == "master" else None)
+            if dist.get_rank() == 0:
+                for name, want in references[source].module.named_parameters():
+                    assert torch.equal(got[name], want), f"{zero} {source}-source {name} differs from the reference"
+        before = [view.clone() for view in run.avg.strategy.swap_views()]
+        with run.avg.swapped("ema"):
+            for info, shadow, view in zip(run.avg.tensors, run.avg.shadows("ema"), run.avg.strategy.swap_views()):
+                if shadow is not None and info.kind == "param":
+                    assert torch.equal(view, shadow.to(view.dtype)), (zero, info.name)
+        assert all(torch.equal(a, b) for a, b in zip(before, run.avg.strategy.swap_views())), f"{zero}: not restored"
+        harness.report("OFFLOAD", {"zero": sorted(zero), "world_size": dist.get_world_size()})
+
+    # NVMe, as the config says (DeepSpeed reads "nvme" there as OffloadDeviceEnum.nvme)
+    config = run.engine._config.zero_config
+    config.offload_optimizer.device = OffloadDeviceEnum.nvme
+    with harness.expect_raises(
+        shardavg.StrategyError, '"offload_optimizer": {"device": "nvme"}', "source='live'", '"device": "cpu"'
+    ):
+        WeightAverager(run.engine, RULES["ema"], source="master")
+    WeightAverager(run.engine, RULES["ema"])  # the live partitions stay in memory: averaged
+    config.offload_param.device = OffloadDeviceEnum.nvme
+    for source in ("live", "master"):
+        with harness.expect_raises(
+            shardavg.StrategyError, '"offload_param": {"device": "nvme"}', "update()", '{"device": "cpu"}'
+        ):
+            WeightAverager(run.engine, RULES["ema"], source=source)
+    # a partition DeepSpeed marks as on NVMe (as zero.Init(remote_device="nvme") leaves them): refused by name
+    params["block.up.weight"].ds_tensor.final_location = OffloadDeviceEnum.nvme
+    with harness.expect_raises(shardavg.StrategyError, "'block.up.weight' is on NVMe", 'remote_device="cpu"'):
+        WeightAverager(run.engine.module, RULES["ema"])
+
+
 def kill(root: Path) -> None:
     run = Run(3)
     run.train(range(1, STEPS + 1))
@@ -259,7 +339,7 @@ def main() -> None:
     modes, root = sys.argv[1].split("+"), Path(sys.argv[2])
     harness.init_distributed(deepspeed=True)
     for mode in modes:
-        {"resume": resume, "master": master, "kill": kill, "after-kill": after_kill}[mode](root)
+        {"resume": resume, "master": master, "offload": offload, "kill": kill, "after-kill": after_kill}[mode](root)
     harness.finish()
 
 

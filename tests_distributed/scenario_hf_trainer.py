@@ -4,7 +4,9 @@
 
 KIND is ``ddp`` or ``deepspeed`` (ZeRO-3). Training: 8 optimizer steps of 2 accumulated
 micro-batches, checkpoints at steps 3, 6 and 8 with ``save_total_limit=2``, evaluation at 4 and 8
-(under DDP: accelerate gathers eval losses under DeepSpeed with a collective gloo lacks).
+(under DDP: accelerate gathers eval losses under DeepSpeed with a collective gloo lacks). Under
+DeepSpeed accelerate's state is set up over gloo first, so that rank 0 alone saves, as on GPUs
+(``one_process_zero``).
 MODE is one of
   first   train; every update is checked against an EMA of the weights gathered by the engine's
           own API; the final average and the export are written for the second launch
@@ -14,12 +16,14 @@ MODE is one of
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 
 import harness
 import torch
 import torch.distributed as dist
+from accelerate import PartialState
 from safetensors.torch import load_file, save_file
 from torch.distributed.elastic.multiprocessing.errors import record
 from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
@@ -76,7 +80,25 @@ class GatheredReference(TrainerCallback):
                 assert torch.equal(got[name], value), f"step {state.global_step}: {name} differs from the reference"
 
 
+def one_process_zero() -> None:
+    """Set accelerate's state up for DeepSpeed over gloo, so that only rank 0 is the Trainer's process zero.
+
+    Without GPUs accelerate finds no backend for DeepSpeed and takes every rank for process 0 of 1:
+    each then saves and rotates ``output_dir`` at once, and under load one rank's ``rmtree`` of
+    checkpoint-3 made it the newest by mtime to the other, which deleted checkpoint-6 (the run kept
+    only checkpoint-8). The callback refuses that set-up under ``save_total_limit``; on GPUs (NCCL)
+    accelerate counts the ranks itself, as it does here once told the backend.
+    """
+    os.environ["ACCELERATE_USE_DEEPSPEED"] = "true"  # (how TrainingArguments itself tells accelerate)
+    try:
+        PartialState(backend="gloo")
+    finally:
+        del os.environ["ACCELERATE_USE_DEEPSPEED"]
+
+
 def build(kind: str, root: Path, check: bool):
+    if kind == "deepspeed":
+        one_process_zero()
     args = TrainingArguments(
         output_dir=str(root / "out"),
         per_device_train_batch_size=4,
@@ -107,12 +129,20 @@ def build(kind: str, root: Path, check: bool):
             else None
         ),
         disable_tqdm=True,
+        accelerator_config={"use_configured_state": True} if kind == "deepspeed" else None,
     )
     trainer = Trainer(model=tiny_gpt2(), args=args, train_dataset=Tokens(256, 1), eval_dataset=Tokens(16, 2))
     averaging = with_weight_averaging(trainer, EMA(decay=DECAY), export_dir=root / "export")
     if check:
         trainer.add_callback(GatheredReference(averaging))
     return trainer, averaging
+
+
+def gathered(value: bool) -> list:
+    """Every rank's ``value``, in rank order."""
+    values = [None] * dist.get_world_size()
+    dist.all_gather_object(values, value)
+    return values
 
 
 @record
@@ -124,6 +154,8 @@ def main() -> None:
     else:
         trainer.train(resume_from_checkpoint=str(root / "out" / "checkpoint-6"))
     averager = averaging.averager
+    savers = [r for r, saves in enumerate(gathered(trainer.args.should_save)) if saves]
+    assert savers == [0], f"ranks {savers} save checkpoints (one process zero expected)"
     assert averager.strategy.name == {"ddp": "replicated", "deepspeed": "zero3"}[kind], averager.strategy.name
     assert (averager.step, averager.num_updates) == (STEPS, STEPS), (averager.step, averager.num_updates)
     final = averager.full_state_dict()

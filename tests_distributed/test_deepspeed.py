@@ -1,5 +1,5 @@
-"""``shardavg.integrations.deepspeed`` under torchrun: resume at ZeRO 1, 2 and 3, refusals, and a
-rank killed in the middle of a save (CPU, gloo)."""
+"""``shardavg.integrations.deepspeed`` under torchrun: resume at ZeRO 1, 2 and 3, refusals, a rank
+killed in the middle of a save, the fp32 masters and ZeRO-3 offload to the CPU (CPU, gloo)."""
 
 from __future__ import annotations
 
@@ -16,13 +16,13 @@ SCRIPT = "scenario_deepspeed.py"
 @pytest.fixture(scope="module")
 def launches(tmp_path_factory) -> tuple[dict, Launch, Launch]:
     """A launch whose rank 1 is killed in the middle of a save; then one launch that recovers from
-    it and goes on with the resume and master checks (a launch costs more than a mode)."""
+    it and goes on with the resume, master and offload checks (a launch costs more than a mode)."""
     root = tmp_path_factory.mktemp("deepspeed")
     killed = torchrun(SCRIPT, 2, "kill", str(root), timeout=300)
     left = {"latest": (root / "killed" / "latest").read_text() if (root / "killed" / "latest").exists() else None,
             "B": (root / "killed" / "B").is_dir(),
             "B committed": (root / "killed" / "B" / "shardavg" / "shardavg.json").exists()}  # fmt: skip
-    after = torchrun(SCRIPT, 2, "after-kill+resume+master", str(root), timeout=600)
+    after = torchrun(SCRIPT, 2, "after-kill+resume+master+offload", str(root), timeout=600)
     return left, killed, after
 
 
@@ -50,3 +50,13 @@ def test_the_master_source_averages_the_fp32_masters_bitwise(launches) -> None:
     measured = {r["stage"]: r["max_rel_difference"] for r in launch.reports("MASTER_VS_LIVE")}
     assert set(measured) == {1, 2, 3}, launch.output[-5000:]
     print("bf16-live average against the fp32-master one, max relative difference by ZeRO stage:", measured)
+
+
+def test_zero3_offloaded_to_the_cpu_is_averaged_bitwise_and_nvme_refused_by_its_config_key(launches) -> None:
+    launch = launches[2]
+    assert launch.returncode == 0, launch.output[-20000:]
+    configs = [tuple(r["zero"]) for r in launch.reports("OFFLOAD")]
+    assert configs == [
+        ("offload_param",),
+        ("offload_optimizer", "offload_param", "stage3_param_persistence_threshold"),
+    ], launch.output[-5000:]

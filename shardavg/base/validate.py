@@ -1,8 +1,8 @@
 """The checks every argument that enters shardavg goes through, each with its one message.
 
 A bad value is refused where it enters, naming the argument and what it got, before anything
-changes: counts (a bool is not an int), floating dtypes, average names, and the choices of a
-``Literal`` setting.
+changes: counts (a bool is not an int), floating dtypes, devices, average names, and the
+choices of a ``Literal`` setting.
 """
 
 from __future__ import annotations
@@ -39,6 +39,33 @@ def floating_dtype(name: str, value: Any, optional: bool = True) -> None:
         return
     if not (isinstance(value, torch.dtype) and value.is_floating_point):
         raise ValueError(f"{name} must be a floating torch.dtype{' or None' if optional else ''}, got {value!r}")
+
+
+def device(name: str, value: Any) -> torch.device | None:
+    """``value`` as a ``torch.device`` (None stays None): the CPU, or this machine's accelerator at
+    an index it has, given as a string or a ``torch.device``. torch itself takes ``"meta"``, or a
+    CUDA device a CPU machine lacks, and fails only where the first tensor is placed there (an
+    export, hours in), or refuses ``123`` in words that never name the option: refused here instead."""
+    if value is None:
+        return None
+    accelerator = torch.accelerator.current_accelerator(check_available=True)
+    count = torch.accelerator.device_count() if accelerator is not None else 0
+    try:
+        parsed = torch.device(value) if isinstance(value, (str, torch.device)) else None
+    except RuntimeError:  # (not a device string)
+        parsed = None
+    on_accelerator = accelerator is not None and parsed is not None and parsed.type == accelerator.type
+    if parsed is not None and (parsed.type == "cpu" or (on_accelerator and (parsed.index or 0) < count)):
+        return parsed
+    kinds = (
+        f", 'cpu' or {accelerator.type!r} ({accelerator.type}:0 to {accelerator.type}:{count - 1} exist here)"
+        if accelerator is not None
+        else " or 'cpu' (this machine has no accelerator torch can use)"
+    )
+    raise ValueError(
+        f"{name}={value!r} is not a device of this machine: use None (each shadow beside its live shard){kinds}, "
+        "as a string or torch.device"
+    )
 
 
 def choice(name: str, value: Any, choices: Any) -> None:

@@ -10,6 +10,12 @@ reader says so (``CheckpointReplaced``) and ``open_checkpoint`` opens the newer 
 a bounded number of times. Within a save, each shard names the save it belongs to (an id the
 manifest holds too), and the manifest records every file's size and SHA-256: sizes and ids are
 checked whenever a file is opened, the hashes by ``verify``.
+
+Links: the checkpoint named may be one (``ckpt/latest -> step-00000100``, a folder on another
+disk), and so may the folders above it: the user chose it. Within it, nothing leaves: the newest
+``step-*`` of a folder of saves lies within that folder, and a save's files are opened through
+its folder's handle, never through a link (shardavg writes none, and a relative one could lead
+into another save); a link among them is refused naming where it leads (``links.confined``).
 """
 
 from __future__ import annotations
@@ -17,10 +23,12 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import stat
 import warnings
 from pathlib import Path
 
 from ..base.errors import CheckpointError
+from ..base.links import confined
 from ..base.validate import is_count
 from ..state.description import Description
 from .format import MANIFEST, SAVE_ID_KEY, STEP_DIR, parse_manifest, read_manifest_bytes
@@ -97,6 +105,10 @@ def resolve(directory: str | os.PathLike) -> Path:
         listed = sorted(p.name for p in directory.iterdir() if STEP_DIR.match(p.name))
         committed = committed_steps(directory)
         if committed:
+            # A step folder linked out of the folder of saves is refused; a plain one lies within it (and
+            # may be pruned meanwhile, which opening it finds and follows to the newer save).
+            if committed[-1][2].is_symlink():
+                confined(committed[-1][2], directory)
             return committed[-1][2]
         if sorted(p.name for p in directory.iterdir() if STEP_DIR.match(p.name)) == listed:
             break
@@ -134,7 +146,22 @@ class OpenCheckpoint:
             self.close()
             raise
 
+    def _refuse_link(self, name: str) -> None:
+        """Refuse ``name`` of the opened save where it is a link (see the module docstring), saying
+        where it leads: out of the save (``confined``), or to a file within it."""
+        try:
+            linked = stat.S_ISLNK(os.stat(name, dir_fd=self._dir, follow_symlinks=False).st_mode)
+        except OSError:  # (missing: opening it says so)
+            return
+        if linked:
+            real = confined(self.path / name, self.path)
+            raise CheckpointError(
+                f"{self.path / name} links to {real}: a save's files are its own, never links (shardavg writes none); "
+                "copy the file in place of the link"
+            )
+
     def _read_manifest(self) -> bytes:
+        self._refuse_link(MANIFEST)
         try:
             return read_manifest_bytes(MANIFEST, self._dir, self.path / MANIFEST)
         except FileNotFoundError:
@@ -165,6 +192,7 @@ class OpenCheckpoint:
         """The ``index``-th file of the manifest, opened (once) and checked to be this save's."""
         if index not in self._shards:
             name = self.description.files[index]
+            self._refuse_link(name)
             try:
                 file = SafetensorsFile.open(name, self._dir, self.path / name)
             except FileNotFoundError:

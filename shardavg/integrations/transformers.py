@@ -15,6 +15,14 @@ checkpoint the Trainer actually resumed (``with_weight_averaging`` sees the argu
 ``trainer.train``; an unbound callback can only look in ``output_dir/checkpoint-<global_step>``)
 and refused unless that pairing holds, so an average is never paired with other weights.
 
+The Trainer saves and rotates checkpoints on the process it takes for process zero. Where accelerate
+counts the processes wrongly (DeepSpeed on a machine without GPUs: every rank is "process zero"),
+every rank rotates ``output_dir`` at once, and one rank's deletion in progress makes that folder the
+newest by mtime to another, which then deletes a checkpoint ``save_total_limit`` keeps (seen under
+load, when a step's checkpoints lie over a second apart and the Trainer orders them by mtime). The
+callback finds that at the start of training and refuses it under ``save_total_limit``, saying how to
+set accelerate up (``_check_one_process_saves``).
+
 Bound to its Trainer (``with_weight_averaging``), it also evaluates the averaged weights after
 each evaluation, through ``swapped()``, and reports them as ``eval_avg_*`` next to the raw ``eval_*``.
 It is deliberately not an ``ExportableState``: the Trainer would re-create such a callback from
@@ -25,7 +33,6 @@ from __future__ import annotations
 
 import functools
 import hashlib
-import json
 import os
 import warnings
 import weakref
@@ -35,8 +42,9 @@ from typing import Any
 from transformers import TrainerCallback
 
 from ..averager import WeightAverager, checked_options
-from ..base.dist import rank
+from ..base.dist import all_gathered, distributed, rank, world_size
 from ..base.errors import CheckpointError
+from ..base.untrusted import parse_json
 from ..checkpoints.reading import read_manifest, resolve
 from ..output.model_folder import declare_dtype
 from ..rules import MultiAvgFn, Rule
@@ -132,8 +140,10 @@ class WeightAveragingCallback(TrainerCallback):
 
         Raises:
             CheckpointError: On resume, the checkpoint has no average (under ``strict``), its average
-                was saved with other weights, or it is not the checkpoint the Trainer resumed.
+                was saved with other weights, or it is not the checkpoint the Trainer resumed; or
+                more than one process would rotate checkpoints under ``save_total_limit``.
         """
+        _check_one_process_saves(args)
         if self.averager is None:
             self.averager = WeightAverager(model, self.rule, **self.averager_options)
         if state.global_step > 0:  # resumed: the Trainer restored a checkpoint of this step
@@ -249,6 +259,41 @@ class WeightAveragingCallback(TrainerCallback):
             metrics.update(averaged)
 
 
+def _check_one_process_saves(args: Any) -> None:
+    """Collective: refuse (under ``save_total_limit``) or warn when more than one process of the group
+    would save checkpoints, every rank alike.
+
+    The Trainer writes a checkpoint's files and rotates ``output_dir`` on each process whose
+    ``args.should_save`` is true, meant to be one (one per node with ``save_on_each_node``). Where
+    accelerate counts the processes wrongly (DeepSpeed without GPUs: each rank is process 0 of 1),
+    all of them rotate at once: ``shutil.rmtree`` of the oldest folder in one process updates that
+    folder's mtime, another process's ``rotate_checkpoints(use_mtime=True)`` then takes it for the
+    newest and deletes a checkpoint the limit keeps (only when the folders' mtimes span over a
+    second, as under load). Checking once, before training, is what makes it never happen; every
+    rank raises alike, so none waits on a peer that left.
+    """
+    if not distributed() or args.save_on_each_node:  # (one saver per node is the Trainer's own choice)
+        return
+    savers = [r for r, saves in enumerate(all_gathered(bool(args.should_save))) if saves]
+    if len(savers) <= 1:
+        return
+    why = (
+        f"ranks {savers} of {world_size()} each take themselves for the Trainer's process zero "
+        f"(it counts {args.world_size} process(es), as accelerate does under DeepSpeed on a machine without GPUs)"
+    )
+    fix = (
+        'set accelerate up first: os.environ["ACCELERATE_USE_DEEPSPEED"] = "true"; '
+        'accelerate.PartialState(backend="gloo"); then TrainingArguments(..., '
+        'accelerator_config={"use_configured_state": True})'
+    )
+    if args.save_total_limit is not None and args.save_total_limit > 0:
+        raise CheckpointError(
+            f"{why}, so each rotates the checkpoints in {args.output_dir} at once, and one can delete a "
+            f"checkpoint save_total_limit={args.save_total_limit} keeps: {fix}"
+        )
+    warnings.warn(f"{why}, so each writes the same checkpoint files in {args.output_dir} at once: {fix}", stacklevel=3)
+
+
 def _fingerprint(checkpoint: Path) -> str | None:
     """The pairing of an average with its checkpoint: the SHA-256 of its ``trainer_state.json``."""
     try:
@@ -261,7 +306,7 @@ def _check_resumed(checkpoint: Path, state: Any) -> None:
     """The Trainer restored ``state`` from the checkpoint it resumed: the history in ``checkpoint``'s
     own state must be that one, or it is another run's checkpoint at the same step."""
     try:
-        history = json.loads((checkpoint / TRAINER_STATE).read_text()).get("log_history")
+        history = parse_json((checkpoint / TRAINER_STATE).read_text(), checkpoint / TRAINER_STATE).get("log_history")
     except (OSError, ValueError, AttributeError):
         return  # none to compare: _restore refuses or restarts on what it finds
     if history != state.log_history:

@@ -9,8 +9,13 @@ DeepSpeed's, which ``torch.load(weights_only=True)`` reads with stand-ins for th
 that script, the conversion that works there. A universal checkpoint (``ds_to_universal``'s
 ``global_stepN_universal/``) holds each parameter's fp32 master in ``zero/<name>/fp32.pt``: at
 ZeRO-1/2 ``{'param': tensor, 'cat_dim': ...}`` in the parameter's shape; at ZeRO-3 a flat tensor,
-shaped by the model states' ``param_shapes``. Its optimizer moments (``exp_avg.pt``,
-``exp_avg_sq.pt``, ``optimizer_state.pt``) are left out unread.
+shaped by the model states' ``param_shapes``. Buffers and frozen parameters have no optimizer
+master: DeepSpeed keeps them in the model states (``ModelStates``), and ``ds_to_universal`` writes
+them into ``zero/`` at ZeRO-1/2 but not at ZeRO-3, whose per-rank model states it copies beside
+``zero/``: they are read from there. Its optimizer moments (``exp_avg.pt``, ``exp_avg_sq.pt``,
+``optimizer_state.pt``) are left out unread. Every file read goes through ``links.own_file``: a link
+leaving the checkpoint (``zero/w/fp32.pt``, or the whole ``zero/w/``, linked to another run's) is
+refused by name.
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ from typing import Any
 import torch
 
 from ..base.errors import CheckpointError
+from ..base.links import own_file
 from .saved_average import PLAIN_NAME
 
 ZERO = "zero"  # a universal checkpoint's folder of parameters
@@ -68,12 +74,14 @@ def refuse_raw(path: Path, files: list[str], reason: str) -> CheckpointError:
     )
 
 
-def _load(file: Path) -> Any:
-    """A file of a universal checkpoint, memory-mapped, with ``torch.load(weights_only=True)``."""
+def _load(file: Path, folder: Path) -> Any:
+    """A file of the checkpoint ``folder`` (``own_file``: a link out of it refused), memory-mapped,
+    with ``torch.load(weights_only=True)``."""
+    real = own_file(file, folder, "refused")
     try:
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message="Detected pickle protocol", category=UserWarning)
-            return torch.load(file, weights_only=True, mmap=True)
+            return torch.load(real, weights_only=True, mmap=True)
     except Exception as error:  # (weights_only refuses any Python object: never unpickled)
         first = (str(error).strip().splitlines() or [type(error).__name__])[0]
         raise CheckpointError(f"cannot read {file} with torch.load(weights_only=True): {first}") from None
@@ -81,7 +89,7 @@ def _load(file: Path) -> Any:
 
 def universal_masters(path: Path) -> tuple[dict[str, Path], dict[str, int]]:
     """``{name: fp32.pt}`` of a universal checkpoint's parameters, and ``{group: files}`` of what is
-    left out unread: the optimizer moments, ``optimizer_state.pt`` and the pickled model states."""
+    left out unread: the optimizer moments and ``optimizer_state.pt``."""
     files, moments = {}, 0
     for folder in sorted(p for p in (path / ZERO).iterdir() if p.is_dir()):
         if not PLAIN_NAME.match(folder.name) or not (folder / MASTER).is_file():
@@ -90,35 +98,31 @@ def universal_masters(path: Path) -> tuple[dict[str, Path], dict[str, int]]:
         moments += sum(1 for p in folder.glob("*.pt") if p.name != MASTER)
     if not files:
         raise CheckpointError(f"{path / ZERO} holds no parameter: not a DeepSpeed universal checkpoint")
-    counts = {
-        "optimizer moments": moments,
-        "optimizer_state.pt": int((path / ZERO / "optimizer_state.pt").is_file()),
-        "model states": len(state_files(path)),
-    }
+    counts = {"optimizer moments": moments, "optimizer_state.pt": int((path / ZERO / "optimizer_state.pt").is_file())}
     return files, {group: count for group, count in counts.items() if count}
 
 
-def universal_shapes(path: Path) -> dict[str, tuple[int, ...]]:
-    """The parameters' shapes a ZeRO-3 universal checkpoint's model states record (``ds_to_universal``
-    copies them from the raw save), read with ``torch.load(weights_only=True)``; ``{}`` where none can
-    be read as data."""
-    for name in state_files(path):
-        if "model_states" in name and "/" not in name:
-            try:
-                shapes = _load(path / name).get("param_shapes")
-            except (CheckpointError, AttributeError):
-                continue
-            groups = shapes if isinstance(shapes, list) else [shapes]
-            if all(isinstance(group, dict) for group in groups):
-                return {str(k): tuple(v) for group in groups for k, v in group.items()}
-    return {}
+def universal_states(path: Path) -> ModelStates | None:
+    """The model states of a ZeRO-3 universal checkpoint (one file per rank, copied by ``ds_to_universal``
+    from the raw save): its parameters' shapes, buffers and frozen parameters. None at ZeRO-1/2 (one
+    file, whose tensors ``ds_to_universal`` wrote into ``zero/``) or where they cannot be read as data
+    (``load_master`` then says what works); a link out of the checkpoint is refused all the same."""
+    files = _model_files(path)
+    if not files or not all(MODEL_FILE.match(file.name).group(1) for file in files):  # type: ignore[union-attr]
+        return None
+    for file in files:
+        own_file(file, path, "refused")  # (refused, never taken for a file that cannot be read as data)
+    try:
+        return ModelStates(path, files, stage3=True)
+    except CheckpointError:
+        return None
 
 
 def load_master(path: Path, name: str, file: Path, shapes: dict[str, tuple[int, ...]]) -> torch.Tensor:
     """Parameter ``name``'s fp32 master from its ``file`` of the universal checkpoint ``path``,
-    memory-mapped: ZeRO-1/2 store it whole, in a dict; ZeRO-3 flat, its shape in ``shapes``
-    (``universal_shapes``: refused, naming what works, where they lack it)."""
-    loaded = _load(file)
+    memory-mapped: ZeRO-1/2 store it whole, in a dict; ZeRO-3 flat, its shape in ``shapes`` (its
+    ``universal_states``: refused, naming what works, where they lack it)."""
+    loaded = _load(file, path)
     value = loaded.get("param") if isinstance(loaded, dict) else loaded
     if not isinstance(value, torch.Tensor):
         raise CheckpointError(f"{file} holds {type(value).__name__}, not a parameter's tensor")
@@ -159,29 +163,87 @@ OPTIM_FILE = re.compile(r"^(?:bf16_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_optim_stat
 MODEL_FILE = re.compile(r"^(?:zero_pp_rank_(\d+)_)?mp_rank_(\d+)_model_states\.pt$")
 
 
+def _model_files(path: Path) -> list[Path]:
+    """A tag's model states, in rank order: one file at ZeRO-1/2, one per rank at ZeRO-3."""
+    ranks = {p: MODEL_FILE.match(p.name) for p in path.iterdir()}
+    found = {p: int(m.group(1) or 0) for p, m in ranks.items() if m}
+    return sorted(found, key=found.__getitem__)
+
+
+class ModelStates:
+    """What a tag's model states hold beside the optimizer's masters, read as ``zero_to_fp32.py``
+    restores it: the parameters' shapes (``param_groups``), the buffers (whole in ``module``, the
+    floating ones in fp32) and the frozen parameters (``frozen_param_fragments``: whole at ZeRO-1/2,
+    a flat part in each rank's file at ZeRO-3), every file read with ``torch.load(weights_only=True)``
+    (DeepSpeed's model states hold none of its own types) and memory-mapped.
+
+    ``specs``: ``{name: (dtype, shape)}`` of the buffers and frozen parameters."""
+
+    def __init__(self, path: Path, files: list[Path], stage3: bool) -> None:
+        self.path, self.stage3 = path, stage3
+        self.states = [_load(file, path) for file in files]
+        self.specs: dict[str, tuple[torch.dtype, tuple[int, ...]]] = {}
+        self._buffers: list[str] = []
+        first = self.states[0]
+        for name, shape in dict(_get(first, "frozen_param_shapes", files[0]) or {}).items():
+            self.specs[name] = (self._frozen_part(first, name).dtype, tuple(shape))
+        module = _get(first, "module", files[0]) or {}
+        for name in _get(first, "buffer_names", files[0]) or []:
+            value = module.get(name)
+            if isinstance(value, torch.Tensor):
+                self.specs[name] = (torch.float32 if value.is_floating_point() else value.dtype, tuple(value.shape))
+                self._buffers.append(name)
+
+    def param_groups(self) -> list[dict[str, Any]]:
+        """The trained parameters' ``{name: shape}``, one dict per optimizer group."""
+        shapes = _get(self.states[0], "param_shapes", self.path)
+        groups = shapes if isinstance(shapes, list) else [shapes]
+        if not all(isinstance(group, dict) for group in groups):
+            raise CheckpointError(f"{self.path}: its model states' param_shapes are not maps of names to shapes")
+        return [dict(group) for group in groups]
+
+    def read(self, name: str) -> torch.Tensor:
+        """The whole buffer or frozen parameter ``name``, copied out of the mapped files."""
+        dtype, shape = self.specs[name]
+        if name in self._buffers:
+            flat = _get(self.states[0], "module", self.path)[name].reshape(-1)
+            flat = flat.float() if flat.is_floating_point() else flat
+        else:
+            parts = [self._frozen_part(state, name).reshape(-1) for state in self.states]
+            flat = torch.cat(parts)[: math.prod(shape)] if self.stage3 else parts[0]
+        return _shaped(flat, name, dtype, shape, self.path)
+
+    def _frozen_part(self, state: Any, name: str) -> torch.Tensor:
+        parts = _get(state, "frozen_param_fragments", self.path) or {}
+        if not isinstance(parts.get(name), torch.Tensor):
+            raise CheckpointError(f"{self.path} lacks the frozen parameter {name!r} its shapes list")
+        return parts[name]
+
+
 class RawZero:
     """The fp32 masters of a raw ZeRO-1/2/3 tag (``engine.save_checkpoint``'s folder), rebuilt as
     DeepSpeed's ``zero_to_fp32.py`` rebuilds them, from the ranks' flat partitions, every file read
     with ``torch.load(weights_only=True)`` (its optimizer states with ``DATA_ONLY``) and memory-mapped:
     a tensor's read copies only its own elements. Buffers and frozen parameters come from the model
-    states; parameters DeepSpeed saved once for several names (``shared_params``) are ``ties``.
+    states (``ModelStates``); parameters DeepSpeed saved once for several names (``shared_params``)
+    are ``ties``.
 
-    ``specs``: ``{name: (dtype, shape)}``; ``where``: how to read each (see ``_place``)."""
+    ``specs``: ``{name: (dtype, shape)}``; ``where``: where each master lies (see ``_place_masters``)."""
 
     def __init__(self, path: Path) -> None:
         self.path = path
         models, optims = self._files(path)
-        self.models = [_load(file) for file in models]
         with torch.serialization.safe_globals(DATA_ONLY):
-            states = [_load(file) for file in optims]
+            states = [_load(file, path) for file in optims]
         self.optim = [_get(state, "optimizer_state_dict", file) for state, file in zip(states, optims)]
         self.stage = int(_get(self.optim[0], "zero_stage", optims[0]))
         self.ranks = len(optims)
+        self.model = ModelStates(path, models, self.stage == 3)
         self.specs: dict[str, tuple[torch.dtype, tuple[int, ...]]] = {}
         self.where: dict[str, tuple] = {}
         self._place_masters(optims[0])
-        self._place_frozen_and_buffers(models[0])
-        shared = _get(self.models[0], "shared_params", models[0]) or {}
+        self.specs |= self.model.specs
+        shared = _get(self.model.states[0], "shared_params", models[0]) or {}
         self.ties = [(str(owner), str(name)) for name, owner in dict(shared).items() if owner in self.specs]
         moments = sum(1 for state in self.optim for _ in _tensors(state)) - sum(len(f) for f in self._flat)
         self.left_out = {"optimizer states": moments} if moments else {}
@@ -191,7 +253,7 @@ class RawZero:
         """The tag's model states (one, or one per rank at ZeRO-3) and its ranks' optimizer states, in
         rank order; refused where tensor or pipeline parallelism split the model (several ``mp_rank``)."""
         optims = {int(m.group(1)): p for p in path.iterdir() if (m := OPTIM_FILE.match(p.name)) and m.group(2) == "00"}
-        models = sorted((int(m.group(1) or 0), p) for p in path.iterdir() if (m := MODEL_FILE.match(p.name)))
+        models = _model_files(path)
         split = {m.group(2) for p in path.iterdir() if (m := OPTIM_FILE.match(p.name) or MODEL_FILE.match(p.name))}
         if len(split) > 1:
             raise CheckpointError(
@@ -201,7 +263,7 @@ class RawZero:
             )
         if not optims or sorted(optims) != list(range(len(optims))) or not models:
             raise CheckpointError(f"{path} lacks some ranks' optimizer or model states (found {sorted(optims)})")
-        return [file for _, file in models], [optims[r] for r in range(len(optims))]
+        return models, [optims[r] for r in range(len(optims))]
 
     def _place_masters(self, where: Path) -> None:
         """Where each trained parameter's master lies in the ranks' flat fp32 partitions, as
@@ -211,8 +273,7 @@ class RawZero:
         (padded to a multiple of them), one after another."""
         key = "fp32_flat_groups" if self.stage == 3 else "single_partition_of_fp32_groups"
         self._flat = [list(_get(state, key, where)) for state in self.optim]
-        shapes = _get(self.models[0], "param_shapes", where)
-        groups = [dict(group) for group in (shapes if isinstance(shapes, list) else [shapes])]
+        groups = self.model.param_groups()
         paddings = self.optim[0].get("param_alignment_paddings") if self.stage != 3 else None
         offset = 0
         for group, names in enumerate(groups):
@@ -235,40 +296,29 @@ class RawZero:
         if self.stage == 3 and offset != held:
             raise CheckpointError(f"{self.path}: its parameters use {offset} of each rank's {held} elements")
 
-    def _place_frozen_and_buffers(self, where: Path) -> None:
-        frozen = _get(self.models[0], "frozen_param_shapes", where) or {}
-        for name, shape in dict(frozen).items():
-            self.where[name] = ("frozen",)
-            self.specs[name] = (_frozen_part(self.models[0], name, where).dtype, tuple(shape))
-        module = _get(self.models[0], "module", where) or {}
-        for name in _get(self.models[0], "buffer_names", where) or []:
-            value = module.get(name)
-            if isinstance(value, torch.Tensor):  # (floating ones in fp32, as zero_to_fp32.py restores them)
-                self.where[name] = ("buffer",)
-                self.specs[name] = (torch.float32 if value.is_floating_point() else value.dtype, tuple(value.shape))
-
     def read(self, name: str) -> torch.Tensor:
         """The whole tensor ``name``, copied out of the mapped files."""
+        if name not in self.where:
+            return self.model.read(name)
         dtype, shape = self.specs[name]
         numel = math.prod(shape)
         place = self.where[name]
         if place[0] == "zero12":
             _, group, offset = place
             flat = _flat_range([state[group] for state in self._flat], offset, numel)
-        elif place[0] == "zero3":
+        else:
             part = -(-numel // self.ranks)
             flat = torch.cat([_flat_range(groups, place[1], part) for groups in self._flat])[:numel]
-        elif place[0] == "frozen":
-            frags = [_frozen_part(model, name, self.path) for model in self.models]
-            flat = torch.cat([f.reshape(-1) for f in frags])[:numel] if self.stage == 3 else frags[0].reshape(-1)
-        else:
-            flat = _get(self.models[0], "module", self.path)[name].reshape(-1)
-            flat = flat.float() if flat.is_floating_point() else flat
-        if flat.numel() != numel or flat.dtype != dtype:
-            raise CheckpointError(
-                f"{self.path}: {name} holds {flat.numel()} {flat.dtype} elements, expected {numel} {dtype}"
-            )
-        return flat.clone().view(shape)
+        return _shaped(flat, name, dtype, shape, self.path)
+
+
+def _shaped(flat: torch.Tensor, name: str, dtype: torch.dtype, shape: tuple[int, ...], where: Path) -> torch.Tensor:
+    """The flat elements read for ``name``, checked to be its ``dtype`` and ``shape``, copied out of the mapped file."""
+    if flat.numel() != math.prod(shape) or flat.dtype != dtype:
+        raise CheckpointError(
+            f"{where}: {name} holds {flat.numel()} {flat.dtype} elements, expected {math.prod(shape)} {dtype}"
+        )
+    return flat.clone().view(shape)
 
 
 def _flat_range(parts: list[torch.Tensor], start: int, count: int) -> torch.Tensor:
@@ -287,13 +337,6 @@ def _get(state: Any, key: str, where: Path) -> Any:
     if not isinstance(state, dict) or key not in state:
         raise CheckpointError(f"{where} lacks {key!r}: not a DeepSpeed ZeRO checkpoint this reads")
     return state[key]
-
-
-def _frozen_part(model: Any, name: str, where: Path) -> torch.Tensor:
-    frozen_parts = _get(model, "frozen_param_fragments", where) or {}
-    if not isinstance(frozen_parts.get(name), torch.Tensor):
-        raise CheckpointError(f"{where} lacks the frozen parameter {name!r} its shapes list")
-    return frozen_parts[name]
 
 
 def _tensors(value: Any) -> Any:
@@ -329,9 +372,11 @@ def finished_tags(run: Path) -> list[tuple[int, Path]] | None:
 
 
 def _tag_step(file: Path) -> int | None:
-    """The step of the tag a ``latest`` file names, or None."""
+    """The step of the tag a ``latest`` file names, or None; a link out of its run folder is refused."""
+    real = own_file(file, file.parent, "refused")
     try:
-        match = TAG.match(file.read_text().strip())
+        with open(real, "rb") as handle:
+            match = TAG.match(handle.read(256).decode().strip())  # (a tag's name, never a large file's)
     except (OSError, UnicodeDecodeError):
         return None
     return int(match.group(1)) if match else None

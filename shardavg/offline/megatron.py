@@ -10,24 +10,35 @@ chunks by layer and tensor-parallel offset), with the optimizer's state beside t
 the rest is left out unread (never unpickled), and counted by group so a merge can say what it
 left out. Its steps are its ``iter_NNNNNNN`` folders, finished up to the one that
 ``latest_checkpointed_iteration.txt`` names.
+
+Such a folder is someone else's until checked: every file read here or carried into a merge
+(``metadata.json``, ``common.pt``, the tracker) is a regular file ``confined`` to its folder (a
+link out of it is refused by name), read within a bound; the objects a merge carries are located,
+checked not to alias each other's bytes, and copied a piece at a time, never held (``carried``).
 """
 
 from __future__ import annotations
 
-import json
+import os
 import re
 from collections import Counter
 from pathlib import Path
 from typing import Any
 
 from ..base.errors import CheckpointError
+from ..base.links import own_file
+from ..base.untrusted import parse_json
 from ..checkpoints.format import DCP_METADATA
+from ..checkpoints.storage import read_bounded
+from ..output.dcp_checkpoint import StoredBytes
 from .saved_average import DcpFolder
 
 METADATA = "metadata.json"  # Megatron's record of the backend that wrote the folder
 COMMON = "common.pt"  # its common state: a pickle, never loaded here
-ITERATION = re.compile(r"^iter_(\d+)$")  # a Megatron-LM run's checkpoint of one step
+ITERATION = re.compile(r"^iter_([0-9]+)$")  # a Megatron-LM run's checkpoint of one step
 TRACKER = "latest_checkpointed_iteration.txt"  # the newest finished iteration, written after its save
+TRACKED = re.compile(r"[0-9]{1,18}|release")  # what Megatron-LM writes there (ASCII: "²".isdigit() is True)
+SMALL_FILE = 2**16  # (bytes) the most metadata.json or the tracker may hold: Megatron writes a few dozen
 OBJECT_KEY = re.compile(r"/shard_[\d.]+_[\d.]+$")  # a ShardedObject's suffix in the DCP key
 LEFT_OUT = ("optimizer", "common_state", "rng_state")  # (key prefixes) training state beside the model
 EXTRA_STATE = "*._extra_state"  # Transformer Engine's per-module pickled state, by its name's end
@@ -36,12 +47,27 @@ OBJECT_LIMIT = 2**26  # (bytes) the most a carried object of a layer may hold
 
 
 def is_torch_dist(path: Path) -> bool:
-    """Whether ``path`` holds Megatron's ``metadata.json`` naming the ``torch_dist`` backend."""
+    """Whether ``path`` holds Megatron's ``metadata.json`` naming the ``torch_dist`` backend; one that
+    links out of ``path``, or is no regular file, is refused by name (a merge would carry it), one
+    that is not small JSON is not Megatron's."""
+    file = _within(path / METADATA, path)
+    if file is None:
+        return False
     try:
-        record = json.loads((path / METADATA).read_text())
-    except (OSError, UnicodeDecodeError, ValueError):
+        raw = read_bounded(file, SMALL_FILE, lambda size: CheckpointError(f"{file}: {size} bytes"))
+    except (OSError, CheckpointError):
+        return False
+    try:
+        record = parse_json(raw, file)  # (nested too deep: refused by name, not taken for another format)
+    except ValueError:  # (UnicodeDecodeError is a ValueError)
         return False
     return isinstance(record, dict) and record.get("sharded_backend") == "torch_dist"
+
+
+def _within(file: Path, folder: Path) -> Path | None:
+    """The real path of the regular file ``file`` of ``folder`` (``links.own_file``: a link out of it,
+    or a pipe, refused by name), or None where there is no such file (nor a link by its name)."""
+    return own_file(file, folder, "Megatron writes a regular file there") if os.path.lexists(file) else None
 
 
 def group_of(key: str) -> str | None:
@@ -102,30 +128,61 @@ def finished_iterations(run: Path) -> list[tuple[int, Path]] | None:
 
 
 def _tracked(run: Path) -> int | None:
-    """The iteration ``latest_checkpointed_iteration.txt`` names, or None (absent, or ``release``)."""
-    try:
-        text = (run / TRACKER).read_text().strip()
-    except (OSError, UnicodeDecodeError):
+    """The iteration ``latest_checkpointed_iteration.txt`` names, or None (absent, or ``release``).
+    Anything but what Megatron-LM writes there (an iteration in ASCII digits, or ``release``) is
+    refused in one line naming the file, as is a link out of the run: Megatron-LM itself refuses
+    to resume from such a run, so no step of it can be told finished."""
+    file = _within(run / TRACKER, run)
+    if file is None:
         return None
-    return int(text) if text.isdigit() else None
+    wrong = (
+        f"{run / TRACKER} holds no iteration (Megatron-LM writes the newest finished iteration's number there, or "
+        "'release'): write the iteration of the newest finished iter_* folder into it, or remove it"
+    )
+    try:
+        text = read_bounded(file, SMALL_FILE, lambda size: CheckpointError(f"{wrong}; it is {size} bytes"))
+        text = text.decode("ascii").strip()
+    except (OSError, UnicodeDecodeError):
+        raise CheckpointError(wrong) from None
+    if not TRACKED.fullmatch(text):
+        raise CheckpointError(wrong)
+    return None if text == "release" else int(text)
 
 
-def carried(folder: DcpFolder) -> tuple[list[tuple[str, bytes]], list[Path]]:
+def carried(folder: DcpFolder) -> tuple[list[tuple[str, StoredBytes]], list[Path]]:
     """What a merge written as a DCP checkpoint carries from its newest ``torch_dist`` input for
-    Megatron to load it: the objects its load asks for, as DCP stored them (``(key, bytes)``, never
-    unpickled): the model's ``*._extra_state`` and the common state (``common_state``, where
-    Megatron-Core 0.19 keeps it, reading ``common.pt`` only where that exists); and its
-    ``metadata.json`` and ``common.pt`` (copied byte for byte). The optimizer and ``rng_state`` are
-    not a merge's (load it with ``--no-load-optim --no-load-rng``, or ``--finetune``)."""
+    Megatron to load it: the objects its load asks for, where DCP stored them (``(key, bytes
+    located)``, each at most ``OBJECT_LIMIT``; copied a piece at a time by the writer, never held
+    whole, never unpickled): the model's ``*._extra_state`` and the common state (``common_state``,
+    where Megatron-Core 0.19 keeps it, reading ``common.pt`` only where that exists); and its
+    ``metadata.json`` and ``common.pt`` (copied byte for byte), each a regular file ``confined`` to
+    the input. The optimizer and ``rng_state`` are not a merge's (load it with ``--no-load-optim
+    --no-load-rng``, or ``--finetune``). Objects whose bytes overlap are refused naming both: each
+    must be its own bytes of a part file, so what is carried is bounded by what the input's files
+    hold, however many entries its ``.metadata`` lists (a crafted one listing one range N times
+    would otherwise be written N times). Checked whole before anything is written."""
     objects = []
     for key, stored in folder.metadata.state_dict_metadata.items():
         if group_of(str(key)) in CARRIED and not isinstance(getattr(stored, "chunks", None), list):
-            file, start, length = folder.location(str(key), None, OBJECT_LIMIT)
-            with open(file, "rb") as handle:
-                handle.seek(start)
-                objects.append((str(key), handle.read(length)))
-    files = [folder.path / name for name in (METADATA, COMMON) if (folder.path / name).is_file()]
+            objects.append((str(key), StoredBytes(*folder.location(str(key), None, OBJECT_LIMIT))))
+    _check_apart(objects)
+    files = [folder.path / name for name in (METADATA, COMMON) if _within(folder.path / name, folder.path)]
     return objects, files
+
+
+def _check_apart(objects: list[tuple[str, StoredBytes]]) -> None:
+    """Refuse two objects whose bytes overlap in one file, naming both keys and the file."""
+    reach: dict[Path, tuple[int, str]] = {}  # {file: (the end of the bytes seen so far, whose)}
+    for key, stored in sorted(objects, key=lambda item: (item[1].file, item[1].start)):
+        end, other = reach.get(stored.file, (0, ""))
+        if stored.length and stored.start < end:
+            raise CheckpointError(
+                f"{stored.file}: the objects {other!r} and {key!r} are stored in the same bytes (from byte "
+                f"{stored.start}); DCP stores each object once: this .metadata was crafted or damaged, merge a copy of "
+                "the checkpoint as Megatron saved it"
+            )
+        if stored.start + stored.length > end:
+            reach[stored.file] = (stored.start + stored.length, key)
 
 
 def refusal(path: Path) -> CheckpointError | None:

@@ -35,20 +35,23 @@ from ..base import validate
 from ..base.dist import all_gathered, digest
 from ..base.dtypes import dtype_name
 from ..base.errors import CheckpointError, ProvenanceError
+from ..base.links import confined
 from ..base.logs import log
 from ..base.progress import Progress
 from ..checkpoints.checkpoint import save_whole
+from ..checkpoints.format import DCP_METADATA
 from ..checkpoints.ownership import LOCK_FILE, target_path
 from ..checkpoints.storage import Entry, atomic_file, open_regular
 from ..output import dcp_checkpoint
+from ..output import provenance as provenance_file
 from ..output.model_folder import (
     CONFIG,
     NOT_CARRIED,
     TOKENIZER_FILES,
     carried_files,
+    configured,
     files_dtype,
     weights_record,
-    write_config,
 )
 from ..output.model_writer import cast, cast_dtype, parse_size, write_spread
 from ..output.provenance import FILE as PROVENANCE
@@ -61,13 +64,16 @@ from ..rules import SWA
 from ..state.description import DescribedAverage, Description, TensorEntry
 from ..update.options import Options
 from . import megatron
-from .saved_average import PLAIN_NAME, rows_shape
-from .sources import DcpSource, SafetensorsSource, Source, Spec, confined, finished_checkpoints, open_source
+from .saved_average import PLAIN_NAME, read_dcp_metadata, rows_shape
+from .sources import DcpSource, SafetensorsSource, Source, Spec, finished_checkpoints, open_source
 
 Output = Literal["safetensors", "shardavg", "dcp"]
 HF_CONFIGS = ("config.json", "generation_config.json")  # what merges before 0.4 carried, unrecorded
-COPY_BYTES = 2**20  # bytes a carried file is copied by: a 1 GiB tokenizer.model is never held whole
 Carried = dict[str, Path]  # a model folder's files a merge carries: {name: the real file read}
+DIGESTS = "carried"  # the provenance's {name: SHA-256} of each file a merge carried: how a later merge knows them
+TRAINER_STEP = re.compile(r"step-(\d+)")  # a step torchtitan resumes from: a folder whose name holds it (re.search)
+TRAINING_STATE = ("train_state", "dataloader")  # torchtitan's entries beside the model in a step it saves
+STEPS_PROBED = 3  # the newest steps beside OUT read for training state (a run's last save may be its model alone)
 
 
 def merge(
@@ -181,6 +187,10 @@ def merge(
             merging = Merging(sources, shares, plan, specs, accumulate)
             merging.check_range(mine)
             made = _made(sources, shares, schedule, dtype, workers.count, output) if workers.lead else None
+            newest = carried[-1] if carried else {}
+            folder = Folder.of(Path(out), newest, plan, specs, max_bytes) if output == "safetensors" else None
+            if folder is not None and made is not None:  # (the first worker's record: it writes it)
+                made[DIGESTS] = folder.digests()
         except Exception as caught:
             error = caught
         workers.agree(error, "checking the merge's inputs")
@@ -192,13 +202,12 @@ def merge(
                 + "; ".join(f"rank {r}: {n} tensors, weights {w}, digest {d[0]:x}" for r, (n, w, d) in enumerate(seen))
                 + ": every worker must see the same checkpoints and be given the same arguments"
             )
-        if output == "shardavg":
-            written = _write_checkpoint(Path(out), merging, made, workers, progress)
-        elif output == "dcp":
-            written = _write_dcp(Path(out), merging, mine, made, workers, progress)
-        else:
-            folder = Folder(Path(out), carried[-1] if carried else None, max_bytes)
+        if folder is not None:
             written = folder.write(merging, mine, made, workers, progress)
+        elif output == "shardavg":
+            written = _write_checkpoint(Path(out), merging, made, workers, progress)
+        else:
+            written = _write_dcp(Path(out), merging, mine, made, workers, progress)
         _log_done(sources, plan, written)
         return written
     finally:
@@ -256,7 +265,7 @@ def _write_dcp(
     tensors = {keys(n): (s.dtype, s.shape) for planned, s in zip(merging.plan, merging.specs) for n in planned.names}
     error: Exception | None = None
     token = ""
-    objects: list[tuple[str, bytes]] = []
+    objects: list[tuple[str, dcp_checkpoint.StoredBytes]] = []
     files: list[Path] = []
     with contextlib.ExitStack() as held:
         if workers.lead:
@@ -310,24 +319,39 @@ def _dcp_keys(sources: list[Source]) -> tuple[Callable[[str], str], dict[str, tu
 class Folder:
     """The merge as a model folder: the weights, written by every worker, each its share of the
     tensors by bytes, with the merge's record (its inputs and the files carried; its provenance
-    beside them); then the newest Hugging Face input's other files (``carried``, see ``_carry``),
-    by the first worker."""
+    beside them, with each carried file's SHA-256, ``digests``); then the newest Hugging Face input's
+    other files (``carried``, see ``_carry``; ``config``: its ``config.json`` as written), by the first
+    worker."""
 
     out: Path
-    carried: Carried | None
+    carried: Carried
+    config: bytes | None
+    entries: list[Entry]
     max_bytes: int
+
+    @classmethod
+    def of(cls, out: Path, carried: Carried, plan: list[Planned], specs: list[Spec], max_bytes: int) -> Folder:
+        """The model folder of the tensors ``plan`` and ``specs``, its ``config.json`` made (declaring the
+        dtype of most of their elements, untied embeddings where the merge unties them) before anything
+        is written: a config that cannot be read is a refusal, and its digest goes into the provenance."""
+        entries = [Entry(n, spec.dtype, spec.shape) for planned, spec in zip(plan, specs) for n in planned.names]
+        dtype = files_dtype((e.dtype, math.prod(e.shape)) for e in entries)
+        untied = any(planned.untied for planned in plan)
+        config = configured(carried[CONFIG], dtype, untied) if CONFIG in carried else None
+        return cls(out, carried, config, entries, max_bytes)
+
+    def digests(self) -> dict[str, str]:
+        """``{name: SHA-256}`` of each file this merge carries, as it writes it (``DIGESTS``)."""
+        found = {name: _digest_of(real).hex() for name, real in self.carried.items() if name != CONFIG}
+        return found | ({CONFIG: hashlib.sha256(self.config).hexdigest()} if self.config is not None else {})
 
     def write(
         self, merging: Merging, mine: list[Work], made: dict | None, workers: Workers, progress: Progress
     ) -> Path:
         target = out_path(self.out, "merge")
         before = carried_before(target) if target.is_dir() else set()
-        carried = self.carried or {}
-        plan = merging.plan
-        entries = [
-            Entry(n, spec.dtype, spec.shape) for planned, spec in zip(plan, merging.specs) for n in planned.names
-        ]
-        weights = WeightPlan(entries, self.max_bytes, _record(merging.sources, merging.shares, sorted(carried), made))
+        record = _record(merging.sources, merging.shares, sorted(self.carried), made)
+        weights = WeightPlan(self.entries, self.max_bytes, record)
 
         def write(slots: Slots) -> Exception | None:
             try:
@@ -341,11 +365,8 @@ class Folder:
                 slots.close()
             return None
 
-        untied = any(planned.untied for planned in plan)
-        dtype = files_dtype((e.dtype, math.prod(e.shape)) for e in entries)
-
         def finish() -> None:
-            _carry(carried, before, target, dtype, untied)
+            _carry(self.carried, self.config, before, target)
 
         return write_spread(target, weights, write, f"writing the merge to {self.out}", workers, finish)
 
@@ -394,28 +415,91 @@ def _check_out(out: str | os.PathLike, inputs: list[Path], output: Output) -> No
     could replace), nor inside any checkpoint; new, empty, or holding nothing but an earlier
     merge (or export) of shardavg's in the same format, which it replaces."""
     weights = check_out(out, "merge", inputs, replaces_checkpoint=output != "safetensors")  # (all shardavg's)
+    _check_not_a_trainer_step(Path(out))
     if output == "dcp":  # (replaced whole, by a staged folder swapped into place)
         dcp_checkpoint.check_replaceable(target_path(out, "merge", replaced_whole=True))
     if output == "safetensors" and Path(out).is_dir():
         own = set(weights) | carried_before(Path(out))
         others = sorted(p.name for p in Path(out).iterdir() if p.name not in own | {*HF_CONFIGS, LOCK_FILE, PROVENANCE})
         if others:
+            claimed = sorted(set(others) & _claimed(Path(out)))
+            why = (
+                f"; the record of its weights names {', '.join(claimed[:8])} among the files a merge carried, but "
+                f"not with the content that merge wrote (its SHA-256 in {PROVENANCE}), and a merge removes only "
+                "what it can prove it wrote: move them, or"
+                if claimed
+                else ":"
+            )
             raise CheckpointError(
                 f"OUT {out} holds files a merge did not write ({', '.join(others[:8])}"
-                f"{f', ... {len(others) - 8} more' if len(others) > 8 else ''}): name a new or empty folder"
+                f"{f', ... {len(others) - 8} more' if len(others) > 8 else ''}){why} name a new or empty folder"
+            )
+
+
+def _check_not_a_trainer_step(out: Path) -> None:
+    """Refuse an OUT that torchtitan would take for a step of its run: a folder whose name holds
+    ``step-N`` (what torchtitan looks for, anywhere in the name) beside others that hold a DCP
+    checkpoint with its training state (``train_state``, ``dataloader``: read from the newest
+    ``STEPS_PROBED``'s ``.metadata``). Its next restart would resume from the merge, the newest
+    step, and fail on the training state a merge does not hold."""
+    folder = out.absolute().parent
+    if not TRAINER_STEP.search(out.name) or not folder.is_dir():
+        return
+    steps = {p: TRAINER_STEP.search(p.name) for p in folder.iterdir() if p.name != out.name}
+    found = sorted(
+        ((int(match.group(1)), p) for p, match in steps.items() if match and (p / DCP_METADATA).is_file()), reverse=True
+    )
+    for _, step in found[:STEPS_PROBED]:
+        try:
+            keys = [str(key) for key in read_dcp_metadata(step).state_dict_metadata]
+        except CheckpointError:
+            continue  # (not a checkpoint this can read: not a run's step)
+        if any(key.split(".")[0] in TRAINING_STATE for key in keys):
+            raise CheckpointError(
+                f"OUT {out} would be a step of the torchtitan run checkpointed in {folder} (beside {step.name}, which "
+                "holds its training state): its next restart would resume from the merge and fail on the training "
+                "state a merge does not hold. Merge into a folder of its own, and load it into a run whose checkpoint "
+                "folder holds no step yet with checkpoint.initial_load_path=OUT and "
+                "checkpoint.initial_load_model_only=true"
             )
 
 
 def carried_before(out: Path) -> set[str]:
-    """The files an earlier merge into ``out`` carried there, as its weights' record says: plain
-    names in OUT, never a weight file, nor the provenance (which earlier merges could carry from
-    an input). None where the record cannot be read."""
+    """The files an earlier merge into ``out`` carried there and that it can be proved to have
+    written: named by the record of its weights (``_claimed``) and holding what it wrote, the
+    SHA-256 its provenance recorded for each (``DIGESTS``). Only these may be replaced or removed:
+    a name a file in OUT claims proves nothing (weights copied from elsewhere, or crafted, could
+    name any file beside them), and shardavg 0.10 and earlier recorded no digest."""
+    try:
+        record = provenance_file.load(out / PROVENANCE)
+    except ProvenanceError:
+        return set()
+    digests = record.get(DIGESTS) if record is not None else None
+    if not isinstance(digests, dict):
+        return set()
+    return {
+        name for name in _claimed(out) if isinstance(digests.get(name), str) and _digest_in(out, name) == digests[name]
+    }
+
+
+def _claimed(out: Path) -> set[str]:
+    """The files the record of ``out``'s weights names as carried by the merge that wrote them:
+    plain names in OUT, never a weight file, nor the provenance; none where the record cannot be
+    read. A claim only: ``carried_before`` says which are proved."""
     try:
         record = weights_record(out)
     except (OSError, CheckpointError):
         return set()
     carried = record.carried if record is not None else ()
     return {name for name in carried if PLAIN_NAME.match(name) and not NOT_CARRIED.search(name) and name != PROVENANCE}
+
+
+def _digest_in(out: Path, name: str) -> str | None:
+    """The SHA-256 (hex) of the regular file ``name`` in ``out`` (never through a link), else None."""
+    try:
+        return _digest_of(out / name).hex()
+    except (OSError, CheckpointError):
+        return None
 
 
 @dataclass(frozen=True)
@@ -789,20 +873,21 @@ def _digest_of(file: Path) -> bytes:
         return hashlib.file_digest(handle, "sha256").digest()
 
 
-def _carry(carried: Carried, before: set[str], out: Path, dtype: torch.dtype | None, untied: bool) -> None:
+def _carry(carried: Carried, config: bytes | None, before: set[str], out: Path) -> None:
     """The newest Hugging Face input's other files (config, generation config, tokenizer, ...) into
-    ``out``, so that ``from_pretrained`` loads the merge as the model it is; ``config.json``
-    declaring the dtype written (and untied embeddings where the merge unties them). Each file
-    is copied a chunk at a time from the real file ``_carried`` found (a regular file, no link
-    followed now) and replaces the one an earlier merge there carried, atomically (never written
-    through a link); what an earlier merge carried and this one does not is removed (it belonged
-    to another model)."""
+    ``out``, so that ``from_pretrained`` loads the merge as the model it is; ``config.json`` as
+    ``Folder.of`` made it (declaring the dtype written). Each file is copied a chunk at a time from
+    the real file ``_carried`` found (a regular file, no link followed now) and replaces the one an
+    earlier merge there carried, atomically (never written through a link); what an earlier merge
+    carried and this one does not is removed (it belonged to another model): only files of
+    ``before``, those ``carried_before`` proved it wrote."""
     for name, real in carried.items():
-        if name == CONFIG:
-            write_config(real, out / name, dtype, untied)
+        if name == CONFIG and config is not None:
+            with atomic_file(out / name) as handle:
+                handle.write(config)
             continue
         with os.fdopen(open_regular(real), "rb") as source, atomic_file(out / name) as handle:
-            shutil.copyfileobj(source, handle, COPY_BYTES)
+            shutil.copyfileobj(source, handle, dcp_checkpoint.COPY_BYTES)
     for stale in before - set(carried):
         (out / stale).unlink(missing_ok=True)
 

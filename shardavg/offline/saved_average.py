@@ -16,21 +16,23 @@ import math
 import os
 import pickle
 import re
-import stat
 import warnings
 from collections import Counter
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 import torch
 
 from ..base.dtypes import dtype_name
 from ..base.errors import CheckpointError
+from ..base.links import own_file
 from ..base.progress import Progress
+from ..base.untrusted import check_pickle
 from ..base.validate import is_count
 from ..checkpoints.format import DCP_METADATA, MANIFEST, MANIFEST_LIMIT, STEP_DIR, decode_description
 from ..checkpoints.reading import open_checkpoint
+from ..checkpoints.storage import read_bounded
 from ..layouts.parts import Box, Part, tiles, within
 from ..output.model_writer import write_model
 from ..output.provenance import made_by, of_input, shown
@@ -62,7 +64,7 @@ class _MetadataUnpickler(pickle.Unpickler):
     """Builds DCP's metadata classes (and the save plans Megatron-Core stores with them), torch dtypes
     and sizes; refuses every other global."""
 
-    def __init__(self, file: io.BufferedReader, where: str) -> None:
+    def __init__(self, file: IO[bytes], where: str) -> None:
         super().__init__(file)
         self.where = where
 
@@ -89,7 +91,7 @@ class SavedAverage:
             raise CheckpointError("the checkpoint path is empty: name a checkpoint directory")
         path = Path(path)
         self._opened = None
-        if _regular(path / DCP_METADATA):
+        if os.path.lexists(path / DCP_METADATA):  # (a link too: ``read_dcp_metadata`` says where it may lead)
             self._open_dcp(path, key)
         elif not path.exists() or (path / MANIFEST).is_file() or any(STEP_DIR.match(p.name) for p in path.iterdir()):
             self._opened = open_checkpoint(path, every_file=True)  # one save, whatever is saved there meanwhile
@@ -321,6 +323,7 @@ class DcpFolder:
     def __init__(self, path: Path) -> None:
         self.path = path
         self.metadata = read_dcp_metadata(path)
+        self._files: dict[str, tuple[Path, int]] = {}  # its files found so far (see ``_dcp_item_location``)
 
     def tensors(self, prefix: str) -> dict[str, Any]:
         """The tensor entries whose key starts with ``prefix``: ``{key: TensorStorageMetadata}``."""
@@ -338,7 +341,7 @@ class DcpFolder:
         info = self.metadata.storage_data.get(MetadataIndex(fqn, offset))
         if info is None:
             raise CheckpointError(f"{self.path}: no stored data for {fqn} at {offset}")
-        file, start, length = _dcp_item_location(self.path, fqn, info)
+        file, start, length = _dcp_item_location(self.path, fqn, info, self._files)
         if length > limit:
             raise CheckpointError(f"{file}: {fqn} claims {length} bytes (at most {limit} expected)")
         return file, start, length
@@ -360,22 +363,54 @@ class DcpFolder:
         self, fqn: str, shape: tuple[int, ...], dtype: torch.dtype
     ) -> list[tuple[tuple[int, ...], tuple[int, ...], Callable[[], torch.Tensor]]]:
         """``(offsets, sizes, load)`` of each non-empty chunk of the tensor ``fqn``, stored in ``shape``:
-        each chunk checked to be a box of it whose data lies in the folder; ``load()`` reads it."""
+        the chunk table checked whole first (``_table``), then each chunk's data found in the folder;
+        ``load()`` reads it."""
         stored = self.metadata.state_dict_metadata.get(fqn)
         chunks = getattr(stored, "chunks", None)
         if not isinstance(chunks, list):
             raise CheckpointError(f"{self.path} lacks {fqn}")
         found = []
-        for chunk in chunks:
-            offsets, sizes = _box(getattr(chunk, "offsets", None), getattr(chunk, "sizes", None), shape)
-            if offsets is None:
-                raise CheckpointError(f"{self.path}: {fqn} has a chunk {chunk!r}, not a box of {list(shape)}")
-            if not math.prod(sizes):
-                continue
+        for offsets, sizes in self._table(fqn, chunks, shape):
             limit = math.prod(sizes) * dtype.itemsize + 2**16  # the tensor's bytes and torch.save's framing
             self.location(fqn, offsets, limit)
             found.append((offsets, sizes, functools.partial(self._chunk, fqn, offsets, sizes, dtype, limit)))
         return found
+
+    def _table(self, fqn: str, chunks: list[Any], shape: tuple[int, ...]) -> list[Box]:
+        """The non-empty boxes of the chunk table ``chunks`` of the tensor ``fqn``, stored in ``shape``,
+        checked before any chunk is looked for: each chunk a box of the tensor at offsets of its own
+        (DCP stores a chunk under its tensor and offsets, so two at the same offsets cannot both be
+        stored), the non-empty ones tiling it. Their number is bounded first, in O(1), by the places a
+        box can start in ``shape`` and by the items the checkpoint stores (one per chunk): a table
+        listing one box millions of times is refused at once, before any loop over it."""
+        where = self.path / DCP_METADATA
+        places, items = math.prod(size + 1 for size in shape), len(self.metadata.storage_data)
+        if len(chunks) > min(places, items):
+            held = (
+                f"its shape {list(shape)} has only {places} offsets to start one at"
+                if places <= items
+                else f"the checkpoint stores only {items} items, one per chunk"
+            )
+            raise CheckpointError(
+                f"{where}: {fqn!r} lists {len(chunks)} chunks, but {held}: a chunk table that repeats a box cannot "
+                "tile its tensor (damaged or crafted); refused, nothing read"
+            )
+        boxes, seen = [], set()
+        for chunk in chunks:
+            offsets, sizes = _box(getattr(chunk, "offsets", None), getattr(chunk, "sizes", None), shape)
+            if offsets is None:
+                raise CheckpointError(f"{where}: {fqn} has a chunk {chunk!r}, not a box of {list(shape)}")
+            if offsets in seen:
+                raise CheckpointError(
+                    f"{where}: {fqn!r} lists two chunks at offsets {list(offsets)}: a chunk table that repeats a box "
+                    "cannot tile its tensor (damaged or crafted); refused, nothing read"
+                )
+            seen.add(offsets)
+            if math.prod(sizes):
+                boxes.append((offsets, sizes))
+        if not tiles(shape, boxes):
+            raise CheckpointError(f"{where}: the chunks of {fqn!r} {boxes[:8]} do not tile its shape {list(shape)}")
+        return boxes
 
     def read(self, fqn: str, rows: Rows = None) -> torch.Tensor:
         """The whole tensor ``fqn`` in its stored shape and dtype, or only its ``rows`` (only the
@@ -383,8 +418,6 @@ class DcpFolder:
         stored = self.metadata.state_dict_metadata[fqn]
         shape, dtype = tuple(stored.size), stored.properties.dtype
         chunks = self.boxes(fqn, shape, dtype)
-        if not tiles(shape, [(offsets, sizes) for offsets, sizes, _ in chunks]):
-            raise CheckpointError(f"{self.path}: the chunks of {fqn!r} do not tile its shape {list(shape)}")
         out = torch.empty(rows_shape(shape, rows), dtype=dtype)
         for offsets, sizes, load in chunks:
             _fill_box(load, (offsets, sizes), out, rows[0] if rows else 0)
@@ -455,16 +488,20 @@ def _box(offsets: Any, sizes: Any, shape: tuple[int, ...]) -> tuple[Any, Any]:
 def read_dcp_metadata(path: str | os.PathLike) -> Any:
     """The ``.metadata`` of the DCP checkpoint at ``path``, unpickled with an unpickler that builds
     nothing but DCP's metadata classes and torch's save plans, which Megatron-Core stores there
-    (``dcp.load`` would unpickle anything in it)."""
+    (``dcp.load`` would unpickle anything in it), after its size, nesting and the objects it would
+    build are bounded (``check_pickle``: a key nested 200,000 tuples deep kills the unpickler)."""
     where = Path(path) / DCP_METADATA
-    if not _regular(where):
-        raise CheckpointError(f"{where} is missing or not a regular file: not a DCP checkpoint")
-    size = where.stat().st_size
-    if size > MANIFEST_LIMIT:  # (a crafted one would be read whole before the unpickler refuses it)
-        raise CheckpointError(f"{where} is {size} bytes, more than DCP metadata may hold here ({MANIFEST_LIMIT} bytes)")
+    real = own_file(where, Path(path), "not a DCP checkpoint")
+
+    def too_large(size: int) -> CheckpointError:  # (a crafted one is refused before it is read)
+        return CheckpointError(
+            f"{where} is {size} bytes, more than DCP metadata may hold here ({MANIFEST_LIMIT} bytes)"
+        )
+
+    raw = read_bounded(real, MANIFEST_LIMIT, too_large, where=where)
     try:
-        with open(where, "rb") as handle:
-            metadata = _MetadataUnpickler(handle, str(where)).load()
+        check_pickle(raw, where)  # (its nesting and objects counted first: a tuple 200,000 deep kills unpickling)
+        metadata = _MetadataUnpickler(io.BytesIO(raw), str(where)).load()
     except CheckpointError:
         raise
     except Exception as error:  # a truncated or garbage pickle fails in many ways
@@ -501,30 +538,28 @@ def check_dcp(path: str | os.PathLike) -> Any:
 
 def check_dcp_items(path: Path, metadata: Any) -> None:
     """Every item the DCP ``metadata`` of ``path`` lists in place (see ``check_dcp``)."""
+    files: dict[str, tuple[Path, int]] = {}
     for index, info in metadata.storage_data.items():
-        _dcp_item_location(path, getattr(index, "fqn", index), info)
+        _dcp_item_location(path, getattr(index, "fqn", index), info, files)
 
 
-def _dcp_item_location(path: Path, fqn: Any, info: Any) -> tuple[Path, int, int]:
-    """``(file, offset, length)`` of an item DCP stored, checked to lie in a regular file of ``path``."""
+def _dcp_item_location(path: Path, fqn: Any, info: Any, files: dict[str, tuple[Path, int]]) -> tuple[Path, int, int]:
+    """``(file, offset, length)`` of an item DCP stored, checked to lie in a regular file of ``path``
+    (``own_file``: a link out of it refused), ``file`` its real path. ``files``: ``{name: (real path,
+    size)}`` of the files found so far, each checked once (a checkpoint of 20,000 items in a few files
+    would otherwise follow every link 20,000 times)."""
     if getattr(info, "transform_descriptors", None):
         raise CheckpointError(f"{path}: {fqn} is stored with transforms {info.transform_descriptors}, unsupported")
     name, start, length = (getattr(info, key, None) for key in ("relative_path", "offset", "length"))
     if not (isinstance(name, str) and PLAIN_NAME.match(name) and is_count(start) and is_count(length)):
         raise CheckpointError(f"{path}: {fqn} is stored at {name!r} [{start!r}, +{length!r}), refused")
     file = path / name
-    if not _regular(file):
-        raise CheckpointError(f"{file} is missing or not a regular file: refused")
-    size = file.stat().st_size
+    if name not in files:
+        real = own_file(file, path, "refused")
+        files[name] = real, real.stat().st_size
+    real, size = files[name]
     if start + length > size:
         raise CheckpointError(
             f"{file}: {fqn} claims bytes {start}..{start + length} of a {size}-byte file (truncated?)"
         )
-    return file, start, length
-
-
-def _regular(path: Path) -> bool:
-    try:
-        return stat.S_ISREG(os.lstat(path).st_mode)
-    except OSError:
-        return False
+    return real, start, length

@@ -18,9 +18,8 @@ refused in one line naming the command that converts it (Lightning's ``.ckpt``, 
 
 from __future__ import annotations
 
-import json
 import math
-import re
+import os
 from abc import ABC, abstractmethod
 from collections import Counter
 from dataclasses import dataclass
@@ -30,6 +29,8 @@ from typing import Any
 import torch
 
 from ..base.errors import CheckpointError
+from ..base.links import confined, own_file
+from ..base.untrusted import parse_json
 from ..base.validate import is_count
 from ..checkpoints.format import DCP_METADATA, MANIFEST, STEP_DIR, STEP_NAME, WEIGHTS_FILE
 from ..checkpoints.storage import SafetensorsFile
@@ -51,7 +52,6 @@ NOT_MODEL_KEYS = frozenset({
 RUN_FOLDERS = ("checkpoints", "checkpoint")  # the main job's; torchtitan's
 STATE_DICT = "['state_dict']"  # where a Lightning checkpoint keeps the model
 ACCELERATE_FILES = ("random_states_0.pkl", "optimizer.bin", "scheduler.bin")  # beside its model
-HUB_REPOSITORY = re.compile(r"^(models|datasets|spaces)--.")  # the Hugging Face cache's folder of one repository
 
 
 @dataclass(frozen=True)
@@ -268,7 +268,7 @@ class SafetensorsSource(Source):
 
     def _step(self) -> int | None:
         """The step a shardavg export recorded in its weights' record, else the folder's name's."""
-        record = FolderRecord.from_metadata(self.files[0].metadata) if self.files else None
+        record = FolderRecord.from_metadata(self.files[0].metadata, where=self.files[0].where) if self.files else None
         step = record.step if record is not None else None
         return step if step is not None else _step_of(self.path if self.path.is_dir() else self.path.parent)
 
@@ -286,19 +286,33 @@ class SafetensorsSource(Source):
 
 class UniversalSource(Source):
     """The fp32 masters of a DeepSpeed universal checkpoint (``deepspeed_folders``), one
-    ``zero/<name>/fp32.pt`` per parameter, memory-mapped; its optimizer moments and pickled
-    model states are left out unread."""
+    ``zero/<name>/fp32.pt`` per parameter, memory-mapped, and at ZeRO-3 the buffers and frozen
+    parameters its model states hold (``universal_states``: ``ds_to_universal`` writes them into
+    ``zero/`` only at ZeRO-1/2); its optimizer moments (and at ZeRO-1/2 its pickled model states)
+    are left out unread."""
 
     def __init__(self, path: Path) -> None:
         self.path, self.step = path, _step_of(path)
         self.files, self.left_out = deepspeed_folders.universal_masters(path)
-        self.shapes = deepspeed_folders.universal_shapes(path)
+        self.states = deepspeed_folders.universal_states(path)
+        if self.states is None:  # (ZeRO-1/2: its model states' tensors are in ``zero/``)
+            unread = len(deepspeed_folders.state_files(path))
+            self.left_out |= {"model states": unread} if unread else {}
+            self.shapes, kept = {}, {}
+        else:
+            self.shapes = {str(k): tuple(v) for group in self.states.param_groups() for k, v in group.items()}
+            kept = self.states.specs
         self.specs = {}
         for name, file in self.files.items():
             master = deepspeed_folders.load_master(path, name, file, self.shapes)
             self.specs[name] = Spec(master.dtype, tuple(master.shape))
+        for name, (dtype, shape) in kept.items():
+            self.specs.setdefault(name, Spec(dtype, shape))  # (a tensor of its own in ``zero/`` is read there)
 
     def read(self, name: str, rows: Rows = None) -> torch.Tensor:
+        if name not in self.files:  # (a buffer or frozen parameter: read whole, as a raw tag's are)
+            whole = self.states.read(name)  # type: ignore[union-attr]
+            return whole if rows is None else whole[rows[0] : rows[1]].clone()
         master, spec = deepspeed_folders.load_master(self.path, name, self.files[name], self.shapes), self.specs[name]
         if master.dtype != spec.dtype or tuple(master.shape) != spec.shape:
             raise CheckpointError(
@@ -332,30 +346,6 @@ def _real(file: Path, given: Path) -> Path:
     return confined(file, given if given.is_dir() else given.parent)
 
 
-def confined(file: Path, folder: Path) -> Path:
-    """The real path of ``file``, a file of the model folder ``folder``, every link followed; refused
-    unless it lies within the folder or, for a snapshot of the Hugging Face cache
-    (``models--ORG--NAME/snapshots/REV/``, or a folder within one), its repository's ``blobs/``.
-    A link elsewhere (``tokenizer.json -> /etc/passwd``) would carry another file into the merge,
-    a folder its user publishes."""
-    try:
-        real, home = file.resolve(strict=True), folder.resolve(strict=True)
-    except (OSError, RuntimeError) as error:  # (a missing target, a loop of links)
-        raise CheckpointError(f"cannot follow the links of {file}: {error}") from None
-    trees = [home]
-    for revision in (home, *home.parents):
-        if revision.parent.name == "snapshots" and HUB_REPOSITORY.match(revision.parent.parent.name):
-            trees.append(revision.parent.parent / "blobs")
-            break
-    if not any(real.is_relative_to(tree) for tree in trees):
-        within = f"{folder}" + (f" or {trees[1]}" if len(trees) > 1 else "")
-        raise CheckpointError(
-            f"{file} links to {real}, outside {within}: a merge reads and carries only its inputs' own files; "
-            "copy the file into the folder if it belongs to the model"
-        )
-    return real
-
-
 def _model_dir_of(file: Path) -> Path | None:
     """The model folder a safetensors file named alone belongs to: its folder, where that folder
     holds a ``config.json`` and this file is its weights (a file among others is alone)."""
@@ -369,17 +359,25 @@ def _model_dir_of(file: Path) -> Path | None:
 def _ties_embeddings(folder: Path) -> bool:
     """Whether the model's ``config.json`` ties its output embedding to its input embedding
     (Transformers' default when the config leaves it out); False where the folder has no config."""
-    try:
-        config = json.loads((folder / "config.json").read_text())
-    except (OSError, UnicodeDecodeError, ValueError):
-        return False
+    config = _json_beside(folder, "config.json")
     return isinstance(config, dict) and config.get("tie_word_embeddings", True) is not False
+
+
+def _json_beside(folder: Path, name: str) -> Any:
+    """The JSON file ``name`` of the input ``folder``, or None where it is missing or not JSON; a
+    link out of the folder is refused (``own_file``), never read."""
+    if not os.path.lexists(folder / name):
+        return None
+    try:
+        return parse_json(own_file(folder / name, folder, "refused").read_text(), folder / name)
+    except (OSError, UnicodeDecodeError, ValueError):
+        return None
 
 
 def _index(index: Path) -> tuple[dict[str, Path], Any]:
     """A Hugging Face index's ``weight_map``, every file a plain name in the index's folder, and its ``metadata``."""
     try:
-        content = json.loads(index.read_text())
+        content = parse_json(index.read_text(), index)
         weight_map, metadata = content.get("weight_map"), content.get("metadata")
     except (OSError, UnicodeDecodeError, ValueError, AttributeError) as error:
         raise CheckpointError(f"cannot read {index}: {error}") from None
@@ -404,10 +402,8 @@ def _step_of(folder: Path) -> int | None:
     tag = deepspeed_folders.TAG.match(folder.name)  # (``global_step100_universal``)
     if tag:
         return int(tag.group(1))
-    try:
-        return _a_step(json.loads((folder / RUN_MARKER).read_text()).get("step"))
-    except (OSError, UnicodeDecodeError, ValueError, AttributeError):
-        return None
+    marker = _json_beside(folder, RUN_MARKER)
+    return _a_step(marker.get("step")) if isinstance(marker, dict) else None
 
 
 def _a_step(value: object) -> int | None:
@@ -504,14 +500,24 @@ def finished_checkpoints(run: str | Path) -> list[tuple[int, Path]]:
     ``global_stepN`` tags (``megatron.finished_iterations``, ``deepspeed_folders.finished_tags``).
     A folder a save is still writing (a hidden staging folder, a main-job folder without its
     ``train.json``, a DCP folder without ``.metadata``, an iteration or tag newer than the one
-    the run's tracker file names) is left out."""
+    the run's tracker file names) is left out. The run folder may be a link (the user named it), and
+    so may a checkpoint folder in it while it stays within the folder that lists it (``confined``):
+    one that leads elsewhere is another run's, refused by name."""
     run = Path(run)
     if not run.is_dir():
         raise CheckpointError(f"{run} is not a folder of checkpoints")
     found = megatron.finished_iterations(run)
     found = deepspeed_folders.finished_tags(run) if found is None else found
-    if found is not None:
-        return found
+    found = _run_folders(run) if found is None else found
+    for _, folder in found:
+        if folder.is_symlink():  # (a folder itself lies within the folder listing it)
+            confined(folder, folder.parent)
+    return found
+
+
+def _run_folders(run: Path) -> list[tuple[int, Path]]:
+    """``(step, folder)`` of a main-job, torchtitan or Trainer run folder's finished checkpoints (see
+    ``finished_checkpoints``)."""
     if not any(STEP_NAME.match(p.name) for p in run.iterdir()):
         run = next((run / name for name in RUN_FOLDERS if (run / name).is_dir()), run)
     steps = {folder: STEP_NAME.match(folder.name) for folder in run.iterdir() if folder.is_dir()}

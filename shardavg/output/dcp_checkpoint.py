@@ -27,6 +27,7 @@ from __future__ import annotations
 import contextlib
 import io
 import json
+import os
 import re
 import secrets
 import shutil
@@ -34,22 +35,40 @@ import stat
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import torch
 
 from ..base.errors import CheckpointError, ProvenanceError
 from ..checkpoints.format import DCP_METADATA
 from ..checkpoints.ownership import LOCK_FILE, STAGING_MARKER, TargetLock, entries_of, target_path, temporary_of
-from ..checkpoints.storage import atomic_file, commit_directory, read_bounded, replaced_path, staging_path
+from ..checkpoints.storage import (
+    atomic_file,
+    commit_directory,
+    open_regular,
+    read_bounded,
+    replaced_path,
+    staging_path,
+)
 from .provenance import FILE as PROVENANCE
 from .provenance import load as load_provenance
 
 Rows = tuple[int, int] | None  # rows [start, stop) of a tensor; None: all of it
+COPY_BYTES = 2**20  # bytes an object or a carried file is copied by: none is ever held whole
 FORMAT = "dcp"  # what a merge's provenance says it wrote (``"output"``), making the folder shardavg's
 # what a merge writes into its DCP folder: the metadata (DCP's temporary name too), the parts, the
 # files carried from a Megatron input, the record
 OWN_FILE = re.compile(r"^(\.metadata(\.tmp)?|__\d+_[0-9a-f]+\.distcp|metadata\.json|common\.pt|provenance\.json)$")
+
+
+@dataclass(frozen=True)
+class StoredBytes:
+    """Where an input's item lies: ``length`` bytes of the regular ``file`` from ``start``, checked by
+    its reader (``DcpFolder.location``); copied from there a piece at a time (``write_part``)."""
+
+    file: Path
+    start: int
+    length: int
 
 
 @dataclass(frozen=True)
@@ -76,14 +95,16 @@ def write_part(
     folder: Path,
     rank: int,
     chunks: Iterable[tuple[str, Rows, torch.Tensor]],
-    objects: Iterable[tuple[str, bytes]] = (),
+    objects: Iterable[tuple[str, StoredBytes]] = (),
     merge: str = "0",
 ) -> list[Written]:
     """Write this worker's ``chunks`` (``(key, rows or None, tensor)``: a whole tensor, or its rows
     ``[start, stop)``) into its file of ``folder``, one after another as DCP stores items, then
-    ``objects`` (``(key, bytes)``: an input's pickled object, such as Megatron's ``*._extra_state``,
-    copied as it was stored, never unpickled); the file appears, complete and synced, only when all
-    are written, named by ``part_name(rank, merge)``. Returns where each lies."""
+    ``objects`` (``(key, where its bytes lie)``: an input's pickled object, such as Megatron's
+    ``*._extra_state``, copied as it was stored, ``COPY_BYTES`` at a time: never unpickled, nor
+    held whole, so memory does not grow with the objects' number or size); the file appears,
+    complete and synced, only when all are written, named by ``part_name(rank, merge)``.
+    Returns where each lies."""
     name, written, start = part_name(rank, merge), [], 0
     with atomic_file(folder / name) as handle:
         for key, rows, tensor in chunks:
@@ -95,11 +116,25 @@ def write_part(
             written.append(Written(key, offsets, tuple(tensor.shape), name, start, len(data)))
             start += len(data)
             del tensor, data, buffer  # (before the next chunk is merged)
-        for key, data in objects:
-            handle.write(data)
-            written.append(Written(key, None, None, name, start, len(data)))
-            start += len(data)
+        for key, stored in objects:
+            _copy_stored(stored, handle)
+            written.append(Written(key, None, None, name, start, stored.length))
+            start += stored.length
     return written
+
+
+def _copy_stored(stored: StoredBytes, target: BinaryIO) -> None:
+    """Copy ``stored``'s bytes into ``target`` ``COPY_BYTES`` at a time (never through a link; a
+    file cut short meanwhile is refused by name)."""
+    with os.fdopen(open_regular(stored.file), "rb") as source:
+        source.seek(stored.start)
+        left = stored.length
+        while left:
+            piece = source.read(min(left, COPY_BYTES))
+            if not piece:
+                raise CheckpointError(f"{stored.file} ended before byte {stored.start + stored.length}: truncated?")
+            target.write(piece)
+            left -= len(piece)
 
 
 def commit(
@@ -161,12 +196,15 @@ def commit(
 
 def carry(folder: Path, files: Iterable[Path]) -> None:
     """Copy ``files`` (a trainer's own beside its DCP items: Megatron's ``metadata.json``,
-    ``common.pt``) into ``folder`` byte for byte, each appearing complete; nothing in them is read."""
+    ``common.pt``, each ``confined`` to its input by its reader) into ``folder`` byte for byte,
+    ``COPY_BYTES`` at a time, each appearing complete; nothing in them is parsed, and each must be
+    a regular file (a pipe would block the copy)."""
     for file in files:
         if file.name == DCP_METADATA or file.suffix == ".distcp":
             raise CheckpointError(f"{file} is the checkpoint's own DCP data: it is written, never carried")
-        with open(file, "rb") as source, atomic_file(folder / file.name) as target:
-            shutil.copyfileobj(source, target, 2**24)
+        with os.fdopen(open_regular(file, follow_links=True), "rb") as source:
+            with atomic_file(folder / file.name) as target:
+                shutil.copyfileobj(source, target, COPY_BYTES)
 
 
 def nesting_of(metadata: Any) -> dict[str, tuple]:

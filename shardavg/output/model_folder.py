@@ -24,6 +24,7 @@ import torch
 
 from ..base.dtypes import dtype_name
 from ..base.errors import CheckpointError
+from ..base.untrusted import parse_json
 from ..checkpoints.format import DCP_METADATA, MANIFEST, WEIGHTS_FILE, WEIGHTS_INDEX
 from ..checkpoints.storage import SafetensorsFile, atomic_file, safetensors_metadata
 from . import provenance
@@ -103,7 +104,7 @@ def folder_export_id(folder: Path, follow_links: bool = False) -> str | None:
         with SafetensorsFile.open(weights, follow_links=follow_links) as file:
             return check_one_export([(str(weights), file.metadata)])
     try:
-        index = json.loads(weights.read_text())
+        index = parse_json(weights.read_text(), weights)
         names = sorted(set(index["weight_map"].values()))
         metadata = index.get("metadata")
     except (OSError, ValueError, TypeError, KeyError, AttributeError) as error:
@@ -123,13 +124,13 @@ def weights_record(folder: Path) -> FolderRecord | None:
     index = folder / WEIGHTS_INDEX
     try:
         if index.is_file():
-            content = json.loads(index.read_text())
+            content = parse_json(index.read_text(), index)
             metadata = content.get("metadata") if isinstance(content, dict) else None
         else:
             metadata = safetensors_metadata(folder / WEIGHTS_FILE)
     except (OSError, ValueError) as error:  # (a CheckpointError too: a truncated header)
         raise CheckpointError(f"cannot read the record of {folder}'s weights: {error}") from None
-    return FolderRecord.from_metadata(metadata)
+    return FolderRecord.from_metadata(metadata, where=index if index.is_file() else folder / WEIGHTS_FILE)
 
 
 def read_record(folder: Path) -> FolderRecord | None:
@@ -195,7 +196,9 @@ def files_dtype(dtypes: Iterable[tuple[torch.dtype, int]]) -> torch.dtype | None
 def folder_dtype(folder: Path) -> torch.dtype | None:
     """The dtype of most floating elements in the weight files of the model folder ``folder``."""
     index = folder / WEIGHTS_INDEX
-    names = sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.is_file() else [WEIGHTS_FILE]
+    names = (
+        sorted(set(parse_json(index.read_text(), index)["weight_map"].values())) if index.is_file() else [WEIGHTS_FILE]
+    )
     found: list[tuple[torch.dtype, int]] = []
     for name in names:
         with SafetensorsFile.open(folder / name) as file:
@@ -225,18 +228,24 @@ def _dtype_key(version: Any) -> str:
     return "torch_dtype" if match and (int(match[1]), int(match[2])) < (4, 56) else "dtype"
 
 
-def write_config(source: Path, target: Path, dtype: torch.dtype | None, untied: bool = False) -> None:
-    """Copy the ``config.json`` at ``source`` to ``target`` atomically, declaring ``dtype``: the
-    bytes unchanged when it already does, else rewritten as Transformers writes it (2-space indent)."""
+def configured(source: Path, dtype: torch.dtype | None, untied: bool = False) -> bytes:
+    """The ``config.json`` at ``source`` declaring ``dtype``: its bytes unchanged when it already
+    does, else rewritten as Transformers writes it (2-space indent). Made before it is written, so
+    that a merge can record what it writes (its digest) beside the weights written first."""
     raw = source.read_bytes()
     try:
-        config = json.loads(raw)
+        config = parse_json(raw, source)
     except ValueError as error:
         raise CheckpointError(f"{source} is not JSON: {error}") from None
     if not isinstance(config, dict):
         raise CheckpointError(f"{source} is not a model config (a JSON object)")
     wanted = declared(config, dtype, untied)
-    text = raw if wanted == config else (json.dumps(wanted, indent=2) + "\n").encode()
+    return raw if wanted == config else (json.dumps(wanted, indent=2) + "\n").encode()
+
+
+def write_config(source: Path, target: Path, dtype: torch.dtype | None, untied: bool = False) -> None:
+    """Copy the ``config.json`` at ``source`` to ``target`` atomically, declaring ``dtype`` (``configured``)."""
+    text = configured(source, dtype, untied)
     with atomic_file(target) as handle:
         handle.write(text)
 

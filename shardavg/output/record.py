@@ -19,10 +19,13 @@ synthesis's ``{"posthoc": {"sigma_rel", "step"}}``, a merge's ``{"merge": [input
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from ..base.errors import CheckpointError
+from ..base.untrusted import parse_json
 from ..base.validate import is_count
 from ..state.description import Description
 from .provenance import FILE as PROVENANCE
@@ -120,14 +123,20 @@ class FolderRecord:
         return {} if self.provenance is None else {PROVENANCE: json.dumps(self.provenance, indent=1).encode()}
 
     @classmethod
-    def from_metadata(cls, metadata: Any, provenance: dict[str, Any] | None = None) -> FolderRecord | None:
+    def from_metadata(
+        cls, metadata: Any, provenance: dict[str, Any] | None = None, where: str | os.PathLike = "a weight file"
+    ) -> FolderRecord | None:
         """The record in a weight file's ``__metadata__`` (or a split model's index's ``"metadata"``),
         with ``provenance`` read from beside the weights; None where it holds none (weights not
-        shardavg's). What cannot be read is unknown: a record older than a field, or damaged."""
+        shardavg's). What cannot be read is unknown: a record older than a field, or damaged. A
+        record nested deeper than ``JSON_DEPTH`` is refused instead (a ``CheckpointError`` naming
+        ``where``, the file it came from), never parsed into a ``RecursionError``."""
         if not isinstance(metadata, Mapping) or OWNER not in metadata:
             return None
         try:
-            content = json.loads(metadata[OWNER])
+            content = parse_json(metadata[OWNER], f"the shardavg record in {where}")
+        except CheckpointError:
+            raise
         except (TypeError, ValueError):
             content = None
         content = content if isinstance(content, dict) else {}

@@ -5,6 +5,14 @@ ZeRO-3 flattens a parameter, pads it to a multiple of the partition count and gi
 the parameter's process group. The local view is the real (unpadded) head of ``ds_tensor``:
 the padding is uninitialised memory. Works for a
 ``DeepSpeedEngine`` and for a module partitioned by ``deepspeed.zero.Init``.
+
+Offload to the CPU changes where the partitions live, not what they are: with
+``offload_param.device = "cpu"`` each ``ds_tensor`` is a slice of a flat CPU buffer that the
+optimizer writes after each step; with ``offload_optimizer.device = "cpu"`` the fp32 masters are
+CPU tensors the optimizer steps in place. Both are averaged exactly, from either source. NVMe
+offload is refused: NVMe partitions (``offload_param``) or masters (``offload_optimizer``, read by
+``source="master"``) are in memory only while DeepSpeed uses them, so there is nothing there for
+a shard-local, in-place update to read.
 """
 
 from __future__ import annotations
@@ -21,6 +29,41 @@ from ..layouts.tensor_layout import FlatLayout
 from .base import ModuleStrategy, TensorInfo, group_grid, grouped_by_identity, is_deepspeed_engine, unwrap
 
 _DS_TENSOR = operator.attrgetter("ds_tensor")
+_NVME = "nvme"  # DeepSpeed's OffloadDeviceEnum.nvme, a str enum: equal to its value
+_NVME_PARAMS = (
+    "keeps ZeRO-3 parameter partitions on NVMe and reads each into memory only while DeepSpeed uses it, so this "
+    "rank's partition is not there for update() to average in place (nor for swapped() to write). Offload the "
+    'parameters to the CPU instead ("offload_param": {"device": "cpu"}, or zero.Init(remote_device="cpu")), '
+    "which shardavg averages exactly, or keep them on the accelerator"
+)
+
+
+def _refuse_nvme(engine: nn.Module, master: bool) -> None:
+    """Refuse what an engine's config puts on NVMe, before any partition is read.
+
+    Read from the config, not from each partition: with ``offload_param`` on NVMe DeepSpeed keeps
+    the partitions that fit in ``max_in_cpu`` in CPU memory and the rest on NVMe, so some
+    parameters would look averageable and others not.
+
+    Args:
+        engine: A ZeRO-3 ``DeepSpeedEngine``.
+        master: Whether the fp32 masters are to be read (``source="master"``).
+
+    Raises:
+        StrategyError: ``offload_param`` on NVMe; ``offload_optimizer`` on NVMe with ``master``.
+    """
+    if getattr(engine.zero_offload_param(), "device", None) == _NVME:
+        raise StrategyError(
+            f'DeepSpeed\'s "zero_optimization": {{"offload_param": {{"device": "nvme"}}}} {_NVME_PARAMS}'
+        )
+    if master and getattr(engine.zero_offload_optimizer(), "device", None) == _NVME:
+        raise StrategyError(
+            'source=\'master\' reads the fp32 masters, which DeepSpeed\'s "zero_optimization": {"offload_optimizer": '
+            '{"device": "nvme"}} keeps on NVMe except while the optimizer steps: there is nothing in memory to '
+            "average. Use source='live' (the default: it averages the parameter partitions, which stay in "
+            'memory), or offload the optimizer to the CPU ("offload_optimizer": {"device": "cpu"}), whose masters '
+            "are averaged exactly"
+        )
 
 
 def _partition_info(names: list[str], param: torch.Tensor, master: bool) -> TensorInfo:
@@ -30,9 +73,9 @@ def _partition_info(names: list[str], param: torch.Tensor, master: bool) -> Tens
         raise StrategyError(
             f"parameter {names[0]!r} has a ZeRO++ secondary partition (hpZ), which shardavg does not support"
         )
-    location = getattr(param.ds_tensor, "final_location", None)
-    if location is not None and "nvme" in str(location).lower():
-        raise StrategyError(f"parameter {names[0]!r} is offloaded to NVMe, which shardavg does not support")
+    # (DeepSpeed marks partitions moved into CPU memory for offload_param "not-nvme": on the CPU, averaged)
+    if getattr(param.ds_tensor, "final_location", None) == _NVME:  # e.g. zero.Init(remote_device="nvme")
+        raise StrategyError(f"parameter {names[0]!r} is on NVMe: offload to NVMe {_NVME_PARAMS}")
     partition = param.ds_tensor.numel()
     start = min(dist.get_rank(group=param.ds_process_group) * partition, param.ds_numel)
     grid = group_grid(param.ds_process_group)
@@ -54,12 +97,14 @@ class Zero3(ModuleStrategy):
     Args:
         model: A ZeRO-3 ``DeepSpeedEngine``, or a module partitioned by ``deepspeed.zero.Init``.
         master: Read trained parameters from the optimizer's fp32 master partitions
-            (``safe_get_local_fp32_param``), so a bf16/fp16 run is averaged before rounding;
-            ``swapped()`` still writes the live partitions, which the forward reads. Frozen
-            parameters have no master and are read live. Default False.
+            (where ``safe_get_local_fp32_param`` reads them), so a bf16/fp16 run is averaged
+            before rounding; ``swapped()`` still writes the live partitions, which the forward
+            reads. Frozen parameters have no master and are read live. Default False.
 
     Raises:
-        StrategyError: ``master=True`` without a ZeRO-3 engine whose optimizer is built.
+        StrategyError: ``master=True`` without a ZeRO-3 engine whose optimizer is built; an
+            engine whose ``offload_param`` (or, with ``master=True``, ``offload_optimizer``) is
+            on NVMe; a parameter partition on NVMe.
     """
 
     name = "zero3"
@@ -76,7 +121,9 @@ class Zero3(ModuleStrategy):
                     "source='master' needs the DeepSpeedEngine of a ZeRO-3 run with its optimizer built (pass "
                     "the engine deepspeed.initialize returned); its fp32 master partitions are what is averaged"
                 )
-            self._flats = optimizer.fp32_partitioned_groups_flat
+            self._optimizer, self._flats = optimizer, optimizer.fp32_partitioned_groups_flat
+        if is_deepspeed_engine(model):
+            _refuse_nvme(model, master)
 
     @staticmethod
     def fits(model: nn.Module) -> bool:
@@ -104,14 +151,23 @@ class Zero3(ModuleStrategy):
             return self._live_views()
         key = [flat.data_ptr() for flat in self._flats]  # the masters stay put while these do
         if key != self._master_key:
-            from deepspeed.utils import safe_get_local_fp32_param
-
             self._masters = [
-                safe_get_local_fp32_param(p).detach().narrow(0, 0, n) if p.requires_grad else live
+                self._master_partition(p, n) if p.requires_grad else live
                 for p, n, live in zip(self._params, self._lengths, self._live_views())
             ]
             self._master_key = key
         return self._masters
+
+    def _master_partition(self, param: torch.Tensor, length: int) -> torch.Tensor:
+        """The real head of ``param``'s fp32 master partition: a view of the flat masters the
+        optimizer steps in place, wherever they live.
+
+        What ``safe_get_local_fp32_param`` reads, without its move to the accelerator: with
+        ``offload_optimizer`` on the CPU of a GPU run that move is a copy, which the next step
+        would leave stale.
+        """
+        group, offset, _ = self._optimizer.grad_position[self._optimizer.get_param_id(param)]
+        return self._flats[group].detach().narrow(0, offset, length)
 
     def swap_views(self) -> list[torch.Tensor]:
         """The live partitions (the forward reads them, also with ``master=True``), then the buffers.

@@ -21,7 +21,10 @@ Any other writer (``model.load_state_dict``, a hand-written update, an optimizer
 ``torch.optim.Optimizer``) must call ``avg.wait()`` first; what the updater can see of one that
 did not (a tensor's version counter moved while the thread read it) it reports through
 ``start``'s ``verify``. An error the thread met (a non-finite value under ``"raise"``, out of
-memory, such a write) is raised at the next call, naming the step it came from.
+memory, such a write) is raised at the next call, naming the step it came from; a warning it
+meant to give (an update skipped under ``"skip"``) is kept (``defer``) and given at that call, in
+the caller's thread: issued on its own thread it would land whenever the thread got there, past
+the ``warnings.catch_warnings`` block the loop had open, attributed to no line of the loop.
 
 An interrupt (Ctrl-C, or any exception a signal handler raises) that lands while a caller waits
 leaves the update recorded as in flight: the interrupt propagates at once, and the next call of
@@ -40,6 +43,7 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
+import warnings
 import weakref
 from collections.abc import Callable, Iterable
 
@@ -83,6 +87,7 @@ class Background:
         self._step = 0  # its step
         self._verify: Callable[[], None] | None = None  # its check at collection (CUDA), see ``start``
         self._failure: tuple[int, BaseException] | None = None
+        self._warnings: list[Warning] = []  # what the thread meant to warn, given at the next call (``defer``)
         self._streams: dict[torch.device, torch.cuda.Stream] = {}
         self._done: dict[torch.device, torch.cuda.Event] = {}
         self._forward_hooks: list = []
@@ -173,6 +178,23 @@ class Background:
         finally:
             landed.set()
 
+    def running_here(self) -> bool:
+        """Whether the caller runs on the thread of the update in flight.
+
+        Returns:
+            True on that thread, where a warning must be deferred (``defer``), not issued.
+        """
+        return threading.current_thread() is self._thread
+
+    def defer(self, warning: Warning) -> None:
+        """Keep ``warning``, met by the update on its thread, for the call that collects the update
+        (``wait``), which issues it in the loop's thread, once.
+
+        Args:
+            warning: The warning, its message naming the step.
+        """
+        self._warnings.append(warning)
+
     def _side_stream(self, device: torch.device) -> torch.cuda.Stream:
         if device not in self._streams:
             self._streams[device] = torch.cuda.Stream(device)
@@ -187,7 +209,11 @@ class Background:
         an exception marks the thread as ended while it still runs, bpo-45274.)
 
         Args:
-            raise_failure: Raise what the update raised; False keeps it for the next call that does.
+            raise_failure: Issue what the update meant to warn (``defer``) and raise what it
+                raised; False keeps both for the next call that does.
+
+        Warns:
+            Warning: What the update meant to warn, each once, in the caller's thread.
 
         Raises:
             Exception: What the update raised (once), with a note naming its step.
@@ -201,7 +227,12 @@ class Background:
                 self._collect()
             self._thread, self._verify = None, None
             self.waited_seconds += time.perf_counter() - began
-        if raise_failure and self._failure is not None:
+        if not raise_failure:
+            return
+        deferred, self._warnings = self._warnings, []
+        for warning in deferred:  # (stacklevel 5: the loop's update(), through both Updaters' and the averager's)
+            warnings.warn(warning, stacklevel=5)
+        if self._failure is not None:
             (step, error), self._failure = self._failure, None
             error.add_note(f"(raised by the background update of step {step}, collected at this call)")
             raise error

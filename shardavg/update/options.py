@@ -94,11 +94,6 @@ def _floating_dtype(name: str, value: Any) -> torch.dtype | None:
     return value
 
 
-def _device(name: str, value: Any) -> torch.device | None:
-    """None, or a ``torch.device`` (a string such as ``"cpu"`` converted)."""
-    return value if value is None or isinstance(value, torch.device) else torch.device(value)
-
-
 def _dtype_from_json(value: Any) -> torch.dtype | None:
     if value is None:
         return None
@@ -138,9 +133,10 @@ class Options:
     """``"copy"`` (default: the live value at each update), ``"average"`` (floating buffers averaged,
     integer ones copied) or ``"ignore"`` (not stored: exports carry the live value)."""
 
-    device: torch.device | None = option(None, _device)
-    """Where the shadows live: ``None`` (default) next to each live shard, ``"cpu"`` (or any device)
-    offloaded there. A string is converted to a ``torch.device``."""
+    device: torch.device | None = option(None, validate.device)
+    """Where the shadows live: ``None`` (default) next to each live shard, ``"cpu"`` (or a device of
+    this machine's accelerator, ``"cuda:1"``) offloaded there. A string is converted to a
+    ``torch.device``; anything else (``"meta"``, a CUDA device the machine lacks, an int) is refused."""
 
     include_frozen: bool = option(False, _flag, recorded=True, required=True)
     """Also average parameters with ``requires_grad=False``; by default (False) they are not stored
@@ -154,7 +150,8 @@ class Options:
     background: bool = option(False, _flag)
     """Run each update on a thread of its own (default False): ``update()`` returns once it has
     copied the buffers; the next optimizer step, and every reader of the averages, waits for it; an
-    error it meets is raised at the next call. The averages are bitwise those of the update in the loop."""
+    error it meets is raised, and a warning it gives (a skipped update) is issued, at the next call,
+    in the caller's thread. The averages are bitwise those of the update in the loop."""
 
     def __post_init__(self) -> None:
         for spec in fields(self):

@@ -109,6 +109,7 @@ class Updater:
         step is due. Returns whether an update was applied (in the background: started)."""
         self.wait()
         self.require_whole("update()")
+        self.settle(block=False)  # (earlier updates' verdicts already on the host: raised at the loop's next call)
         state = self.state
         state.step = self.next_step(step)
         if not state.options.due(state.step):
@@ -262,7 +263,8 @@ class Updater:
         """The update with the non-finite check left on the device: screened, masked and counted
         there, so the host never waits; its verdict is read later (``settle``)."""
         state = self.state
-        self.settle(block=len(self.pending) >= MAX_PENDING)
+        if len(self.pending) >= MAX_PENDING:  # (a device far behind: wait for its oldest verdicts)
+            self.settle()
         verdicts, oks = screen_on_device(self.groups)
         (live_device,) = {group.live_tensors[0].device for group in self.groups}
         ok = oks.get(live_device, torch.ones((), dtype=torch.bool, device=live_device))  # no floating shard: ok
@@ -278,7 +280,6 @@ class Updater:
         for device, counter in self.device_counters.items():
             counter.add_(ok.to(device))
         self.pending.append((state.step, verdicts))
-        self.settle(block=False)
 
     def _weight(self, name: str | None, counter: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """Average ``name``'s lerp weight after ``counter`` updates (a device tensor), looked up on
@@ -296,10 +297,12 @@ class Updater:
     def settle(self, block: bool = True) -> None:
         """Read the verdicts of updates checked on the device, in order: count each one applied,
         or (non-finite live values: the device left the average untouched) raise or warn as the
-        ``on_nonfinite`` policy says. Without ``block`` only verdicts already on the host are read."""
+        ``on_nonfinite`` policy says. Without ``block`` only verdicts already on the host are read:
+        a CPU's at once (computed there, it has no event), an accelerator's once its event says its
+        copy landed, so that ``update()`` reads what it can of the earlier ones and never waits."""
         while self.pending:
             step, verdicts = self.pending[0]
-            if any(v.event is None or not v.event.query() for v in verdicts) and not block:
+            if not block and any(v.event is not None and not v.event.query() for v in verdicts):
                 return
             for verdict in verdicts:
                 if verdict.event is not None:
@@ -323,7 +326,11 @@ class Updater:
         where = f"at step {step} on rank {rank()}"
         if self.state.options.on_nonfinite == "raise":
             raise NonFiniteError(raised.format(bad=bad, where=where))
-        warnings.warn(warned.format(bad=bad, where=where), RuntimeWarning, stacklevel=5)
+        warning = RuntimeWarning(warned.format(bad=bad, where=where))
+        if self.background is not None and self.background.running_here():
+            self.background.defer(warning)  # (given in the loop's thread, at the call that collects this update)
+        else:
+            warnings.warn(warning, stacklevel=5)
         self._counted(applied=False)
 
     def forget(self) -> None:
