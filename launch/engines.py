@@ -29,6 +29,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from shardavg.integrations import Verdict, deepspeed, norm_verdict
+
 CPU = torch.device("cpu")
 ENGINES = ("ddp", "fsdp1", "fsdp2", "hsdp", "zero3", "fsdp2_tp", "pp")
 
@@ -80,29 +82,31 @@ class Wrapped:
         else:  # DDP: whole parameters; FSDP1: the flat parameters' local shards
             yield from self.model.parameters()
 
-    def train_step(self, tokens: torch.Tensor, targets: torch.Tensor, lr: float, clip: float) -> float:
-        """One optimizer step on this rank's batch; the loss (the data-parallel rank's own)."""
+    def train_step(self, tokens: torch.Tensor, targets: torch.Tensor, lr: float, clip: float) -> tuple[float, Verdict]:
+        """One optimizer step on this rank's batch: the loss (the data-parallel rank's own), and the
+        verdict on the step for ``update(finite=...)``: the total gradient norm clipped with (every
+        engine computes it anyway), or under ZeRO-3 the engine's own verdict."""
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         if self.kind == "zero3":  # the engine clips (gradient_clipping) and steps
             loss = self.model(tokens, targets)
             self.deepspeed_engine.backward(loss)
             self.deepspeed_engine.step()
-            return loss.item()
+            return loss.item(), deepspeed.verdict(self.deepspeed_engine)
         if self.kind == "pp":
             loss = self.pipeline.step(tokens, targets)
         else:
             loss = self.model(tokens, targets)
             loss.backward()
         if self.kind == "fsdp1":
-            self.model.clip_grad_norm_(clip)
+            norm = self.model.clip_grad_norm_(clip)
         elif self.kind in ("fsdp2_tp", "pp"):
-            clip_across_meshes(self.module, clip, self.pipeline)
+            norm = clip_across_meshes(self.module, clip, self.pipeline)
         else:
-            torch.nn.utils.clip_grad_norm_(self.module.parameters(), clip)
+            norm = torch.nn.utils.clip_grad_norm_(self.module.parameters(), clip)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
-        return loss.item()
+        return loss.item(), norm_verdict(norm)
 
     def eval_loss(self, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """The held-out loss of a batch on ranks that count it (``counts_loss``), 0 elsewhere."""

@@ -30,6 +30,7 @@ from launch.job import Job, load_job
 from launch.model import GPT, Block, GPTConfig
 from launch.progress import Progress
 from shardavg import PostHocEMA, WeightAverager
+from shardavg.integrations import Verdict
 
 log = logging.getLogger("train")
 
@@ -243,9 +244,9 @@ def train_steps(current: Run) -> tuple[UpdateClock, float, float]:
                 current.job.corpus.train, step, wrapped.data_rank, train["batch_size"], context, cfg["seed"]
             )
             step_began = time.perf_counter()
-            loss = wrapped.train_step(tokens, targets, lr_at(step, cfg), train["grad_clip"])
+            loss, finite = wrapped.train_step(tokens, targets, lr_at(step, cfg), train["grad_clip"])
             for name, average in updated.items():
-                clock.update(name, average, step)
+                clock.update(name, average, step, finite)
             training_time += time.perf_counter() - step_began
             shown.step(step, loss, tokens_per_step * (step - start) / training_time)
             if step % cfg["eval"]["every"] == 0 or step == cfg["steps"]:
@@ -358,14 +359,18 @@ class UpdateClock:
     seconds: dict[str, float]
     waited: dict[str, float] = field(default_factory=dict)  # each background's waits counted so far
 
-    def update(self, name: str, average: WeightAverager | PostHocEMA, step: int) -> None:
-        """Time ``update()``; in the background (``averaging.background``), also the time the loop
-        was blocked collecting the previous update since (at the optimizer step, by a reader)."""
+    def update(self, name: str, average: WeightAverager | PostHocEMA, step: int, finite: Verdict) -> None:
+        """Time ``update()`` with the step's verdict (``finite``); in the background
+        (``averaging.background``), also the time the loop was blocked collecting the previous update
+        since (at the optimizer step, by a reader)."""
         background = (average.averager if isinstance(average, PostHocEMA) else average).updater.background
         if background is not None:
             self.seconds[name] += background.waited_seconds - self.waited.get(name, 0.0)
         began = time.perf_counter()
-        average.update(step)
+        if isinstance(average, PostHocEMA):  # (it takes no verdict yet: its averager's screen runs)
+            average.update(step)
+        else:
+            average.update(step, finite=finite)
         self.seconds[name] += time.perf_counter() - began
         if background is not None:
             self.waited[name] = background.waited_seconds

@@ -195,7 +195,8 @@ class WeightAverager:
 
     @property
     def num_skipped(self) -> int:
-        """Updates skipped for non-finite live weights (waits and reads verdicts, as ``num_updates``)."""
+        """Updates skipped: for non-finite live weights, or a false verdict from the loop
+        (``update(finite=...)``); waits and reads verdicts, as ``num_updates``."""
         self._state.updater.wait()
         self._state.updater.settle()
         return self._state.num_skipped
@@ -228,32 +229,53 @@ class WeightAverager:
         validate.count("gather_bucket_bytes", value, 1)
         self._state.gather_bucket_bytes = value
 
-    def update(self, step: int | None = None) -> bool:
-        """Average the live shards in; call after ``optimizer.step()``. No communication.
+    def update(self, step: int | None = None, *, finite: bool | torch.Tensor | None = None) -> bool:
+        """Average the live shards in; call after ``optimizer.step()``, every step. No communication.
 
         The update runs at ``start_step + k * every_n_steps``, the first one copying. A refused
         call changes nothing.
 
+        ``finite`` is the verdict the loop already has on its step, so that the non-finite screen
+        (one more read of every live byte) need not run: the total gradient norm that
+        ``clip_grad_norm_`` returned (``avg.update(finite=total_norm)``), or False where the
+        optimizer skipped the step (a loss scaler's overflow). With finite gradients a torch
+        optimizer moves each weight by a finite amount, so a true verdict says what the screen
+        would find, given finite weights before: the screen still runs at the first update, the
+        first after ``load``/``load_state_dict``/``restart``/``copy_into_model``, after a step
+        called without a true verdict, and every ``screen_every`` updates. A verdict does not see
+        writes outside the optimizer (a hand-written one, ``model.load_state_dict``) nor an
+        optimizer that is not a torch one: see the usage guide. On CUDA a tensor verdict stays on
+        the device and masks the update there (no host read); in the background it is taken at
+        this call (the loop may reuse its tensor).
+
         Args:
             step: The optimizer step count; None (default): one more than the last seen.
+            finite: The loop's verdict on the step: a bool, a 0-d bool tensor, or a floating tensor
+                (any shape) that is finite when all its elements are. None (default): no verdict,
+                the screen runs as ``on_nonfinite`` says. A false verdict skips the update.
 
         Returns:
-            Whether an update was applied (with ``background=True``: started).
+            Whether an update was applied (with ``background=True``: started; with a verdict on
+            the device: issued, and counted skipped later if the verdict was false).
 
         Raises:
             RuntimeError: Called inside ``swapped()``.
-            ValueError: ``step`` is not after the last step seen.
+            ValueError: ``step`` is not after the last step seen; ``finite`` is a bool tensor of
+                more than one element, an empty tensor, or a DTensor that is not replicated.
+            TypeError: ``finite`` is not a bool or a bool or floating tensor.
             NonFiniteError: A live weight holds NaN or infinity under ``on_nonfinite="raise"``
                 (in the background, or checked on an accelerator, raised at the next call instead:
                 an ``update()`` that raises for an earlier step has taken no step of its own).
+                Never for a false verdict.
 
         Warns:
-            RuntimeWarning: An update skipped under ``on_nonfinite="skip"``, naming its step: at once,
+            RuntimeWarning: An update skipped under ``on_nonfinite="skip"``, or for a false verdict
+                under ``"raise"`` and ``"skip"`` (silently under ``"off"``), naming its step: at once,
                 or (in the background, or checked on an accelerator) at the next call, in its thread.
         """
         if self._state.swapped:
             raise RuntimeError("update() inside swapped(): the live model holds averaged weights")
-        return self._state.updater.update(step)
+        return self._state.updater.update(step, finite)
 
     def wait(self) -> None:
         """Wait for the update running in the background (``background=True``).

@@ -32,7 +32,7 @@ def interpreted(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
         pytest.fail("triton is not installed: it is a test dependency (pip install -e '.[test]'), see pyproject.toml")
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     kernels.reset()
-    if not kernels.usable(torch.device("cpu")):
+    if not kernels._available("cpu"):  # (not ``usable``: its self-check, ~1 s here, is test_kernel_fallback.py's)
         import triton
 
         pytest.skip(
@@ -193,11 +193,13 @@ def test_pieces_that_do_not_fit_together_are_refused() -> None:
 def test_usable_on_the_cpu_only_under_an_exact_interpreter(monkeypatch: pytest.MonkeyPatch) -> None:
     import triton
 
+    monkeypatch.setattr(kernels, "self_check", lambda device: True)  # (what it checks: tests/test_kernel_fallback.py)
     assert kernels.usable(torch.device("cpu"))
     monkeypatch.setattr(triton, "__version__", "3.7.1")  # (torch 2.13's CUDA wheels pin it)
     kernels.reset()
     assert not kernels.usable(torch.device("cpu"))
     monkeypatch.undo()
+    monkeypatch.setattr(kernels, "self_check", lambda device: True)
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     kernels.reset()
     assert kernels.usable(torch.device("cpu"))
@@ -206,6 +208,10 @@ def test_usable_on_the_cpu_only_under_an_exact_interpreter(monkeypatch: pytest.M
     assert kernels.usable(torch.device("cpu")), "cached per device type until reset()"
     kernels.reset()
     assert not kernels.usable(torch.device("cpu"))
+    assert not kernels.usable(torch.device("cuda")) or torch.cuda.is_available()
+    kernels.reset()
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     assert kernels.usable(torch.device("cuda"))
 
 

@@ -75,8 +75,8 @@ def test_the_averager_takes_every_option_by_keyword_and_refuses_an_unknown_one(t
         WeightAverager(trainer.model, EMA(decay=0.9), every_n_step=2)
     assert str(refused.value) == (
         "WeightAverager got unknown keyword argument(s) ['every_n_step']: it takes strategy, source, pipeline, "
-        "every_n_steps, start_step, dtype, buffers, device, include_frozen, on_nonfinite, background (the options "
-        "are documented in shardavg.update.options.Options)"
+        "every_n_steps, start_step, dtype, buffers, device, include_frozen, on_nonfinite, screen_every, background "
+        "(the options are documented in shardavg.update.options.Options)"
     )
     with pytest.raises(TypeError):
         Options(2)  # type: ignore[misc]  (keywords only: no positional call to keep in order)

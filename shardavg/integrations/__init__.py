@@ -4,5 +4,22 @@ average inside the tag), ``transformers`` (a Trainer callback) and ``lightning``
 sharded strategies). Each imports its framework only when used; the rest of shardavg never does.
 The face is the averager (``shardavg.WeightAverager``).
 
+Each also hands ``update(finite=...)`` the verdict its engine already has on the step just taken
+(a skipped optimizer step, the total gradient norm), as ``Verdict``.
+
 It may import: base, rules, checkpoints, output, face.
 """
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+Verdict = bool | torch.Tensor | None  # what ``WeightAverager.update(finite=...)`` takes; None: no verdict
+
+
+def norm_verdict(norm: float | torch.Tensor | None) -> Verdict:
+    """A total gradient norm as a verdict: a tensor as it is (on its device, never read here), a
+    Python float (DeepSpeed keeps some as floats) as whether it is finite, None as no verdict."""
+    return math.isfinite(norm) if isinstance(norm, float) else norm

@@ -10,10 +10,16 @@ loaded, so a damaged average would be found only then, beside weights already at
 checkpoint's step: ``load_state(accelerator, dir)`` checks every attached average first and
 only then calls ``accelerator.load_state(dir)``. (``register_for_checkpointing`` would pickle rank 0's
 state only, and unpickle it with ``weights_only=False``: never used.)
+
+``verdict(accelerator)`` is what accelerate knows of the latest optimizer step, for
+``avg.update(finite=...)``: a step it skipped, the norm ``accelerator.clip_grad_norm_`` returned
+(kept by ``attach``, which wraps that method on the accelerator: accelerate keeps no norm of its
+own; under its DeepSpeed plugin the method returns the engine's norm).
 """
 
 from __future__ import annotations
 
+import functools
 import os
 import weakref
 from collections.abc import Callable
@@ -22,11 +28,14 @@ from pathlib import Path
 from typing import Any
 
 from ..averager import WeightAverager
+from . import Verdict, norm_verdict
 
 DIRECTORY = "shardavg"  # inside the accelerator's checkpoint folder
 
 # accelerator -> {directory: Registration}: a second attach is refused, load_state checks each
 _ATTACHED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+# accelerator -> [the norm its clip_grad_norm_ returned last, until verdict() takes it]
+_NORMS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 @dataclass
@@ -64,8 +73,9 @@ def attach(accelerator: Any, avg: WeightAverager, directory: str = DIRECTORY) ->
     """Save and load ``avg`` with ``accelerator.save_state``/``load_state`` under ``<dir>/<directory>``.
 
     Update the averager once per real optimizer step: ``if accelerator.sync_gradients:
-    avg.update()`` after ``optimizer.step()``. Load with this module's ``load_state``, which checks
-    the average before anything is loaded.
+    avg.update(finite=verdict(accelerator))`` after ``optimizer.step()``. Load with this module's
+    ``load_state``, which checks the average before anything is loaded. From here on the norms
+    ``accelerator.clip_grad_norm_`` returns are kept for ``verdict`` (``keep_norms``).
 
     Args:
         accelerator: The ``accelerate.Accelerator``.
@@ -115,6 +125,7 @@ def attach(accelerator: Any, avg: WeightAverager, directory: str = DIRECTORY) ->
         avg.check_checkpoint(Path(input_dir) / directory)
 
     registrations[directory] = Registration(avg, check)
+    keep_norms(accelerator)
     return (
         Handle(accelerator.register_save_state_pre_hook(save), registrations, directory),
         Handle(accelerator.register_load_state_pre_hook(load), registrations, directory),
@@ -141,3 +152,52 @@ def load_state(accelerator: Any, input_dir: str | os.PathLike, **kwargs: Any) ->
     for registration in list(_ATTACHED.get(accelerator, {}).values()):
         registration.check(input_dir)
     return accelerator.load_state(str(input_dir), **kwargs)
+
+
+def keep_norms(accelerator: Any) -> None:
+    """Keep the norm each ``accelerator.clip_grad_norm_`` returns, for the next ``verdict``.
+
+    accelerate hands the norm to the caller and keeps nothing, so the method is wrapped on this
+    accelerator (once; the Trainer's is wrapped by ``transformers.with_weight_averaging``). The
+    norm is kept as returned: a tensor stays on its device.
+
+    Args:
+        accelerator: The ``accelerate.Accelerator``.
+    """
+    if accelerator in _NORMS:
+        return
+    kept = _NORMS[accelerator] = [None]
+    clip = accelerator.clip_grad_norm_
+
+    @functools.wraps(clip)
+    def clip_grad_norm_(*args: Any, **kwargs: Any) -> Any:
+        kept[0] = clip(*args, **kwargs)
+        return kept[0]
+
+    accelerator.clip_grad_norm_ = clip_grad_norm_
+
+
+def verdict(accelerator: Any) -> Verdict:
+    """accelerate's verdict on the latest optimizer step, for ``avg.update(finite=verdict(accelerator))``.
+
+    Take it once per step (it takes the kept norm, so that a norm is never trusted for a later
+    step that did not clip) and pass it to every averager updated at that step.
+
+    Args:
+        accelerator: The ``accelerate.Accelerator``, after ``optimizer.step()`` with
+            ``accelerator.sync_gradients``.
+
+    Returns:
+        False when accelerate skipped the step (``optimizer_step_was_skipped``: its ``GradScaler``
+        found a non-finite gradient, or DeepSpeed's fp16 overflow); otherwise the norm the latest
+        ``accelerator.clip_grad_norm_`` returned since the last verdict (with ``keep_norms``, which
+        ``attach`` calls; under the DeepSpeed plugin, the engine's norm as a float); else None (no
+        verdict: the averager's screen runs). A step not reported skipped is no verdict of its
+        own: with an optimizer that unscales inside its step (fused AdamW), the ``GradScaler``
+        always calls ``step()`` and accelerate reports no skip at all; clip to have the norm.
+    """
+    kept = _NORMS.get(accelerator, [None])
+    norm, kept[0] = kept[0], None
+    if accelerator.optimizer_step_was_skipped:
+        return False
+    return norm_verdict(norm)

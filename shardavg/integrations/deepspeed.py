@@ -10,6 +10,8 @@ the tag given), refuses a tag without an average before the engine loads anythin
 restores both. A tag names one folder inside the save folder, the same on every rank: anything
 else (``../x``, ``a/b``, ``''``, ``.``, ``latest``, surrounding spaces) is refused before a byte
 is written.
+
+``verdict(engine)`` is what the engine knows of its latest step, for ``avg.update(finite=...)``.
 """
 
 from __future__ import annotations
@@ -23,9 +25,32 @@ from ..averager import WeightAverager
 from ..base.dist import agree_or_raise, gather_or_raise, rank
 from ..base.errors import CheckpointError
 from ..checkpoints.storage import atomic_file
+from . import Verdict, norm_verdict
 
 AVERAGE_DIR = "shardavg"  # inside the tag's directory
 LATEST = "latest"  # DeepSpeed's pointer to the newest tag
+
+
+def verdict(engine: Any) -> Verdict:
+    """The engine's verdict on its latest ``step()``, for ``avg.update(finite=verdict(engine))``.
+
+    Nothing is read from the device: the norm is passed as the engine holds it.
+
+    Args:
+        engine: The ``DeepSpeedEngine``, just after ``engine.step()`` at a gradient accumulation
+            boundary (between boundaries ``was_step_applied()`` is False: no update belongs there).
+
+    Returns:
+        False when the step was not applied (an fp16 overflow, or a non-finite gradient norm
+        ZeRO-3 and the bf16 optimizer found: the weights did not move, and the step must not
+        enter the average); otherwise the global gradient norm (``get_global_grad_norm()``,
+        whose finiteness is the verdict: kept by the fp16, bf16 and ZeRO optimizers); None where
+        the engine keeps no norm (a plain torch optimizer without ZeRO, or ZeRO-1/2 with its norm
+        turned off), and the averager's own screen runs.
+    """
+    if not engine.was_step_applied():
+        return False
+    return norm_verdict(engine.get_global_grad_norm())
 
 
 def save_checkpoint(

@@ -13,6 +13,12 @@ and a callback cannot add to their distributed checkpoint. So every rank's shard
 sidecar directory next to each checkpoint, ``<checkpoint>.shardavg/``, written whenever the
 strategy writes the checkpoint (saving the same path again replaces it) and removed with it;
 ``trainer.fit(ckpt_path=...)`` restores it from beside that path.
+
+Each update is handed the verdict Lightning already has on the step (``update(finite=...)``): a
+step the ``GradScaler`` skipped (seen as an optimizer whose ``step()`` never ran: torch's step
+hooks) is never averaged nor counted; otherwise the norm Lightning clipped with
+(``gradient_clip_val``), the engine's verdict under DeepSpeed, or nothing (and the averager's
+screen runs). See ``StepWatch``.
 """
 
 from __future__ import annotations
@@ -23,12 +29,15 @@ import warnings
 from pathlib import Path
 from typing import Any
 
+import torch
 from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.plugins.precision import Precision
 
 from ..averager import WeightAverager, checked_options
 from ..base.errors import CheckpointError
 from ..checkpoints.ownership import is_own_checkpoint
 from ..rules import EMA, MultiAvgFn, Rule
+from . import Verdict, deepspeed, norm_verdict
 
 SUFFIX = ".shardavg"  # the sidecar of checkpoint PATH is PATH.shardavg/
 
@@ -115,6 +124,8 @@ class ShardedWeightAveraging(Callback):
         self._swap: contextlib.ExitStack | None = None
         self._resume_from: tuple[str, int] | None = None  # (checkpoint, its global step) until restored
         self._wrapped: tuple[Any, Any, Any] | None = None  # (strategy, save_checkpoint, remove_checkpoint)
+        self._steps: StepWatch | None = None  # while fitting
+        self._seen_step = -1  # the global step whose verdict was taken last
 
     # ------------------------------------------------------------------ building and updating
 
@@ -132,6 +143,8 @@ class ShardedWeightAveraging(Callback):
         if self.averager is None:
             self.averager = WeightAverager(trainer.strategy.model, self.rule, **self.averager_options)
         self._follow_checkpoints(trainer.strategy)
+        if self._steps is None:
+            self._steps = StepWatch(trainer)
         self._restore_pending()
 
     def should_update(self, step_idx: int) -> bool:
@@ -148,7 +161,8 @@ class ShardedWeightAveraging(Callback):
         return (start is None or step_idx >= start) and step_idx % self.update_every_n_steps == 0
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-        """Update once per new ``global_step`` (so once per real optimizer step under accumulation).
+        """Update once per new ``global_step`` (so once per real optimizer step under accumulation),
+        with the verdict on that step.
 
         Args:
             trainer (lightning.pytorch.Trainer): The trainer.
@@ -157,9 +171,13 @@ class ShardedWeightAveraging(Callback):
             batch (Any): Unused.
             batch_idx (int): Unused.
         """
-        step = trainer.global_step  # optimizer steps so far: a new one after each real step
+        step = trainer.global_step  # optimizer steps so far: a new one after each real step (even one skipped)
+        if step == self._seen_step:
+            return
+        self._seen_step = step
+        finite = self._steps.verdict()  # taken at every new step, so none is left for a later one
         if step > self.averager.step and self.should_update(step - 1):
-            self.averager.update(step=step)
+            self.averager.update(step=step, finite=finite)
 
     def on_train_end(self, trainer, pl_module) -> None:
         """Write the average into the model, with ``copy_at_end`` and once it has updates.
@@ -270,7 +288,67 @@ class ShardedWeightAveraging(Callback):
             stage: The stage ending (``"fit"``, ``"validate"``, ...).
         """
         self._swap_back()
+        if self._steps is not None:
+            self._steps.close()
+            self._steps = None
         if self._wrapped is not None:
             strategy, save, remove = self._wrapped
             strategy.save_checkpoint, strategy.remove_checkpoint = save, remove
             self._wrapped = None
+
+
+class StepWatch:
+    """What Lightning knows of each optimizer step, gathered while fitting, for ``update(finite=...)``.
+
+    A ``GradScaler`` that finds a non-finite gradient skips ``optimizer.step()`` while Lightning
+    still counts the step, and the callback hooks run before its check or after its state is
+    cleared; torch's public step hooks (``register_step_post_hook``) see whether ``step()`` ran.
+    Lightning clips (``gradient_clip_val``, ``"norm"``) with ``clip_grad_norm_`` and drops the norm
+    it returns: its own ``Precision.clip_grad_by_norm`` is replaced, on this trainer's plugin only,
+    by the same two lines keeping that norm (a plugin with a method of its own is left alone).
+    Under DeepSpeed the engine steps and keeps its own verdict.
+
+    Args:
+        trainer (lightning.pytorch.Trainer): The trainer, once its strategy holds the optimizers.
+    """
+
+    def __init__(self, trainer) -> None:
+        self._engine = trainer.strategy.model if hasattr(trainer.strategy.model, "was_step_applied") else None
+        self._plugin = trainer.precision_plugin
+        self._stepped = False
+        self._norm: torch.Tensor | None = None
+        self._hooks = []
+        if self._engine is None:
+            self._hooks = [optimizer.register_step_post_hook(self._step_ran) for optimizer in trainer.optimizers]
+        if type(self._plugin).clip_grad_by_norm is Precision.clip_grad_by_norm:
+            self._plugin.clip_grad_by_norm = self._clip_grad_by_norm
+
+    def _step_ran(self, *_: Any) -> None:
+        self._stepped = True
+
+    def _clip_grad_by_norm(self, optimizer: torch.optim.Optimizer, clip_val: float) -> None:
+        """``Precision.clip_grad_by_norm``, keeping the norm."""
+        self._norm = torch.nn.utils.clip_grad_norm_(self._plugin.main_params(optimizer), clip_val)
+
+    def verdict(self) -> Verdict:
+        """The verdict on the optimizer steps since the last one taken (and forget them).
+
+        Returns:
+            Under DeepSpeed, the engine's (``integrations.deepspeed.verdict``). Otherwise False when
+                no optimizer's ``step()`` ran (the ``GradScaler`` skipped it); the norm clipped with
+                (a tensor, as ``clip_grad_norm_`` returned it); else None (no verdict: the screen
+                runs). An optimizer that unscales inside its step (fused AdamW) is always called by
+                the ``GradScaler``, which skips inside it: only the norm tells such a skip.
+        """
+        if self._engine is not None:
+            return deepspeed.verdict(self._engine)
+        stepped, norm, self._stepped, self._norm = self._stepped, self._norm, False, None
+        if not stepped:
+            return False
+        return norm_verdict(norm)
+
+    def close(self) -> None:
+        """Remove the step hooks and give the plugin its own ``clip_grad_by_norm`` back."""
+        for hook in self._hooks:
+            hook.remove()
+        self._plugin.__dict__.pop("clip_grad_by_norm", None)

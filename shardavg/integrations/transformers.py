@@ -25,6 +25,15 @@ set accelerate up (``_check_one_process_saves``).
 
 Bound to its Trainer (``with_weight_averaging``), it also evaluates the averaged weights after
 each evaluation, through ``swapped()``, and reports them as ``eval_avg_*`` next to the raw ``eval_*``.
+
+Each update is handed the verdict the Trainer already has on the step (``update(finite=...)``). A
+callback is given neither the gradient norm (a local of the training loop, logged as a float only
+at logging steps, after ``on_step_end``) nor the skip, but ``on_step_end`` sees the optimizer, whose
+``step_was_skipped`` says whether accelerate's ``GradScaler`` skipped the step: such a step is never
+averaged nor counted. Bound, it takes accelerate's verdict from the Trainer's accelerator
+(``integrations.accelerate.verdict``), which also holds the norm the Trainer clipped with (it takes
+every norm through ``accelerator.clip_grad_norm_``; the mixed-mesh norm of tensor parallel does not,
+and gives none) and DeepSpeed's verdict.
 It is deliberately not an ``ExportableState``: the Trainer would re-create such a callback from
 JSON on resume, without its averager.
 """
@@ -48,6 +57,7 @@ from ..base.untrusted import parse_json
 from ..checkpoints.reading import read_manifest, resolve
 from ..output.model_folder import declare_dtype
 from ..rules import MultiAvgFn, Rule
+from . import Verdict, accelerate
 
 DIRECTORY = "shardavg"  # inside each checkpoint-<step> folder
 TRAINER_STATE = "trainer_state.json"  # the Trainer's file the average is paired with
@@ -144,6 +154,9 @@ class WeightAveragingCallback(TrainerCallback):
                 more than one process would rotate checkpoints under ``save_total_limit``.
         """
         _check_one_process_saves(args)
+        trainer = self._bound()
+        if trainer is not None:
+            accelerate.keep_norms(trainer.accelerator)  # (the Trainer may make a new one before training)
         if self.averager is None:
             self.averager = WeightAverager(model, self.rule, **self.averager_options)
         if state.global_step > 0:  # resumed: the Trainer restored a checkpoint of this step
@@ -178,16 +191,28 @@ class WeightAveragingCallback(TrainerCallback):
             )
         self.averager.load(path)
 
-    def on_step_end(self, args, state, control, **kwargs):
-        """Update the average at ``state.global_step`` (once per optimizer step).
+    def on_step_end(self, args, state, control, optimizer=None, **kwargs):
+        """Update the average at ``state.global_step`` (once per optimizer step), with the verdict on it.
 
         Args:
             args (transformers.TrainingArguments): The Trainer's arguments.
             state (transformers.TrainerState): The Trainer's state.
             control (transformers.TrainerControl): Unused.
+            optimizer (accelerate.optimizer.AcceleratedOptimizer): The Trainer's optimizer.
             **kwargs (Any): The Trainer's other callback arguments; unused.
         """
-        self.averager.update(step=state.global_step)
+        self.averager.update(step=state.global_step, finite=self._verdict(optimizer))
+
+    def _verdict(self, optimizer: Any) -> Verdict:
+        """Bound: accelerate's verdict (the skip, the norm clipped with); unbound: the skip alone."""
+        trainer = self._bound()
+        if trainer is not None:
+            return accelerate.verdict(trainer.accelerator)
+        return False if getattr(optimizer, "step_was_skipped", False) else None
+
+    def _bound(self) -> Any:
+        """The Trainer bound to, while it lives; None when unbound."""
+        return self._trainer() if self._trainer is not None else None
 
     def on_save(self, args, state, control, **kwargs):
         """Save every rank's shard into ``checkpoint-<step>/shardavg/``, paired with the checkpoint.
@@ -239,7 +264,7 @@ class WeightAveragingCallback(TrainerCallback):
             metrics (dict): The evaluation's metrics, extended in place.
             **kwargs (Any): The Trainer's other callback arguments; unused.
         """
-        trainer = self._trainer() if self._trainer is not None else None
+        trainer = self._bound()
         if trainer is None and not self._warned_unbound:
             self._warned_unbound = True
             warnings.warn(

@@ -57,7 +57,7 @@ class AverageState:
         self.options = options
         self.step = 0  # last step seen by update()
         self.num_updates = 0  # updates applied (the first one copies); counted by the updater alone
-        self.num_skipped = 0  # updates skipped for non-finite live weights
+        self.num_skipped = 0  # updates skipped for non-finite live weights or the loop's false verdict
         self.run_id: str | None = None  # which run wrote a checkpoint, when the user says (PostHocEMA does)
         self.gather_bucket_bytes = DEFAULT_BUCKET_BYTES
         self.swapped = False  # whether the live model holds an average now (``state/swap.py``)

@@ -176,7 +176,8 @@ def group_tensors(
     """Group the stored tensors; ``shadow_sets`` holds one list of shadows per average.
 
     Groups of floating-point tensors whose live shards and shadows lie on a device type in
-    ``kernel_devices`` are updated by the Triton kernel when it runs there."""
+    ``kernel_devices`` are updated by the Triton kernel when it runs there (``kernels.usable``:
+    its first call for a device checks the kernel's bits there, and ``SHARDAVG_KERNEL=0`` says no)."""
     groups: dict[tuple, UpdateGroup] = {}
     for index, (role, live) in enumerate(zip(roles, live_tensors)):
         shadow = shadow_sets[0][index]
@@ -482,11 +483,23 @@ def _on(group: UpdateGroup, value: float | bool) -> torch.Tensor:
 
 
 class Verdict(NamedTuple):
-    """Which live shards held NaN or infinity, on the host once ``event`` (if any) has completed."""
+    """Which live shards held NaN or infinity, on the host once ``event`` (if any) has completed
+    (the updater keeps the loop's own verdict the same way: no index, one flag, see ``to_host``)."""
 
     indices: list[int]
     bad: torch.Tensor  # bool per shard in ``indices``, on the host
     event: torch.Event | None  # recorded after the copy to the host; None when nothing was copied
+
+
+def to_host(bad: torch.Tensor, indices: list[int]) -> Verdict:
+    """Device flags ``bad`` (1-d bool) on their way to the host with no wait: on the CPU the flags
+    themselves; elsewhere copied into pinned host memory, read once the event says it landed."""
+    if bad.device.type == "cpu":
+        return Verdict(indices, bad, None)
+    event = torch.Event(device=bad.device)
+    host = bad.to("cpu", non_blocking=True)
+    event.record()
+    return Verdict(indices, host, event)
 
 
 def screen_on_device(groups: Sequence[UpdateGroup]) -> tuple[list[Verdict], dict[torch.device, torch.Tensor]]:
@@ -508,13 +521,7 @@ def screen_on_device(groups: Sequence[UpdateGroup]) -> tuple[list[Verdict], dict
     for device, device_flags in flags.items():
         bad = torch.cat(device_flags)
         oks[device] = ~bad.any()
-        if device.type == "cpu":
-            verdicts.append(Verdict(indices[device], bad, None))
-        else:  # into pinned host memory, read once the event says it landed
-            event = torch.Event(device=device)
-            host = bad.to("cpu", non_blocking=True)
-            event.record()
-            verdicts.append(Verdict(indices[device], host, event))
+        verdicts.append(to_host(bad, indices[device]))
     return verdicts, oks
 
 
@@ -531,19 +538,51 @@ def apply_masked(
 
     The kernel (``group.kernel``) does it in one pass over each batch. Elsewhere (a device where
     Triton does not run, shadows offloaded, integer buffers) each bounded piece takes two ATen
-    kernels and a scratch: a lerp toward ``where(ok, live, shadow)``."""
+    kernels and a scratch: a lerp toward ``where(ok, live, shadow)``.
+
+    A kernel that fails to compile or launch (``kernels.KernelFailed``: warned once, off on that
+    device from then on) never fails the update: what it left undone is finished through ATen
+    (``_finish_failed``), and the group is walked as ATen walks it from the next update on."""
     if group.kernel and not needs_staging(group, None):
         if group.gathered is not None and not gathered_staged:
             group.gathered.stage()
+        failed = False
         for batch in group.batches:
             batch.stage()
-            kernels.masked_update_many_(batch.kernel_plan(), weights, ok)  # one launch for every piece
+            planned = batch.kernel_plan()
+            try:
+                kernels.masked_update_many_(planned, weights, ok)  # one launch for every piece
+            except kernels.KernelFailed as failure:
+                _finish_failed(planned, weights, ok, failure.done)
+                failed = True
             for position in batch.strided:  # (a strided live shard, whole: rare)
                 _masked_lerp([shadows[position] for shadows in batch.shadows], batch.reads[position], weights, ok)
+        if failed:
+            group.kernel = False
+            group.batches = _batches(group)  # (its screen and gathered shards too, the same objects' parts)
         return
     for shadow_sets, live_tensors in staged(group, None, stager):
         for position, live in enumerate(live_tensors):
             _masked_lerp([shadows[position] for shadows in shadow_sets], live, weights, ok)
+
+
+def _finish_failed(plan: kernels.Plan, weights: Sequence[torch.Tensor | None], ok: torch.Tensor, done: int) -> None:
+    """What a failed kernel left undone: averages ``done`` and later of ``plan``'s pieces (the
+    earlier ones its launches wrote; a failed compile or launch writes nothing), where ``ok`` holds,
+    with the bits of the ATen path (``apply`` on a group built without the kernel): a lerp toward
+    the live values cast to the shadow's dtype, by the weight as a Python float (the fp32 value
+    the device holds, which ATen takes as it is). The host reads ``ok`` and the weights here: once
+    per group, at the failure (the kernel is off there from then on)."""
+    if done == len(weights) or not plan.reads or not bool(ok):
+        return
+    reads = list(plan.reads)
+    for shadows, weight in zip(plan.shadow_sets[done:], weights[done:]):
+        if weight is None:
+            torch._foreach_copy_(list(shadows), reads)
+        elif shadows[0].dtype == reads[0].dtype:
+            torch._foreach_lerp_(list(shadows), reads, weight.item())
+        else:
+            _lerp_cast(shadows, reads, weight.item())
 
 
 def _masked_lerp(

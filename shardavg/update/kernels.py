@@ -29,6 +29,23 @@ element the same arithmetic as ``masked_update_``.
 Triton is imported on first use only (``shardavg`` imports without it), and the kernel is built
 then too, so that ``TRITON_INTERPRET`` set before the first call decides how it runs; ``reset``
 forgets both, for tests that switch it.
+
+A kernel that cannot run never takes a training run down. On CUDA it is compiled by the user's
+Triton and ``ptxas`` for the user's GPU, which no test here can do for them (an old ``ptxas``, a
+driver or Triton version skew, an architecture it cannot target): so at its first use on a
+device, and only then, ``usable`` compiles and launches it on a small plan of every dtype
+pairing it runs (fp32, bf16 and fp16 live pieces each into one fp32 average, and into four at
+once: fp32, bf16 and fp16 lerps and a copy, the flag false then true: six compiles, which Triton
+caches on disk) and compares its bits with ATen's lerp of the same pieces (``self_check``, one
+host read, when the averager groups its tensors). If the compile, a launch or a bit differs, one
+``RuntimeWarning`` names the device, the Triton version and the error, and ``usable`` answers
+False for that device from then on: the update's groups are built for ATen. A specialization
+compiled later (another count of averages) can still fail: ``masked_update_many_`` then warns
+the same way, marks the device, and raises ``KernelFailed`` saying which averages its earlier
+launches wrote; a compile error is raised before its launch, and a launch error by the driver
+before the grid runs, so the others hold what they held, and ``fused.apply_masked`` finishes
+them through ATen. ``SHARDAVG_KERNEL=0`` in the environment turns the kernel off by hand (no
+Triton import, no self-check: the ATen path on every device), for a user who must bisect.
 """
 
 from __future__ import annotations
@@ -38,6 +55,7 @@ import importlib
 import math
 import os
 import sys
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -48,21 +66,52 @@ MAX_SHADOWS = 4  # averages updated by one launch (one read of the live piece); 
 PROGRAM_NUMEL = 1024  # elements per program
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 EXACT_INTERPRETER = (3, 9)  # the first Triton whose interpreter computes an fp32 fma with one rounding
+SWITCH = "SHARDAVG_KERNEL"  # "0" in the environment: no kernel on any device, the ATen path everywhere
+BITS = {torch.float32: torch.int32, torch.bfloat16: torch.int16, torch.float16: torch.int16}
+
+# Per device (``cuda:0``, ``cpu``), whether the kernel passed its self-check; False once it failed
+# there (the check, or a later launch): set by ``usable`` and ``_disabled`` alone, forgotten by ``reset``.
+_working: dict[str, bool] = {}
+
+
+class KernelFailed(Exception):
+    """A launch of the kernel failed on ``device`` (warned once, ``usable`` False there from now on):
+    the plan's averages before ``done`` were written by earlier launches, the others not at all."""
+
+    def __init__(self, device: torch.device, done: int) -> None:
+        super().__init__(f"the Triton kernel failed on {device}: averages {done} and later were not written")
+        self.device, self.done = device, done
 
 
 def usable(device: torch.device) -> bool:
-    """Whether ``masked_update_`` runs on ``device``: Triton importable and a CUDA device (not under
-    ``TRITON_INTERPRET=1``, where every launch would copy through the host), or the CPU under
-    ``TRITON_INTERPRET=1`` (how the tests run it) with an interpreter whose ``fma`` rounds once
-    (Triton 3.9 and later; before, it multiplied then added, which loses the bits of ATen's lerp).
-    Never raises; cached per device type (``reset``)."""
-    return _usable(torch.device(device).type)
+    """Whether the update runs ``masked_update_many_`` on ``device``: not turned off by hand
+    (``SHARDAVG_KERNEL=0``), Triton importable and a CUDA device (not under ``TRITON_INTERPRET=1``,
+    where every launch would copy through the host), or the CPU under ``TRITON_INTERPRET=1`` (how
+    the tests run it) with an interpreter whose ``fma`` rounds once (Triton 3.9 and later; before,
+    it multiplied then added, which loses the bits of ATen's lerp); and the kernel passed its
+    self-check there (``self_check``, run at the first call for each device, warning once if it
+    fails) and no launch failed there since. Never raises; cached per device (``reset``)."""
+    device = torch.device(device)
+    if os.environ.get(SWITCH) == "0" or not _available(device.type):
+        return False
+    key = _key(device)
+    if key not in _working:
+        _working[key] = self_check(device)
+    return _working[key]
+
+
+def _key(device: torch.device) -> str:
+    """``device`` with its index (``cuda`` is the current CUDA device), the self-check's key."""
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    return str(device)
 
 
 @functools.cache
-def _usable(device_type: str) -> bool:
+def _available(device_type: str) -> bool:
+    """Whether Triton can launch the kernel on ``device_type`` at all (before any self-check)."""
     interpreted = os.environ.get("TRITON_INTERPRET") == "1"
-    if device_type != ("cpu" if interpreted else "cuda"):
+    if device_type != ("cpu" if interpreted else "cuda") or (device_type == "cuda" and not torch.cuda.is_available()):
         return False  # (before importing Triton, which a CPU run never needs)
     try:
         import triton
@@ -71,15 +120,92 @@ def _usable(device_type: str) -> bool:
     return not interpreted or _version(triton.__version__) >= EXACT_INTERPRETER
 
 
+def self_check(device: torch.device) -> bool:
+    """Compile and launch ``masked_update_many_`` on ``device`` over a small plan for every dtype
+    pairing it runs, and compare the bits with ATen's lerp of the same pieces; True when they are
+    the same, else warn once (``_disabled``) and False. One host read, once per device (``usable``)."""
+    try:
+        differing = _differences(torch.device(device))
+    except Exception as error:  # (a compile, a launch, or the Triton import itself)
+        return _disabled(device, error)
+    if differing:
+        return _disabled(device, AssertionError(f"its bits differ from ATen's lerp for {', '.join(differing)}"))
+    return True
+
+
+def _differences(device: torch.device) -> list[str]:
+    """The pairings whose bits the kernel got wrong on ``device``: each live dtype into one fp32
+    average, and into four at once (fp32, bf16 and fp16 lerps on either side of the weight 0.5,
+    where the lerp changes form, and a copy; launched with the flag false first, which must change
+    nothing), over a piece masked at its end and one whose program goes unmasked, in vectors. Two
+    programs a launch: the interpreter takes ~20 ms a program, the tests check it often."""
+    generator = torch.Generator().manual_seed(0)
+
+    def pieces(dtype: torch.dtype) -> list[torch.Tensor]:
+        return [(torch.randn(n, generator=generator) * 3).to(device, dtype) for n in (5, PROGRAM_NUMEL)]
+
+    four = (torch.float32, torch.bfloat16, torch.float16, torch.float32)
+    setups = [((torch.float32,), (0.75,)), (four, (0.25, 0.75, 0.25, None))]  # (shadow dtypes, weights)
+    flags = [torch.full((1,), value, dtype=torch.bool, device=device) for value in (False, True)]
+    compared: list[tuple[str, torch.Tensor, torch.Tensor]] = []  # (what, got, wanted)
+    for live_dtype in DTYPES:
+        reads = pieces(live_dtype)
+        for shadow_dtypes, given in setups:
+            shadow_sets = [pieces(dtype) for dtype in shadow_dtypes]
+            before = [[shadow.clone() for shadow in shadows] for shadows in shadow_sets]
+            planned = plan(reads, shadow_sets)
+            weights = [None if w is None else torch.full((1,), w, device=device) for w in given]
+            if len(given) > 1:  # (the flag is read at run time: one compiled kernel takes both)
+                _launch(planned, weights, flags[0], 0)
+                compared += [
+                    (f"{live_dtype} live, the flag false", shadow.clone(), old)
+                    for shadows, olds in zip(shadow_sets, before)
+                    for shadow, old in zip(shadows, olds)
+                ]
+            _launch(planned, weights, flags[1], 0)
+            for shadows, olds, w in zip(shadow_sets, before, given):
+                what = f"{live_dtype} live into {olds[0].dtype} shadows ({len(given)} averages)"
+                for shadow, old, read in zip(shadows, olds, reads):
+                    wanted = read.to(old.dtype) if w is None else torch.lerp(old.float(), read.float(), w).to(old.dtype)
+                    compared.append((what, shadow, wanted))
+    counts = torch.stack([(got.view(BITS[got.dtype]) != want.view(BITS[got.dtype])).sum() for _, got, want in compared])
+    return list(dict.fromkeys(what for (what, _, _), count in zip(compared, counts.tolist()) if count))
+
+
+def _disabled(device: torch.device, error: BaseException) -> bool:
+    """Mark the kernel unusable on ``device``; warn the first time, naming the device, the Triton
+    version and ``error``. Returns False (what ``usable`` answers from now on)."""
+    key = _key(torch.device(device))
+    if _working.get(key) is not False:
+        try:
+            import triton
+
+            version = triton.__version__
+        except Exception as import_error:  # (the reason the kernel failed, maybe)
+            version = f"not importable ({import_error})"
+        warnings.warn(
+            f"shardavg: the Triton kernel of the update failed on {key} (Triton {version}): "
+            f"{type(error).__name__}: {error}. The update runs through ATen there from now on (its bits, a "
+            f"slower update); nothing was lost. Set {SWITCH}=0 in the environment to turn the kernel off by hand "
+            "(and skip this check); please report this error with the GPU and the Triton version.",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+    _working[key] = False
+    return False
+
+
 def _version(text: str) -> tuple[int, ...]:
     """``3.9.0+git1a2b`` as (3, 9): the release's major and minor."""
     return tuple(int("".join(c for c in field if c.isdigit()) or 0) for field in text.split(".")[:2])
 
 
 def reset() -> None:
-    """Forget the built kernel and the ``usable`` answers (tests that set ``TRITON_INTERPRET``)."""
+    """Forget the built kernel, the ``usable`` answers and the self-checks (tests that set
+    ``TRITON_INTERPRET``, or stand in for the kernel)."""
     _module.cache_clear()
-    _usable.cache_clear()
+    _available.cache_clear()
+    _working.clear()
 
 
 def masked_update_(
@@ -160,7 +286,7 @@ def plan(reads: Sequence[torch.Tensor], shadow_sets: Sequence[Sequence[torch.Ten
     """
     _check_plan(reads, shadow_sets)
     device = reads[0].device if reads else torch.device("cpu")
-    if reads and not usable(device):  # (interpreted, a CUDA address would be read on the host)
+    if reads and not _available(device.type):  # (interpreted, a CUDA address would be read on the host)
         raise ValueError(
             f"plan: the kernel does not run on {device} here: check kernels.usable(device) first "
             "(CUDA compiled, or the CPU under TRITON_INTERPRET=1 with Triton 3.9 or later)"
@@ -209,32 +335,40 @@ def masked_update_many_(plan: Plan, weights: Sequence[torch.Tensor | None], ok: 
 
     Raises:
         ValueError: ``weights`` or ``ok`` do not fit the plan.
+        KernelFailed: The kernel did not compile or launch on the plan's device (warned, and
+            ``usable`` False there from now on), or had already failed there: the averages before
+            ``done`` were written, the others not at all.
     """
     _check_many(plan, weights, ok)
     if not plan.programs or not plan.averages:
         return
-    module = _module()
-    live = module.TL_DTYPES[plan.reads[0].dtype]
+    device = plan.live_table.device
     for start in range(0, plan.averages, MAX_SHADOWS):
-        launched = range(start, min(start + MAX_SHADOWS, plan.averages))
-        slots: list[Any] = []
-        dtypes: list[Any] = []
-        for slot in range(MAX_SHADOWS):  # (unused slots are never touched: COUNT says how many are real)
-            k = start + slot
-            slots += [plan.shadow_tables[k], weights[k]] if k in launched else [None, None]
-            dtypes.append(module.TL_DTYPES[plan.shadow_sets[k][0].dtype] if k in launched else None)
-        copy = sum(1 << slot for slot, k in enumerate(launched) if weights[k] is None)
-        options = {
-            "ALIGN": plan.align,
-            "COUNT": len(launched),
-            "COPY": copy,
-            "PROGRAM_NUMEL": PROGRAM_NUMEL,
-            "num_warps": 4,
-        }
-        module.masked_lerp_many[(plan.programs,)](
-            plan.live_table, plan.piece_of_program, plan.index_in_piece, plan.numels, ok, *slots, live, *dtypes,
-            **options, enable_fp_fusion=False,
-        )  # fmt: skip
+        if _working.get(_key(device)) is False:  # (failed before: by another plan, or this one's last launch)
+            raise KernelFailed(device, start)
+        try:
+            _launch(plan, weights, ok, start)
+        except Exception as error:  # (a compile error raises before the launch, a launch error before the grid runs)
+            _disabled(device, error)
+            raise KernelFailed(device, start) from error
+
+
+def _launch(plan: Plan, weights: Sequence[torch.Tensor | None], ok: torch.Tensor, start: int) -> None:
+    """One launch of the kernel: averages ``start`` to ``start + MAX_SHADOWS`` of ``plan``."""
+    module = _module()
+    launched = range(start, min(start + MAX_SHADOWS, plan.averages))
+    slots: list[Any] = []
+    dtypes: list[Any] = []
+    for slot in range(MAX_SHADOWS):  # (unused slots are never touched: COUNT says how many are real)
+        k = start + slot
+        slots += [plan.shadow_tables[k], weights[k]] if k in launched else [None, None]
+        dtypes.append(module.TL_DTYPES[plan.shadow_sets[k][0].dtype] if k in launched else None)
+    copy = sum(1 << slot for slot, k in enumerate(launched) if weights[k] is None)
+    options = {"ALIGN": plan.align, "COUNT": len(launched), "COPY": copy, "PROGRAM_NUMEL": PROGRAM_NUMEL}
+    module.masked_lerp_many[(plan.programs,)](
+        plan.live_table, plan.piece_of_program, plan.index_in_piece, plan.numels, ok, *slots,
+        module.TL_DTYPES[plan.reads[0].dtype], *dtypes, **options, num_warps=4, enable_fp_fusion=False,
+    )  # fmt: skip
 
 
 def _check_plan(reads: Sequence[torch.Tensor], shadow_sets: Sequence[Sequence[torch.Tensor]]) -> None:

@@ -3,9 +3,16 @@
 An ``Updater`` keeps the state's live views grouped for the fused kernels (``fused.py``) and
 regroups them only when the engine really changed them; it stages live shards for offloaded
 shadows and casts (``staging.py``); it screens them for NaN and infinity, on the host, or on an
-accelerator without a host read (the verdicts read later, ``settle``); it looks up each rule's
-weight; and it is the one place that counts an update, applied or skipped. No collective runs
-here.
+accelerator without a host read (the verdicts read later, ``settle``), or takes the loop's own
+verdict instead where it can be trusted (``Given``, ``trusted``); it looks up each rule's weight;
+and it is the one place that counts an update, applied or skipped. No collective runs here.
+
+The loop's verdict (``update(finite=...)``: a skipped optimizer step, or the total gradient norm)
+says that the optimizer moved every weight by a finite amount, or not at all: it proves the
+weights finite only where they were finite before. So it stands in for the screen only within
+``screen_every`` updates of a screen that found every live shard finite, with every step since
+then seen with a true verdict, and nothing since having replaced the live tensors or the state
+(``distrust``).
 
 In the background (``background.py``) it also checks that nothing wrote the live shards while
 the thread read them: each tensor's version counter, which every in-place write through the
@@ -19,11 +26,12 @@ non-torch kernels do) are not seen.
 
 from __future__ import annotations
 
+import functools
 import operator
 import warnings
 from collections import deque
 from collections.abc import Callable
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 import torch
 
@@ -45,12 +53,76 @@ from .fused import (
     nonfinite,
     screen_on_device,
     stage_gathered,
+    to_host,
 )
 from .kernels import to_device
 from .options import Options, Role
 from .staging import Stager
 
 MAX_PENDING = 64  # updates whose non-finite verdict the host may not have read yet
+
+
+class Given(NamedTuple):
+    """The loop's verdict on its step (``update(finite=...)``), taken when ``update()`` is called, so
+    that the loop may reuse its tensor at once: ``ok`` a Python bool, or a 0-d bool tensor of its
+    own on the device the loop computed it on (read by the host only where that is free, the CPU,
+    or where the update reads its verdicts on the host anyway); ``shown`` names it in the warning
+    of the update it skips, should it be false."""
+
+    ok: bool | torch.Tensor
+    shown: str
+
+    def known(self) -> bool | None:
+        """Its value where the host can read it for free (a Python bool, a CPU tensor), else None."""
+        if isinstance(self.ok, bool) or self.ok.device.type == "cpu":
+            return bool(self.ok)
+        return None
+
+
+def taken(finite: object) -> Given | None:
+    """``update(finite=...)`` checked and taken: a bool, a 0-d bool tensor, or a floating tensor whose
+    elements are all finite (a total gradient norm); None: no verdict. No host read: a tensor's
+    verdict is a new 0-d bool tensor on its device (a copy: the loop may overwrite its own).
+
+    Raises:
+        TypeError: Anything else (an int, a float, an integer tensor).
+        ValueError: A bool tensor of more than one element, an empty tensor, or a DTensor that is
+            not replicated (FSDP2's ``clip_grad_norm_`` returns a partial one).
+    """
+    if finite is None or isinstance(finite, bool):
+        return None if finite is None else Given(finite, repr(finite))
+    if not isinstance(finite, torch.Tensor) or not (finite.dtype == torch.bool or finite.dtype.is_floating_point):
+        kind = f"a {finite.dtype} tensor" if isinstance(finite, torch.Tensor) else type(finite).__name__
+        raise TypeError(
+            f"update(finite=...) takes a bool, a 0-d bool tensor or a floating tensor (the total gradient norm), "
+            f"got {kind}" + (" (a Python number: pass math.isfinite(x))" if isinstance(finite, float) else "")
+        )
+    if is_dtensor(finite):
+        if not all(placement.is_replicate() for placement in finite.placements):  # type: ignore[attr-defined]
+            raise ValueError(
+                f"update(finite=...) got a DTensor placed {tuple(finite.placements)}: each rank holds part of its "  # type: ignore[attr-defined]
+                "value; pass its full_tensor() (a collective, which update() never runs)"
+            )
+        finite = local_view(finite)
+    if finite.numel() == 0 or (finite.dtype == torch.bool and finite.dim() != 0):
+        raise ValueError(
+            f"update(finite=...) got a {finite.dtype} tensor of shape {tuple(finite.shape)}: a verdict is a 0-d "
+            "bool tensor, or a non-empty floating tensor whose elements are all finite"
+        )
+    with torch.no_grad():
+        if finite.dtype == torch.bool:
+            return Given(finite.clone(), "tensor(False)")
+        return Given(torch.isfinite(finite).all(), f"a {finite.dtype} tensor holding NaN or infinity")
+
+
+class Issued(NamedTuple):
+    """An update issued on the device with its verdicts left there, read by ``settle`` in order."""
+
+    step: int
+    ordinal: int  # its place among the due updates (``Updater.ordinal``)
+    screened: list[Verdict] | None  # the screen's, per device; None where the loop's verdict stood in for it
+    given: Verdict | None  # the loop's verdict as a tensor: one flag, true where it was false (``to_host``)
+    shown: str  # how the loop's verdict is named, should it be false
 
 
 class Averaged(Protocol):
@@ -80,7 +152,8 @@ class Updater:
     there; True or False to choose; see ``check_on_device``), ``kernel_devices`` (the device
     types whose groups run the Triton kernel where it is available) and
     ``torn`` (in the background: why the average cannot be trusted, once a write it did not wait
-    for was seen; None while it can)."""
+    for was seen; None while it can), ``ordinal`` (due updates taken so far) and ``trusted_until``
+    (the last of them that may take the loop's verdict instead of the screen, see ``trusted``)."""
 
     kernel_devices: frozenset[str] = frozenset({"cuda"})
 
@@ -98,30 +171,42 @@ class Updater:
         self.on_device: bool | None = None
         # The check on an accelerator: verdicts not yet read, by step; each lerp rule's weights by
         # update count; the update count itself, as device tensors.
-        self.pending: deque[tuple[int, list[Verdict]]] = deque()
+        self.pending: deque[Issued] = deque()
         self.weight_tables: dict[tuple, torch.Tensor] = {}
         self.device_counters: dict[torch.device, torch.Tensor] = {}
+        # Where the loop's verdict stands in for the screen (``trusted``): due updates so far, the
+        # last one trusted, and the first whose clean screen may extend that (``distrust``).
+        self.ordinal = self.trusted_until = self.trust_from = 0
+        self.distrust()
 
     # ------------------------------------------------------------------ the update
 
-    def update(self, step: int | None) -> bool:
-        """Take ``step`` (one more than the last when None); average the live shards in when the
-        step is due. Returns whether an update was applied (in the background: started)."""
+    def update(self, step: int | None, finite: object = None) -> bool:
+        """Take ``step`` (one more than the last when None) and the loop's verdict on it (``finite``,
+        see ``taken``); average the live shards in when the step is due. Returns whether an update
+        was applied (in the background: started)."""
+        given = taken(finite)  # (at once: the loop may reuse its tensor; refused, nothing changed)
         self.wait()
         self.require_whole("update()")
         self.settle(block=False)  # (earlier updates' verdicts already on the host: raised at the loop's next call)
         state = self.state
+        previous = state.step
         state.step = self.next_step(step)
+        if state.step != previous + 1:  # steps the loop took without a word to us
+            self.distrust()
         if not state.options.due(state.step):
+            if given is None or not given.known():  # (a step not seen to be finite, or a skipped one)
+                self.distrust()
             return False
         with torch.no_grad():
             self.follow(state.current_views())
+            self.ordinal += 1
             if self.background is None:
-                return self._average()
+                return self._average(given)
             if self.snapshots:  # what the next forward may write before the update reads it
                 torch._foreach_copy_(list(self.snapshots.values()), [state.live[i] for i in self.snapshots])
         devices = (group.live_tensors[0].device for group in self.groups)
-        self.background.start(state.step, self._average, devices, self._unwritten(state.step))
+        self.background.start(state.step, functools.partial(self._average, given), devices, self._unwritten(state.step))
         return True
 
     def wait(self) -> None:
@@ -162,19 +247,39 @@ class Updater:
 
         return verify
 
-    def _average(self) -> bool:
-        """The update of a due step, its groups current: checked, applied and counted."""
+    def _average(self, given: Given | None) -> bool:
+        """The update of a due step, its groups current: checked (by the screen, the loop's
+        verdict ``given``, or both), applied and counted."""
         with torch.no_grad():  # (per thread: this may run on the background's)
-            if self.check_on_device():
-                self._apply_on_device()
+            given = self._read_where_free(given)
+            on_device = self.check_on_device(given)
+            if given is not None and not on_device:  # (read on the host, as the screen's verdict is here)
+                given = Given(bool(given.ok), given.shown)
+            if given is not None and given.ok is False:  # (nothing to read or write, nor to wait for)
+                self._refused(given.shown, self.state.step, "skipping")
+                return False
+            screen = self._screening(given)
+            if on_device:
+                self._apply_on_device(given, screen)
                 return True
             self.settle()  # (nothing pending unless the model just left its accelerator)
             stage_gathered(self.groups)  # the small shards that lie apart, into one buffer per group
-            if self._skip_nonfinite():
+            if screen and self._skip_nonfinite():
                 return False
+            if screen:
+                self._trust(self.ordinal)
             self._apply()
         self._counted()
         return True
+
+    def _read_where_free(self, given: Given | None) -> Given | None:
+        """``given`` read on the host where that is free: a verdict on the CPU for an update that runs
+        elsewhere (moving it to the device would wait for the device instead)."""
+        if given is None or isinstance(given.ok, bool) or given.ok.device.type != "cpu":
+            return given
+        if all(group.live_tensors[0].device.type == "cpu" for group in self.groups):
+            return given  # (the CPU standing in for a device: the verdict stays a tensor, as on CUDA)
+        return Given(bool(given.ok), given.shown)
 
     def next_step(self, step: int | None) -> int:
         """The step of this update: steps only go forward, so no step is averaged in twice."""
@@ -200,6 +305,17 @@ class Updater:
         else:
             self.state.num_skipped += 1
 
+    def _skipped(self, warning: str | None) -> None:
+        """The one way an update is skipped, for whatever reason: counted, and ``warning`` (None:
+        silently) given as a ``RuntimeWarning``, at once, or from the background's thread at the
+        call that collects the update, in the loop's thread."""
+        if warning is not None:
+            if self.background is not None and self.background.running_here():
+                self.background.defer(RuntimeWarning(warning))
+            else:  # (stacklevel: the loop's line, from settle() and for a verdict; the averager's update() else)
+                warnings.warn(RuntimeWarning(warning), stacklevel=6)
+        self._counted(applied=False)
+
     def _apply(self) -> None:
         state = self.state
         for group in self.groups:
@@ -224,6 +340,42 @@ class Updater:
 
     # ------------------------------------------------------------------ the non-finite check
 
+    def trusted(self) -> bool:
+        """Whether the update being taken (``ordinal``) may take the loop's verdict instead of the
+        screen: within ``screen_every`` updates of one whose screen found every live shard finite
+        (the weights were finite then; with finite gradients, a torch optimizer moves each weight
+        by a finite amount), and nothing since made that screen's word stale (``distrust``)."""
+        return self.ordinal <= self.trusted_until
+
+    def _screening(self, given: Given | None) -> bool:
+        """Whether this update runs the non-finite screen: with the check on, unless the loop's
+        verdict can stand in for it (``trusted``)."""
+        return self.state.options.on_nonfinite != "off" and (given is None or not self.trusted())
+
+    def _trust(self, ordinal: int) -> None:
+        """The screen of update ``ordinal`` found every live shard finite: the next ``screen_every
+        - 1`` updates may take the loop's verdict alone (unless something since made it stale)."""
+        if ordinal >= self.trust_from:
+            self.trusted_until = max(self.trusted_until, ordinal + self.state.options.screen_every - 1)
+
+    def distrust(self) -> None:
+        """From the next update on, the loop's verdict stands in for the screen only once a screen
+        run from then on has found every live shard finite: the live weights were replaced (the
+        averager built, ``copy_into_model``, new live tensors), the state restored, or a step
+        taken that no true verdict vouched for."""
+        self.trusted_until, self.trust_from = self.ordinal, self.ordinal + 1
+
+    def _refused(self, shown: str, step: int, verb: str) -> None:
+        """Skip the update of ``step``, which the loop's verdict ``shown`` said was not finite: a
+        skipped optimizer step (a loss scaler's overflow) or non-finite gradients. Never an error,
+        whatever ``on_nonfinite`` says (a run with a loss scaler skips steps routinely); silent
+        under ``"off"``."""
+        warning = (
+            f"{verb} the update at step {step} on rank {rank()}: the loop's verdict was false (finite={shown}): its "
+            "optimizer step was skipped (a loss scaler's overflow) or its gradients were not finite"
+        )
+        self._skipped(None if self.state.options.on_nonfinite == "off" else warning)
+
     def _skip_nonfinite(self) -> bool:
         """Check every live shard the update reads, on the host; raise, or warn and return True to skip."""
         state = self.state
@@ -241,16 +393,19 @@ class Updater:
         )
         return True
 
-    def check_on_device(self) -> bool:
-        """Whether the non-finite check stays on the device, its verdict read by the host later,
-        so that ``update()`` never waits for the device: with the check on, built-in rules only,
-        from the second update on (the first reads its verdict on the host), and by default
-        (``on_device`` None) where every group runs the Triton kernel (CUDA), which skips the
-        update on the device's flag in the same pass. Elsewhere a masked update costs a scratch
-        and a second kernel per piece: measured on an H200 (docs/benchmarks.md), more than the
-        host's one wait per update, so the host reads one flag per group there."""
+    def check_on_device(self, given: Given | None = None) -> bool:
+        """Whether the non-finite check (the screen, or the loop's verdict ``given``) stays on the
+        device, its verdict read by the host later, so that ``update()`` never waits for the
+        device: with the check on (or a verdict on the device to mask the update by, even under
+        ``"off"``), built-in rules only, from the second update on (the first reads its verdict on
+        the host), and by default (``on_device`` None) where every group runs the Triton kernel
+        (CUDA), which skips the update on the device's flag in the same pass. Elsewhere a masked
+        update costs a scratch and a second kernel per piece: measured on an H200
+        (docs/benchmarks.md), more than the host's one wait per update, so the host reads one flag
+        per group there."""
         state = self.state
-        if state.options.on_nonfinite == "off" or state.num_updates == 0:
+        on_device_verdict = given is not None and isinstance(given.ok, torch.Tensor)
+        if (state.options.on_nonfinite == "off" and not on_device_verdict) or state.num_updates == 0:
             return False
         if not all(isinstance(average.rule, LerpRule) for average in state.averages.values()):
             return False
@@ -259,15 +414,21 @@ class Updater:
             return bool(floating) and all(group.kernel for group in floating)
         return self.on_device
 
-    def _apply_on_device(self) -> None:
-        """The update with the non-finite check left on the device: screened, masked and counted
-        there, so the host never waits; its verdict is read later (``settle``)."""
+    def _apply_on_device(self, given: Given | None, screen: bool) -> None:
+        """The update with the non-finite check left on the device: screened (with ``screen``),
+        masked by the screen's flag and the loop's verdict ``given``, and counted there, so the
+        host never waits; its verdicts are read later (``settle``)."""
         state = self.state
         if len(self.pending) >= MAX_PENDING:  # (a device far behind: wait for its oldest verdicts)
             self.settle()
-        verdicts, oks = screen_on_device(self.groups)
+        verdicts, oks = screen_on_device(self.groups) if screen else ([], {})
         (live_device,) = {group.live_tensors[0].device for group in self.groups}
         ok = oks.get(live_device, torch.ones((), dtype=torch.bool, device=live_device))  # no floating shard: ok
+        loop = None
+        if given is not None and isinstance(given.ok, torch.Tensor):  # (a Python bool here is true)
+            said = given.ok.to(live_device)  # (a device's own, or the CPU standing in for one: no copy)
+            ok = ok & said if screen else said
+            loop = to_host((~said).view(1), [])
         for group in self.groups:
             ok_here = ok.to(group.shadows[0][0].device)  # offloaded shadows: the host waits for the flag
             counter = self._counter(group)
@@ -279,7 +440,8 @@ class Updater:
             apply_masked(group, ok_here, weights, self.stager)
         for device, counter in self.device_counters.items():
             counter.add_(ok.to(device))
-        self.pending.append((state.step, verdicts))
+        shown = "" if given is None else given.shown
+        self.pending.append(Issued(state.step, self.ordinal, verdicts if screen else None, loop, shown))
 
     def _weight(self, name: str | None, counter: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """Average ``name``'s lerp weight after ``counter`` updates (a device tensor), looked up on
@@ -296,29 +458,38 @@ class Updater:
 
     def settle(self, block: bool = True) -> None:
         """Read the verdicts of updates checked on the device, in order: count each one applied,
-        or (non-finite live values: the device left the average untouched) raise or warn as the
-        ``on_nonfinite`` policy says. Without ``block`` only verdicts already on the host are read:
-        a CPU's at once (computed there, it has no event), an accelerator's once its event says its
-        copy landed, so that ``update()`` reads what it can of the earlier ones and never waits."""
+        or (the device left the average untouched) skip it as the loop's false verdict says, or
+        (non-finite live values) raise or warn as the ``on_nonfinite`` policy says; a clean screen
+        lets the next updates take the loop's verdict alone (``_trust``). Without ``block`` only
+        verdicts already on the host are read: a CPU's at once (computed there, it has no event), an
+        accelerator's once its event says its copy landed, so that ``update()`` reads what it can of
+        the earlier ones and never waits."""
         while self.pending:
-            step, verdicts = self.pending[0]
+            issued = self.pending[0]
+            verdicts = [*(issued.screened or []), *([issued.given] if issued.given is not None else [])]
             if not block and any(v.event is not None and not v.event.query() for v in verdicts):
                 return
             for verdict in verdicts:
                 if verdict.event is not None:
                     verdict.event.synchronize()
             self.pending.popleft()
-            bad = [self.state.infos[i].name for v in verdicts for i, flag in zip(v.indices, v.bad.tolist()) if flag]
-            if not bad:
+            screened = issued.screened or []
+            bad = [self.state.infos[i].name for v in screened for i, flag in zip(v.indices, v.bad.tolist()) if flag]
+            if issued.screened is not None and not bad:
+                self._trust(issued.ordinal)
+            if issued.given is not None and bool(issued.given.bad[0]):
+                self._refused(issued.shown, issued.step, "skipped")  # (whatever the screen found: masked out)
+            elif bad:
+                self._nonfinite_found(
+                    bad,
+                    issued.step,
+                    raised="non-finite live values in {bad} {where} (found on the device after the update was "
+                    "issued: that update was masked out there, the average holds the others; on_nonfinite='skip' "
+                    "warns instead)",
+                    warned="skipped the update {where}: non-finite live values in {bad}",
+                )
+            else:
                 self.state.num_updates += 1  # (the device counters moved already, on the device)
-                continue
-            self._nonfinite_found(
-                bad,
-                step,
-                raised="non-finite live values in {bad} {where} (found on the device after the update was issued: "
-                "that update was masked out there, the average holds the others; on_nonfinite='skip' warns instead)",
-                warned="skipped the update {where}: non-finite live values in {bad}",
-            )
 
     def _nonfinite_found(self, bad: list[str], step: int, raised: str, warned: str) -> None:
         """The ``on_nonfinite`` policy for an update whose live shards ``bad`` were not finite:
@@ -326,18 +497,15 @@ class Updater:
         where = f"at step {step} on rank {rank()}"
         if self.state.options.on_nonfinite == "raise":
             raise NonFiniteError(raised.format(bad=bad, where=where))
-        warning = RuntimeWarning(warned.format(bad=bad, where=where))
-        if self.background is not None and self.background.running_here():
-            self.background.defer(warning)  # (given in the loop's thread, at the call that collects this update)
-        else:
-            warnings.warn(warning, stacklevel=5)
-        self._counted(applied=False)
+        self._skipped(warned.format(bad=bad, where=where))
 
     def forget(self) -> None:
-        """Drop what the device holds of the counts, and a torn mark: the state was just restored."""
+        """Drop what the device holds of the counts, and a torn mark, and trust no verdict before a
+        screen: the state was just restored."""
         self.device_counters.clear()
         self.pending.clear()
         self.torn = None
+        self.distrust()
 
     # ------------------------------------------------------------------ grouping
 
@@ -350,6 +518,7 @@ class Updater:
         ):
             self.state.adopt(live)
             self.groups = self._group()
+            self.distrust()  # (new live tensors: new values, perhaps, that no verdict has seen)
 
     def _group(self) -> list[UpdateGroup]:
         """The fused groups; in the background the stored buffers are read from their snapshots."""
