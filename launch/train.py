@@ -367,10 +367,7 @@ class UpdateClock:
         if background is not None:
             self.seconds[name] += background.waited_seconds - self.waited.get(name, 0.0)
         began = time.perf_counter()
-        if isinstance(average, PostHocEMA):  # (it takes no verdict yet: its averager's screen runs)
-            average.update(step)
-        else:
-            average.update(step, finite=finite)
+        average.update(step, finite=finite)
         self.seconds[name] += time.perf_counter() - began
         if background is not None:
             self.waited[name] = background.waited_seconds

@@ -303,12 +303,14 @@ class PostHocEMA:
         self._issued = 0  # updates applied (or issued to the device) since the profiles began
         self._directory_checked = False  # whether the snapshots already in ``directory`` are this run's
 
-    def update(self, step: int | None = None) -> bool:
-        """``averager.update(step)``, then a snapshot after every ``snapshot_every``-th applied update
-        (counted here, so that an update checked on an accelerator is not waited for).
+    def update(self, step: int | None = None, *, finite: bool | torch.Tensor | None = None) -> bool:
+        """``averager.update(step, finite=finite)``, then a snapshot after every ``snapshot_every``-th
+        applied update (counted here, so that an update checked on an accelerator is not waited for).
 
         Args:
             step: the training step, as for ``WeightAverager.update`` (default: one more than the last).
+            finite: the loop's verdict on its step, as for ``WeightAverager.update`` (the total gradient
+                norm, or False where the optimizer skipped the step): a false one is not averaged in.
 
         Returns:
             Whether the profiles were updated at this step.
@@ -318,7 +320,7 @@ class PostHocEMA:
         """
         if not self._directory_checked:
             self._check_directory()
-        applied = self.averager.update(step)
+        applied = self.averager.update(step, finite=finite)
         if applied:
             self._issued += 1
             if self._issued % self.snapshot_every == 0:  # the name takes the settled count

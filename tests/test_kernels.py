@@ -96,11 +96,17 @@ def test_half_shadows_are_bitwise_torch_lerp_in_their_dtype(dtype) -> None:
             assert bitwise(shadow, want), (dtype, w, w_dtype)
 
 
-def test_fp32_live_weights_into_bf16_shadows_round_the_fp32_lerp_once() -> None:
-    live = values(3000, torch.float32, 7)
+@pytest.mark.parametrize(
+    ("live_dtype", "dtype"),
+    [(torch.float32, torch.bfloat16), (torch.float32, torch.float16), (torch.float16, torch.bfloat16)],
+)
+def test_live_weights_into_narrower_shadows_are_the_host_update_bitwise(live_dtype, dtype) -> None:
+    """The host path (and AveragedModel) lerps toward the live weights cast to the average's dtype
+    first: the kernel rounds them there too, then lerps in fp32 and rounds once."""
+    live = values(3000, live_dtype, 7)
     for w in WEIGHTS:
-        shadow = values(3000, torch.bfloat16, 8)
-        want = torch.lerp(shadow.float(), live, w).to(torch.bfloat16)
+        shadow = values(3000, dtype, 8)
+        want = torch.lerp(shadow, live.to(dtype), w)
         kernels.masked_update_([shadow], live, [weight(w)], OK)
         assert bitwise(shadow, want), w
 

@@ -3,6 +3,7 @@ synthesis against Algorithm 3 applied to the full snapshots, and what is refused
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import re
 import shutil
@@ -382,3 +383,24 @@ def test_synthesis_builds_its_averagers_without_a_word(trainer, tmp_path, caplog
     with caplog.at_level(logging.INFO, logger="shardavg"):
         WeightAverager(TiedNet(), PowerEMA(sigma_rel=0.1))  # one the user builds still says what it is
     assert any("shardavg: replicated strategy" in r.getMessage() for r in caplog.records)
+
+
+def test_a_false_verdict_is_no_update_of_the_profiles_and_takes_no_snapshot(trainer, tmp_path) -> None:
+    """``PostHocEMA.update(finite=...)`` passes the loop's verdict on: a skipped optimizer step is
+    neither averaged into the profiles nor counted toward a snapshot, exactly as if the loop had
+    not called it (the reference: the same run with the skipped step left out)."""
+    ph = PostHocEMA(trainer.model, sigma_rels=(0.05, 0.10), snapshot_every=2, directory=tmp_path / "given")
+    reference = PostHocEMA(trainer.model, sigma_rels=(0.05, 0.10), snapshot_every=2, directory=tmp_path / "reference")
+    for step in range(1, 6):
+        trainer.step()
+        skipped = step == 3
+        with pytest.warns(RuntimeWarning, match="at step 3 .*finite=False") if skipped else contextlib.nullcontext():
+            ph.update(step, finite=not skipped)
+        if not skipped:
+            reference.update(step)
+    assert (ph.averager.num_updates, ph.averager.num_skipped) == (4, 1)
+    assert [s.t for s in snapshots(tmp_path / "given")] == [s.t for s in snapshots(tmp_path / "reference")] == [2, 4]
+    for profile in ("profile-0", "profile-1"):
+        mine = ph.averager.full_state_dict(average=profile)
+        theirs = reference.averager.full_state_dict(average=profile)
+        assert mine.keys() == theirs.keys() and all(torch.equal(mine[k], theirs[k]) for k in mine)

@@ -5,6 +5,7 @@ Without CUDA every test here is skipped at collection, with the reason, in secon
 from __future__ import annotations
 
 import contextlib
+import warnings
 from collections.abc import Iterator
 
 import pytest
@@ -34,12 +35,24 @@ def no_sync() -> Iterator[None]:
 
 @pytest.fixture
 def compiled_kernels(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
-    """``shardavg.kernels`` compiled for the GPU (never the interpreter), built afresh."""
+    """``shardavg.kernels`` compiled for the GPU (never the interpreter), built afresh.
+
+    ``kernels.usable`` is False either because Triton does not import, or because the kernel's
+    first-use self-check failed on this GPU (a compile, a launch or its bits): the failure says
+    which, with the self-check's own warning (the device, the Triton version, the error), since
+    that warning is the finding to report, not a missing install."""
     from shardavg.update import kernels
 
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    monkeypatch.delenv(kernels.SWITCH, raising=False)
     kernels.reset()
-    if not kernels.usable(torch.device("cuda")):
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        usable = kernels.usable(torch.device("cuda"))
+    if not usable:
+        said = [str(w.message) for w in caught if "Triton kernel" in str(w.message)]
+        if said:
+            pytest.fail(f"the Triton kernel failed its self-check on this GPU: {said[0]}")
         pytest.fail("triton does not import here: torch's CUDA wheels ship it (pip install -e '.[test]')")
     yield
     kernels.reset()

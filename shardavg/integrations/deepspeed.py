@@ -40,6 +40,11 @@ def verdict(engine: Any) -> Verdict:
         engine: The ``DeepSpeedEngine``, just after ``engine.step()`` at a gradient accumulation
             boundary (between boundaries ``was_step_applied()`` is False: no update belongs there).
 
+    Raises:
+        ValueError: Called after a ``step()`` between boundaries (its micro-step count is not a
+            multiple of ``gradient_accumulation_steps()``): a loop that updated the average after
+            every micro-step would count each one as a skipped update.
+
     Returns:
         False when the step was not applied (an fp16 overflow, or a non-finite gradient norm
         ZeRO-3 and the bf16 optimizer found: the weights did not move, and the step must not
@@ -48,6 +53,13 @@ def verdict(engine: Any) -> Verdict:
         the engine keeps no norm (a plain torch optimizer without ZeRO, or ZeRO-1/2 with its norm
         turned off), and the averager's own screen runs.
     """
+    accumulation = engine.gradient_accumulation_steps()
+    if engine.micro_steps % accumulation != 0:
+        raise ValueError(
+            f"verdict(engine) after micro-step {engine.micro_steps}, between gradient accumulation boundaries "
+            f"(every {accumulation} micro-steps): no optimizer step was taken, so no update belongs here; update "
+            "the average only where engine.is_gradient_accumulation_boundary() was True before engine.step()"
+        )
     if not engine.was_step_applied():
         return False
     return norm_verdict(engine.get_global_grad_norm())

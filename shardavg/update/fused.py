@@ -588,13 +588,28 @@ def _finish_failed(plan: kernels.Plan, weights: Sequence[torch.Tensor | None], o
 def _masked_lerp(
     shadows: Sequence[torch.Tensor], live: torch.Tensor, weights: Sequence[torch.Tensor | None], ok: torch.Tensor
 ) -> None:
-    """The masked update in ATen: each shadow lerps toward ``where(ok, live, shadow)``."""
+    """The masked update in ATen: each shadow lerps toward ``where(ok, live.to(shadow.dtype), shadow)``
+    (where ``ok`` is false, toward itself: no bit changes), bitwise the host path's update (``apply``)
+    for every live and shadow dtype.
+
+    Two things make that so. The live values are cast to the shadow's dtype first, as ``apply``
+    stages them (an fp32 live shard into a bf16 average is rounded to bf16, then lerped), never
+    promoted with it. And the weight (a device tensor in ``weights``' dtype, at least fp32: see
+    ``Updater._weight``) is never rounded to a bf16 or fp16 shadow's dtype: ATen's lerp of such a
+    shadow by the Python float ``apply`` passes runs in fp32 (its opmath: both ends widened
+    exactly, the weight taken as fp32, the result rounded once to nearest even), while its lerp by
+    a tensor weight wants the weight in the shadow's own dtype, which would round it. So a reduced
+    precision shadow is lerped in the weight's dtype, as those widened copies, and rounded back:
+    the same arithmetic, with the weight never read on the host. (The scratch: a few copies of one
+    bounded piece, in the weight's dtype.)"""
     for shadow, weight in zip(shadows, weights):
-        masked = torch.where(ok, live, shadow)
+        masked = torch.where(ok, live.to(shadow.dtype), shadow)
         if weight is None:
             shadow.copy_(masked)
+        elif weight.dtype == shadow.dtype:
+            shadow.lerp_(masked, weight)
         else:
-            shadow.lerp_(masked, weight.to(shadow.dtype))
+            shadow.copy_(torch.lerp(shadow.to(weight.dtype), masked.to(weight.dtype), weight))
 
 
 def needs_staging(group: UpdateGroup, dtype: torch.dtype | None) -> bool:

@@ -166,7 +166,7 @@ def _differences(device: torch.device) -> list[str]:
             for shadows, olds, w in zip(shadow_sets, before, given):
                 what = f"{live_dtype} live into {olds[0].dtype} shadows ({len(given)} averages)"
                 for shadow, old, read in zip(shadows, olds, reads):
-                    wanted = read.to(old.dtype) if w is None else torch.lerp(old.float(), read.float(), w).to(old.dtype)
+                    wanted = read.to(old.dtype) if w is None else torch.lerp(old, read.to(old.dtype), w)  # (the host's)
                     compared.append((what, shadow, wanted))
     counts = torch.stack([(got.view(BITS[got.dtype]) != want.view(BITS[got.dtype])).sum() for _, got, want in compared])
     return list(dict.fromkeys(what for (what, _, _), count in zip(compared, counts.tolist()) if count))

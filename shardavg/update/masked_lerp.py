@@ -39,15 +39,34 @@ def store_from_f32(pointer, value, mask):
 
 
 @triton.jit
+def as_stored(pointer, value):
+    """``value`` (fp32) rounded to the pointer's dtype and widened back exactly: what the host path
+    lerps toward, the live value cast to the average's dtype first (fp32 weights into a bf16
+    average: ``lerp(shadow, live.to(bf16), w)``, ATen's bf16 lerp in fp32 opmath)."""
+    if pointer.dtype.element_ty == tl.bfloat16:
+        bits = value.to(tl.uint32, bitcast=True)
+        rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
+        rounded = tl.where(value != value, 0x7FC0, rounded)  # (NaN: the canonical one, as store_from_f32)
+        result = (rounded << 16).to(tl.float32, bitcast=True)
+    elif pointer.dtype.element_ty == tl.float16:
+        result = value.to(tl.float16).to(tl.float32)
+    else:
+        result = value
+    return result
+
+
+@triton.jit
 def one_shadow(shadow, weight, live_values, offsets, mask, COPY: tl.constexpr):
-    """One average's shadow: a copy of the live values, or ATen's lerp in fp32 opmath, fused."""
+    """One average's shadow: a copy of the live values, or ATen's lerp in fp32 opmath toward the
+    live values in the shadow's dtype (``as_stored``), fused."""
     if COPY:
         result = live_values
     else:
         w = load_f32(weight, None)
         s = load_f32(shadow + offsets, mask)
-        diff = live_values - s
-        result = tl.where(tl.abs(w) < 0.5, tl.fma(w, diff, s), tl.fma(-diff, 1.0 - w, live_values))
+        target = as_stored(shadow, live_values)
+        diff = target - s
+        result = tl.where(tl.abs(w) < 0.5, tl.fma(w, diff, s), tl.fma(-diff, 1.0 - w, target))
     store_from_f32(shadow + offsets, result, mask)
 
 
