@@ -26,7 +26,7 @@ from .rules import (
 )
 from .strategies import detect
 
-__version__ = "0.10.0"
+__version__ = "0.11.0"
 
 __all__ = [
     "EMA",

@@ -165,3 +165,34 @@ def test_the_loop_defaults_are_issue_38s_model_on_a_gpu() -> None:
     assert loop.configured(torch.device("cpu"), {"run": True, "dim": 64, "steps": None}).dim == 64
     with pytest.raises(ValueError, match=r"loop: unknown keys \['width'\]"):
         loop.configured(torch.device("cpu"), {"width": 3})
+
+
+def test_the_verdict_rows_against_the_unchecked_update_and_the_fp32_peers() -> None:
+    """Issue 47's targets: the steady update with a verdict and the same amortized over
+    ``screen_every`` (one screened update in 100), against the check-off update and the fastest
+    peer that keeps an fp32 average (for bf16 weights not torchtitan-style: its average is bf16)."""
+    ms = {"ours": 2.0, "ours, check off": 1.0, "floor": 1.0, "copy floor": 1.5, "stream add floor": 1.0}
+    rows = rows_of_a_case("transformer", ms, {"torchtitan-style": 0.5, "hand-written fp32": 1.0})
+    shards = bench.Shards(1_000_000, 2)
+    rows += [
+        bench.Row("fsdp2", "transformer", "bfloat16", "ours, verdict", "verdict", 1.02, 1.02, 0, 0, "bitwise",
+                  floor_bytes=shards.update_bytes(False), screened=[1], timed=(4, 18)),
+        bench.Row("fsdp2", "transformer", "bfloat16", "ours, verdict, screen_every=1", "verdict", 3.0, 3.0, 0, 0,
+                  "bitwise", floor_bytes=shards.update_bytes(True), screened=list(range(1, 20)), timed=(4, 18)),
+    ]  # fmt: skip
+    bench.against_memory(rows)
+    assert bench.amortized_ms(1.02, 3.0) == pytest.approx(1.02 + (3.0 - 1.02) / 100)
+    figures = bench.verdict_figures(bench.cases(rows)[("fsdp2", "transformer", "bfloat16")])
+    assert figures["fastest fp32 peer"] == 1.0  # (torchtitan-style, 0.5 ms, keeps bf16)
+    records = {r["metric"]: (round(r["value"], 4), r["verdict"]) for r in bench.targets(rows, {})}
+    assert {m: records[m] for m, _ in bench.VERDICT_TARGETS} == {
+        "verdict / check off": (1.02, "PASS"),
+        "verdict / fastest fp32 peer": (1.02, "PASS"),
+        "verdict amortized / check off": (1.0398, "MISS"),
+        "verdict amortized / fastest fp32 peer": (1.0398, "PASS"),
+    }
+    text = bench.verdict_table(rows)
+    assert "| 0.50 (bf16 avg) | 1.00 | 1.020 PASS | 1.020 PASS | 1.040 MISS | 1.040 PASS | 0 of 15 | bitwise |" in text
+    assert bench.verdict_table(rows_of_a_case("transformer", ms, {})) == ""  # (no verdict rows: no table)
+    fp32 = [bench.Row("ddp", "s", "float32", "torchtitan-style", "peer", 1.0, 1.0, 0, 0, "peer")]
+    assert bench.keeps_fp32(fp32[0]) and not bench.keeps_fp32(rows[-4])

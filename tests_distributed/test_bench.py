@@ -1,6 +1,7 @@
 """The benchmark cannot rot: a tiny run has every row, ours matches the engines' own gathers,
-communicates nothing per update and keeps less than the peers; every update row counts the bytes
-it must move, the targets and the training loop are there (counts, never timings)."""
+communicates nothing per update and keeps less than the peers; the update with a verdict screens
+only its first update (``screen_every=1``: every one); every update row counts the bytes it must
+move, the targets and the training loop are there (counts, never timings)."""
 
 from __future__ import annotations
 
@@ -19,7 +20,10 @@ TINY = [
     "loop.layers=1", "loop.dim=16", "loop.batch=8", "loop.steps=2", "loop.warmup=1", "loop.rounds=1",
 ]  # fmt: skip
 METRICS = {"check off / bytes floor", "check off / fastest peer", "check on / check-off bytes floor",
-           "check on / fastest peer", "check on / check off"}  # fmt: skip
+           "check on / fastest peer", "check on / check off", "verdict / check off", "verdict / fastest fp32 peer",
+           "verdict amortized / check off", "verdict amortized / fastest fp32 peer"}  # fmt: skip
+VERDICTS = ("ours, verdict", "ours, verdict, screen_every=1")
+CALLS = 1 + 2 + 1  # warmup, repeats and the update that counts the bytes received
 
 
 def test_a_tiny_bench_has_every_row_and_every_check_passes(tmp_path: Path) -> None:
@@ -35,17 +39,21 @@ def test_a_tiny_bench_has_every_row_and_every_check_passes(tmp_path: Path) -> No
     assert len(cases) == 4 * 2 * 2, sorted(cases)
     for case in cases:
         methods = {r["method"]: r for r in rows if (r["engine"], r["shape"], r["dtype"]) == case}
-        assert {"ours", "ours, check off", "floor", "export: ours"} <= set(methods), (case, sorted(methods))
+        assert {"ours", "ours, check off", *VERDICTS, "floor", "export: ours"} <= set(methods), (case, sorted(methods))
         (peer,) = [r for r in methods.values() if r["check"] == "reference"]
         one, three = methods["3 averages, one averager"], methods["3 averages, three averagers"]
         assert one["extra_bytes_per_rank"] == three["extra_bytes_per_rank"] > 0, (case, one, three)
-        for name in ("ours", "ours, check off", "3 averages, one averager", "3 averages, three averagers"):
+        for name in ("ours", "ours, check off", *VERDICTS, "3 averages, one averager", "3 averages, three averagers"):
             ours = methods[name]
             expected = ("bitwise",) if case[2] == "float32" else ("bitwise", "close")
             assert ours["check"].startswith(expected), (case, name, ours["check"])
             assert ours["comm_bytes_per_update"] == 0, (case, ours)
             single = name.startswith("ours")  # (three averages keep three times the shadows)
             assert 0 < ours["extra_bytes_per_rank"] < peer["extra_bytes_per_rank"] or case[0] == "ddp" or not single
+        steady, every_one = (methods[name] for name in VERDICTS)
+        assert steady["screened"] == [1] and steady["timed"] == [2, 3], (case, steady)  # (the first update only)
+        assert every_one["screened"] == list(range(1, CALLS + 1)), (case, every_one)
+        assert steady["ms_median"] > 0 and every_one["ms_median"] > 0, (case, steady, every_one)
         blocked = {name: r for name, r in methods.items() if r["role"] == "blocked"}
         assert len(blocked) == 4, (case, sorted(blocked))
         for name, row in blocked.items():  # in the background: bitwise the update in the loop (fp32 shadows)
@@ -54,12 +62,14 @@ def test_a_tiny_bench_has_every_row_and_every_check_passes(tmp_path: Path) -> No
             assert peer["comm_bytes_per_update"] > 0, (case, peer)
         assert_bytes_counted(case, methods)
         goals = [t for t in record["targets"] if (t["engine"], t["shape"], t["dtype"]) == case]
-        assert {t["metric"] for t in goals} == METRICS and len(goals) == 5, goals
+        assert {t["metric"] for t in goals} == METRICS and len(goals) == len(METRICS), goals
         assert all(t["verdict"] == ("PASS" if t["value"] <= t["limit"] else "MISS") for t in goals), goals
     assert [r["variant"] for r in record["loop"]] == ["no averager", "check on (default)", "check off",
                                                      "background=True"]  # fmt: skip
     assert all(r["parameters"] == 16 * 64 + 64 + 64 * 16 + 16 for r in record["loop"]), record["loop"]
-    for printed in ("| ours |", "copy bandwidth", "| torchtitan-style |", "targets: ", "| background=True |"):
+    printed_rows = ("| ours |", "copy bandwidth", "| torchtitan-style |", "targets: ", "| background=True |",
+                    "| verdict, screen_every=1 |", "| 0 of 2 |")  # fmt: skip
+    for printed in printed_rows:
         assert printed in launch.output, printed
 
 
@@ -73,6 +83,8 @@ def assert_bytes_counted(case: tuple, methods: dict[str, dict]) -> None:
     elements = off // (itemsize + 8)
     expected = {
         "ours": elements * (2 * itemsize + 8),
+        "ours, verdict": off,
+        "ours, verdict, screen_every=1": elements * (2 * itemsize + 8),
         "3 averages, one averager": elements * (2 * itemsize + 24),
         "3 averages, three averagers": elements * (2 * itemsize + 24),
         "floor": off,

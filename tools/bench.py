@@ -6,6 +6,8 @@
 
 For each engine, model shape and live dtype it times, on the slowest rank after warm-up:
 ``ours`` (``WeightAverager.update()``, with the non-finite check and with ``on_nonfinite="off"``;
+with the loop's verdict, ``update(finite=norm)`` with a finite 0-d norm as ``clip_grad_norm_``
+returns, trusted at ``screen_every=100`` and screened at every update with ``screen_every=1``;
 three averages in one averager and in three), the shard-local peers (``torchtitan-style``: a
 ``torch._foreach_lerp_`` over EMA states cloned from the engine's own parameters, DTensors
 under FSDP2, in their dtype, as torchtitan's ``components/ema.py`` does; for bf16 weights
@@ -24,9 +26,11 @@ turns with the updates: the faster of a streaming copy and ``b += a`` (the updat
 pattern, one tensor read, one read and written; on a CPU a copy's writes also read their lines
 first, unseen by the count, so it reaches about half of it). Each row reports ``bytes floor
 ms`` (its bytes at that speed), ``x bytes floor`` (ms / that), the GB/s achieved and its
-fraction of the memory's. A targets table (issue 38) sets ours against
-the bytes floor and the fastest shard-local peer. ``device: cuda`` runs it on each rank's GPU
-over NCCL (one GPU per rank), the clock stopped after a device sync.
+fraction of the memory's. A targets table (issues 38 and 47) sets ours against
+the bytes floor and the fastest shard-local peer, and the update with a verdict against the
+unchecked update and the fastest peer that keeps an fp32 average; a verdict table shows those
+rows side by side, the steady (trusted) update and its cost amortized over ``screen_every``.
+``device: cuda`` runs it on each rank's GPU over NCCL (one GPU per rank), the clock stopped after a device sync.
 
 The methods take turns on each new set of live weights, so every one sees the same sequence
 (and ours is checked against the reference's average) and a drift in the machine's speed falls
@@ -110,6 +114,7 @@ class Method:
     result: Callable[[], dict | None]
     extra_bytes: Callable[[], int]  # what the average keeps on this rank, read after the updates
     floor_bytes: int = 0  # the bytes its result must move on this rank at least (0: not an update of the shards)
+    screened: Callable[[], list[int]] | None = None  # with a verdict: the calls (1-based) at which the screen ran
 
 
 @dataclass(frozen=True)
@@ -140,6 +145,44 @@ def ours(wrapped: engines.Wrapped, decay: float, check: bool, shards: Shards) ->
     name = "ours" if check else "ours, check off"
     return Method(name, "ours", average.update, average.full_state_dict, average.shadow_bytes,
                   shards.update_bytes(check))  # fmt: skip
+
+
+SCREEN_EVERY = 100  # the default of Options.screen_every: the steady verdict row's cadence
+
+
+def with_verdict(wrapped: engines.Wrapped, decay: float, shards: Shards, screen_every: int) -> Method:
+    """Ours with the loop's verdict: ``update(finite=norm)``, ``norm`` a finite 0-d fp32 tensor on
+    the live shards' device, as ``clip_grad_norm_`` returns it, the check on (``"raise"``). With
+    ``screen_every`` at its default (100) every timed update past the first takes the verdict
+    alone (the steady state; the first update, in the warm-up, screens); with ``screen_every=1``
+    every update screens too (what the periodic screen costs with a verdict). The bytes floor is
+    the check-off update's: a trusted verdict reads no live byte more."""
+    average = WeightAverager(wrapped.model, EMA(decay=decay), screen_every=screen_every)
+    device = next(iter(wrapped.local_shards())).device
+    norm = torch.tensor(1.0, device=device)  # (a total gradient norm: finite)
+    screened = count_screens(average)
+    name = "ours, verdict" if screen_every == SCREEN_EVERY else f"ours, verdict, screen_every={screen_every}"
+    return Method(name, "verdict", lambda: average.update(finite=norm), average.full_state_dict,
+                  average.shadow_bytes, shards.update_bytes(screen_every == 1), screened)  # fmt: skip
+
+
+def count_screens(average: WeightAverager) -> Callable[[], list[int]]:
+    """The calls of ``average.update()`` (1-based) at which the non-finite screen ran, observed by
+    wrapping the updater's decision (``Updater._screening``, read only: what it returns is
+    unchanged); an empty list when that method is not there to observe."""
+    updater = average._state.updater
+    decide = getattr(updater, "_screening", None)
+    calls: list[int] = []
+
+    def screening(given: object) -> bool:
+        screen = decide(given)
+        if screen:
+            calls.append(updater.ordinal)
+        return screen
+
+    if decide is not None:
+        updater._screening = screening
+    return lambda: list(calls)
 
 
 SEVERAL = {"ema": EMA(decay=0.999), "slow": EMA(decay=0.9999), "swa": SWA()}  # the first one is checked
@@ -350,6 +393,8 @@ def methods(wrapped: engines.Wrapped, decay: float, shards: Shards, device: torc
     return [
         lambda: ours(wrapped, decay, True, shards),
         lambda: ours(wrapped, decay, False, shards),
+        lambda: with_verdict(wrapped, decay, shards, SCREEN_EVERY),
+        lambda: with_verdict(wrapped, decay, shards, 1),
         lambda: several_in_one(wrapped, shards),
         lambda: several_apart(wrapped, shards),
         *(lambda peer=peer: peer(wrapped, decay, shards) for peer in local_peers),
@@ -380,6 +425,8 @@ class Row:
     bytes_floor_ms: float = 0.0  # floor_bytes at the memory's GB/s (the faster stream of the same case and run)
     x_bytes_floor: float = 0.0  # ms median / bytes_floor_ms
     of_memory: float = 0.0  # gb_per_s / the memory's GB/s
+    screened: list[int] | None = None  # with a verdict: the updates (1-based) that ran the screen; None: no verdict
+    timed: tuple[int, int] = (0, 0)  # the updates (1-based, inclusive) in the timed window
 
 
 def compare(got: dict | None, want: dict | None, dtype: torch.dtype, failing: str) -> str:
@@ -418,7 +465,7 @@ def run_case(kind: str, shape_name: str, shape: dict, dtype: torch.dtype, cfg: d
     # makes our next update re-verify the model): they take their turns apart from ours, on the
     # same sequence of live weights from the same start.
     phases = [
-        [m for m in built if m.role in ("ours", "floor", "copy", "several", "peer")],
+        [m for m in built if m.role in ("ours", "verdict", "floor", "copy", "several", "peer")],
         [m for m in built if m.role in ("reference", "replica")],
     ]
     measured = {}
@@ -442,12 +489,15 @@ def run_case(kind: str, shape_name: str, shape: dict, dtype: torch.dtype, cfg: d
         result = method.result()
         reference = result if method.role == "reference" else reference
         results.append((method.role, result))
+        screened = method.screened() if method.screened else None
+        window = (cfg["warmup"] + 1, cfg["warmup"] + cfg["repeats"])
         rows.append(
             Row(kind, shape_name, str(dtype)[6:], method.name, method.role, timing.median_ms, timing.p90_ms, int(comm),
-                int(extra), "", floor_bytes=method.floor_bytes)
+                int(extra), "", floor_bytes=method.floor_bytes, screened=screened, timed=window)
         )  # fmt: skip
     against_memory(rows)
-    checks = {"ours": "FAIL", "several": "FAIL", "replica": "differs"}  # (AveragedModel's bf16 copy loses the average)
+    # (AveragedModel's bf16 copy loses the average: "differs")
+    checks = {"ours": "FAIL", "verdict": "FAIL", "several": "FAIL", "replica": "differs"}
     for row, (role, result) in zip(rows, results):
         row.check = compare(result, reference, dtype, checks[role]) if role in checks else role.replace("floor", "-")
         row.check = "-" if role == "copy" else row.check
@@ -671,6 +721,51 @@ TARGETS = (
 )
 # on a GPU also, at least: the fraction of the memory's GB/s each of ours reaches
 GPU_TARGETS = (("check on, of memory", 0.8, 0.5), ("check off, of memory", 0.8, 0.5))
+# issue 47, every shape, at most: ours with the loop's verdict, the steady (trusted) update and the
+# same amortized over screen_every (one screened update in SCREEN_EVERY)
+VERDICT_TARGETS = (
+    ("verdict / check off", 1.03),
+    ("verdict / fastest fp32 peer", 1.05),
+    ("verdict amortized / check off", 1.03),
+    ("verdict amortized / fastest fp32 peer", 1.05),
+)
+
+
+def keeps_fp32(row: Row) -> bool:
+    """A shard-local peer whose average is fp32: hand-written fp32 always, torchtitan-style (which
+    keeps the parameters' dtype) for fp32 weights only."""
+    return row.role == "peer" and (row.method == "hand-written fp32" or row.dtype == "float32")
+
+
+def amortized_ms(steady: float, screened: float, every: int = SCREEN_EVERY) -> float:
+    """An update's cost with a verdict over ``every`` updates: ``every - 1`` taking the verdict alone
+    (``steady``) and one that also screens (``screened``)."""
+    return ((every - 1) * steady + screened) / every
+
+
+def verdict_figures(by_role: dict[str, list[Row]]) -> dict[str, float] | None:
+    """One case's update with a verdict against the unchecked update and the peers (ms medians and
+    ratios); None when the case has no verdict rows."""
+    verdicts = {r.method: r for r in by_role.get("verdict", [])}
+    steady, every_one = verdicts.get("ours, verdict"), verdicts.get("ours, verdict, screen_every=1")
+    if steady is None or every_one is None:
+        return None
+    on, off = by_role["ours"]
+    peers = by_role.get("peer", [])
+    fastest = min((r.ms_median for r in peers if keeps_fp32(r)), default=float("nan"))
+    amortized = amortized_ms(steady.ms_median, every_one.ms_median)
+    return {
+        "verdict": steady.ms_median,
+        "screened": every_one.ms_median,
+        "amortized": amortized,
+        "check off": off.ms_median,
+        "check on": on.ms_median,
+        "fastest fp32 peer": fastest,
+        "verdict / check off": steady.ms_median / off.ms_median,
+        "verdict / fastest fp32 peer": steady.ms_median / fastest,
+        "verdict amortized / check off": amortized / off.ms_median,
+        "verdict amortized / fastest fp32 peer": amortized / fastest,
+    }
 
 
 def targets(rows: list[Row], kinds: dict[str, str], device_type: str = "cpu") -> list[dict]:
@@ -691,6 +786,9 @@ def targets(rows: list[Row], kinds: dict[str, str], device_type: str = "cpu") ->
         measured = [(target, value, True) for target, value in zip(TARGETS, at_most)]
         if device_type == "cuda":
             measured += [(target, row.of_memory, False) for target, row in zip(GPU_TARGETS, (on, off))]
+        figures = verdict_figures(by_role)
+        if figures is not None:
+            measured += [((metric, limit, limit), figures[metric], True) for metric, limit in VERDICT_TARGETS]
         for (metric, large, small), value, most in measured:
             limit = small if kinds.get(shape) == "many_small" else large
             passed = value <= limit if most else value >= limit  # (nan, no peer: MISS)
@@ -715,6 +813,44 @@ def targets_table(records: list[dict]) -> str:
     missed = sum(r["verdict"] == "MISS" for r in records)
     lines += ["", f"targets: {len(records) - missed} of {len(records)} PASS, {missed} MISS"]
     return "\n".join(lines)
+
+
+def peer_ms(row: Row | None) -> str:
+    """A peer's ms median, marked where its average is not fp32; ``-`` where the case has no such peer."""
+    return "-" if row is None else f"{row.ms_median:.2f}" + ("" if keeps_fp32(row) else " (bf16 avg)")
+
+
+def judged(metric: str, value: float) -> str:
+    """``value`` of one of issue 47's ratios with PASS or MISS against its limit."""
+    return f"{value:.3f} {'PASS' if value <= dict(VERDICT_TARGETS)[metric] else 'MISS'}"
+
+
+def verdict_table(rows: list[Row]) -> str:
+    """Markdown, one line per case: ours with the loop's verdict (the steady update, trusted; one
+    screened at every update; amortized over ``SCREEN_EVERY``), the unchecked and checked updates
+    and the shard-local peers (ms medians), the ratios of issue 47's targets with PASS or MISS,
+    and how many timed updates of the steady row ran the screen."""
+    lines = [
+        "| engine | shape | live | verdict | verdict, screen_every=1 | verdict amortized (1 in "
+        f"{SCREEN_EVERY}) | check off | check on (screen) | torchtitan-style | hand-written fp32 "
+        "| verdict / check off | verdict / fastest fp32 peer | amortized / check off | amortized / fastest fp32 peer "
+        "| screens timed | check |",
+        "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---|---|---|---|---|---|",
+    ]
+    for case, by_role in cases(rows).items():
+        figures = verdict_figures(by_role)
+        if figures is None:
+            continue
+        peers = {r.method: r for r in by_role.get("peer", [])}
+        steady = next(r for r in by_role["verdict"] if r.method == "ours, verdict")
+        first, last = steady.timed
+        timed = sum(first <= n <= last for n in steady.screened or [])
+        cells = [f"{figures[k]:.2f}" for k in ("verdict", "screened", "amortized", "check off", "check on")]
+        cells += [peer_ms(peers.get(name)) for name in ("torchtitan-style", "hand-written fp32")]
+        cells += [judged(metric, figures[metric]) for metric, _ in VERDICT_TARGETS]
+        cells += [f"{timed} of {last - first + 1}", steady.check]
+        lines.append(f"| {' | '.join(case)} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) if len(lines) > 2 else ""
 
 
 def alone_at_one_rank() -> None:
@@ -779,7 +915,8 @@ def main() -> None:
     loop_rows, loop_table = training_loop(cfg, device)
     if rank == 0:
         goals = targets(rows, {name: shape["kind"] for name, shape in cfg["shapes"].items()}, device.type)
-        tables = [table(rows, bandwidth, world, device), summary(rows), targets_table(goals), loop_table]
+        tables = [table(rows, bandwidth, world, device), summary(rows), targets_table(goals), verdict_table(rows),
+                  loop_table]  # fmt: skip
         log.info("%s", "\n\n".join(t for t in tables if t))
         if args.json:
             record = {"rows": [asdict(r) for r in rows], "targets": goals, "loop": loop_rows,

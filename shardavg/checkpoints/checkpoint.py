@@ -24,7 +24,7 @@ import os
 import secrets
 import shutil
 import warnings
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -37,6 +37,7 @@ from ..layouts.parts import Part, box_slices, intersect
 from ..layouts.tensor_layout import MeshLayout, world_grid
 from ..state.average_state import AverageState
 from ..state.description import Description, TensorEntry, tensor_key
+from ..strategies import refuse_unlike_values
 from .format import MANIFEST, SAVE_ID_KEY, STEP_DIR, manifest_json, saved_length, shard_file, step_directory
 from .ownership import (
     STAGING_MARKER,
@@ -252,6 +253,47 @@ def _prune(directory: Path, keep_last: int) -> None:
         shutil.rmtree(old)
 
 
+def refuse_unlike_replicas(
+    state: AverageState, what: str, averages: Sequence[str | None] = (None,), live: bool = False
+) -> None:
+    """Collective, where a collective read of the averager begins (export, ``full_state_dict``,
+    ``copy_to``, ``save``): under the replicated strategy, refuse ``what`` unless every rank holds
+    the same values of each parameter it is about to read, one all-reduce of a digest per
+    parameter (``strategies.replicated``). Exactly the values read are compared: the averages
+    named (with ``live``, the live weights), and the live values of parameters not averaged.
+    Buffers are not compared: ranks may hold their own (BatchNorm statistics), and the owner's is
+    the one written. The update counts ride along, so that ranks that applied different updates
+    are left to ``check_ranks_agree``, which says so.
+
+    Raises:
+        StrategyError: Two ranks hold different values of a parameter (on every rank).
+    """
+    if state.strategy.name != "replicated" or world_size() == 1:
+        return
+    me, several = rank(), len(state.averages) > 1
+    read: list[tuple[int, str | None]] = []
+    for index, info in enumerate(state.infos):
+        if info.kind == "param":
+            averaged = not live and state.roles[index] == "average"
+            read += [(index, average) for average in averages] if averaged else [(index, None)]
+    error: BaseException | None = None
+    values: list[torch.Tensor | None] = [None] * len(read)
+    try:
+        state.updater.settle()  # (the counts compared are those the later checks read)
+        for position, (index, average) in enumerate(read):
+            if state.layout.holds_whole(index, me):
+                values[position] = state.flat_part(index, average, live)
+    except Exception as caught:  # raised on every rank, alike, by the collective below
+        error = caught
+    labels = [
+        repr(state.infos[index].name)
+        + (" (live)" if live else f" in the average {average!r}" if several and average is not None else "")
+        for index, average in read
+    ]
+    counts = [state.num_updates, state.num_skipped]
+    refuse_unlike_values(values, labels, what, state.gather_bucket_bytes, counts, error)
+
+
 def save(
     state: AverageState, directory: str | os.PathLike, keep_last: int | None = None, dtype: torch.dtype | None = None
 ) -> Path:
@@ -273,6 +315,7 @@ def save(
         return local.to(dtype) if cast(index) else local
 
     state.check_current()
+    refuse_unlike_replicas(state, f"saving {directory}", state.names)
     directory = target_path(directory, "save", replaced_whole=not keep_last)
     target = directory / step_directory(state.step) if keep_last else directory
     staging = staging_path(target)

@@ -26,6 +26,7 @@ from ..base import validate
 from ..base.dist import digest, rank, same_everywhere, world_size
 from ..base.dtypes import dtype_name
 from ..base.errors import ExportError
+from ..checkpoints.checkpoint import refuse_unlike_replicas
 from ..state.average_state import AverageState
 from ..state.description import Description
 from .model_writer import cast, export_entries, parse_size, write_spread
@@ -64,6 +65,7 @@ def export(
             f"exporting to {path}: the ranks name different folders or writers, or planned different files: every "
             "rank passes the same arguments, and the folder is on a file system every rank sees"
         )
+    refuse_unlike_replicas(state, f"exporting to {path}", [name], live)  # (before anything is written)
     held = [] if writers is not None else _held_in_ranges(state)  # (every rank writing: each its own parts)
     largest = min(state.gather_bucket_bytes, max(1, plan.total_bytes // len(ranks)))
     written_held = frozenset(held)
@@ -227,6 +229,7 @@ def _rounds(items_bytes: list[int], owner: list[int], writers: int, bucket_bytes
 
 def full_state_dict(state: AverageState, average: str | None, live: bool = False) -> dict[str, torch.Tensor]:
     """Collective: on rank 0 ``{name: full tensor}`` on CPU (every name of a tied tensor), ``{}`` elsewhere."""
+    refuse_unlike_replicas(state, "full_state_dict()", [None if live else state.average(average).name], live)
     result: dict[str, torch.Tensor] = {}
     for info, full in state.gathered(dst=0, average=average, live=live):
         if full is not None:
@@ -253,6 +256,7 @@ def copy_to(state: AverageState, module: nn.Module, average: str | None) -> None
             f"copy_to(): {type(module).__name__} does not match the averaged model: missing {missing}, "
             f"unexpected {unexpected}, mis-shaped {misshaped}"
         )
+    refuse_unlike_replicas(state, "copy_to()", [state.average(average).name])
     with torch.no_grad():
         for info, full in state.gathered(dst=None, average=average):
             for name in info.names:

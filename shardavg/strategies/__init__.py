@@ -15,7 +15,7 @@ from .base import ModuleStrategy, Strategy, TensorInfo, canonical_name, unwrap
 from .fsdp1 import FSDP1
 from .fsdp2 import FSDP2
 from .pipeline import Pipeline
-from .replicated import Replicated
+from .replicated import Replicated, refuse_non_replicas, refuse_unlike_values
 from .zero3 import Zero3
 from .zero12 import Zero12Master
 
@@ -67,17 +67,28 @@ def make_strategy(
 
     Raises:
         StrategyError: An unknown ``strategy`` or ``source``, a strategy or ``"master"`` source that
-            does not fit the model, a list of parts without ``pipeline`` or a non-module part.
+            does not fit the model, a list of parts without ``pipeline`` or a non-module part; for the
+            replicated and ZeRO-1/2 adapters, tensors that are not replicas (Megatron's tensor-parallel
+            slices, or shapes that differ between ranks: ``replicated.refuse_non_replicas``).
     """
     if pipeline is not None:
         parts = list(model) if isinstance(model, (list, tuple)) else [model]
         if not parts or not all(isinstance(part, nn.Module) for part in parts):
             raise StrategyError(f"with pipeline=..., pass this rank's stage module or a list of them, got {model!r}")
-        return Pipeline([make_strategy(part, strategy, source) for part in parts], pipeline)
+        adapters = [_one(part, strategy, source) for part in parts]
+        refuse_non_replicas(adapters, compare_shapes=False)  # (the stages compare their ranks' tensors themselves)
+        return Pipeline(adapters, pipeline)
     if isinstance(model, (list, tuple)):
         raise StrategyError(
             "a list of model parts is a pipeline's stages: pass pipeline=<the pipeline's process group or mesh>"
         )
+    adapter = _one(model, strategy, source)
+    refuse_non_replicas([adapter], compare_shapes=True)
+    return adapter
+
+
+def _one(model: nn.Module, strategy: str, source: str) -> ModuleStrategy:
+    """The adapter for one model (or pipeline stage), unchecked against the other ranks."""
     if source not in SOURCES:
         raise StrategyError(f"unknown source {source!r}; expected one of {SOURCES}")
     if strategy == "auto":
@@ -113,5 +124,6 @@ __all__ = [
     "canonical_name",
     "detect",
     "make_strategy",
+    "refuse_unlike_values",
     "unwrap",
 ]

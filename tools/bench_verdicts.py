@@ -1,0 +1,54 @@
+"""Issue 47's verdict rows over repeated runs of ``tools.bench``, from the runs' own ``--json``.
+
+    torchrun --nproc_per_node 2 -m tools.bench --config configs/bench.yaml --json run1.json ...
+    python -m tools.bench_verdicts run1.json run2.json run3.json
+
+Prints the verdict table of each run (``bench.verdict_table``: the update with a verdict, the
+unchecked and checked updates and the peers, ms medians) and one table of the four target ratios
+per case across the runs (each run's value, in order, and how many runs met the limit), so that a
+miss can be told from the noise of a shared machine. Nothing is measured here.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+from tools import bench
+
+
+def rows_of(path: Path) -> list[bench.Row]:
+    """The rows a bench run wrote with ``--json``."""
+    record = json.loads(path.read_text())
+    return [bench.Row(**{**row, "timed": tuple(row.get("timed", (0, 0)))}) for row in record["rows"]]
+
+
+def across(runs: list[list[bench.Row]]) -> str:
+    """Markdown, one line per case: each target ratio in every run (in order) and the runs that met it."""
+    metrics = [metric for metric, _ in bench.VERDICT_TARGETS]
+    limits = dict(bench.VERDICT_TARGETS)
+    header = " | ".join(f"{metric} (<= {limits[metric]:.2f})" for metric in metrics)
+    lines = [f"| engine | shape | live | {header} |", "|---|---|---|" + "---|" * len(metrics)]
+    figures_by_run = [
+        {case: bench.verdict_figures(by_role) for case, by_role in bench.cases(rows).items()} for rows in runs
+    ]
+    for case in figures_by_run[0]:
+        cells = []
+        for metric in metrics:
+            values = [figures[case][metric] for figures in figures_by_run if figures.get(case)]
+            met = sum(value <= limits[metric] for value in values)
+            cells.append(", ".join(f"{value:.3f}" for value in values) + f" ({met} of {len(values)} met)")
+        lines.append(f"| {' | '.join(case)} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def main(paths: list[str]) -> None:
+    runs = [rows_of(Path(path)) for path in paths]
+    for path, rows in zip(paths, runs):
+        print(f"{path}:\n\n{bench.verdict_table(rows)}\n")
+    print(across(runs))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
