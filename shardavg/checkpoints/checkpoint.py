@@ -268,7 +268,7 @@ def refuse_unlike_replicas(
     Raises:
         StrategyError: Two ranks hold different values of a parameter (on every rank).
     """
-    if state.strategy.name != "replicated" or world_size() == 1:
+    if not state.strategy.copies_everywhere or world_size() == 1:
         return
     me, several = rank(), len(state.averages) > 1
     read: list[tuple[int, str | None]] = []

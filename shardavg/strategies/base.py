@@ -215,11 +215,15 @@ class Strategy(ABC):
         name: The adapter's name, as ``strategy=`` and saved descriptions spell it.
         swap_gathers: Whether ``swapped()`` must gather the average (a collective): the forward
             reads whole tensors of which this rank averages a part (ZeRO-1/2 masters).
+        copies_everywhere: Whether every rank holds a whole copy of every tensor, none of it
+            placed by the engine, so that a collective read must first see that the copies agree
+            (``replicated.refuse_unlike_values``): hand-written tensor parallelism looks the same.
         model: What the user passed (its modules are watched for replaced parameters).
     """
 
     name: ClassVar[str]
     swap_gathers: ClassVar[bool] = False
+    copies_everywhere: ClassVar[bool] = False
     model: nn.Module
 
     @abstractmethod

@@ -56,6 +56,7 @@ class Replicated(ModuleStrategy):
     """
 
     name = "replicated"
+    copies_everywhere = True
 
     @staticmethod
     def fits(model: nn.Module) -> bool:
