@@ -33,8 +33,8 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 import shardavg
 from launch.engines import Wrapped
 from shardavg import WeightAverager
-from shardavg.checkpoints.format import step_directory
-from shardavg.checkpoints.storage import commit_directory, staging_path
+from shardavg.checkpoints.format import step_folder
+from shardavg.checkpoints.storage import commit_folder, staging_path
 
 MARKER = "train.json"
 STEP = re.compile(r"step-(\d{8,9})")  # (eight digits: checkpoints of runs before the library's naming)
@@ -84,7 +84,7 @@ def save_async(
 def _prepare(root: Path, step: int) -> tuple[Path, Path]:
     """Collective: the target folder of ``step`` and its fresh staging folder (rank 0 clears a
     crashed earlier attempt's); refuses a target that is not one of this job's checkpoints."""
-    target = root / step_directory(step)
+    target = root / step_folder(step)
     staging = staging_path(target)
     if target.exists() and not (target / MARKER).is_file():
         raise RuntimeError(f"{target} exists and is not a checkpoint of this job: refusing to replace it")
@@ -101,7 +101,7 @@ def commit(root: Path, staging: Path, target: Path, step: int, engine: str, keep
     replaces its own), and all but the newest ``keep_last`` finished checkpoints removed."""
     record = {"step": step, "engine": engine, "files": digests(staging)}
     (staging / MARKER).write_text(json.dumps(record, indent=1))
-    commit_directory(staging, target)
+    commit_folder(staging, target)
     for old in finished(root)[:-keep_last]:
         shutil.rmtree(old)
 

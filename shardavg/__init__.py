@@ -1,4 +1,10 @@
-"""shardavg: shard-local weight averaging (EMA, SWA, power-function EMA) for distributed training."""
+"""shardavg: shard-local weight averaging (EMA, SWA, power-function EMA) for distributed training.
+
+This module, ``averager``, ``posthoc``, ``cli`` and ``__main__`` are the face: what users call. The
+other packages are the folders and ``rules`` (docs/packages.md); this docstring says what the face stands on.
+
+It may import: base, rules, strategies, update, state, checkpoints, output, offline.
+"""
 
 from .averager import WeightAverager
 from .base.errors import (
@@ -25,8 +31,9 @@ from .rules import (
     rule_from_config,
 )
 from .strategies import detect
+from .update.options import Options
 
-__version__ = "0.11.0"
+__version__ = "0.12.0"
 
 __all__ = [
     "EMA",
@@ -38,6 +45,7 @@ __all__ = [
     "LayoutError",
     "ModelChangedError",
     "NonFiniteError",
+    "Options",
     "PostHocEMA",
     "PowerEMA",
     "ProvenanceError",

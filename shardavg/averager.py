@@ -1,8 +1,8 @@
 """``WeightAverager``: an average of a model's weights kept next to the shards each rank owns.
 
-The flow is engine -> strategy adapter -> averager: the adapter says which tensors exist and
-where this rank's shard of each is (its *local view*); the averager keeps a shadow of every
-local view and updates it in place with a few fused ``torch._foreach_*`` calls, with no
+The flow is engine -> strategy -> averager: the strategy says which tensors exist and
+where this rank's shard of each is (its *local shard*); the averager keeps a shadow of every
+local shard and updates it in place with a few fused ``torch._foreach_*`` calls, with no
 communication. Full tensors are gathered only on request (``full_state_dict``, ``copy_to``,
 ``export``), one bounded bucket at a time. This class is the front: the state lives in
 ``state/average_state.py``, the update in ``update/updater.py``, swapping in ``state/swap.py``, gathers and exports in
@@ -11,6 +11,7 @@ communication. Full tensors are gathered only on request (``full_state_dict``, `
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import inspect
 import os
@@ -24,13 +25,15 @@ import torch
 from torch import nn
 
 from .base import validate
+from .base.dist import agree_or_raise
 from .base.logs import built_by_user, log
 from .checkpoints import checkpoint, stateful
 from .output import export
+from .output.write_options import DEFAULTS
 from .rules import EMA, MultiAvgFn, Rule, named_rules
 from .state import swap
 from .state.average_state import AverageState
-from .strategies import make_strategy
+from .strategies import make_strategy, megatron
 from .update.background import wait_for_every_update
 from .update.options import Options
 
@@ -79,16 +82,17 @@ class WeightAverager:
 
     Args:
         model: A ``DeepSpeedEngine``, an FSDP1 module, a module with DTensor parameters
-            (``fully_shard``, tensor or expert parallel, any mix), a DDP module or a plain
-            ``nn.Module``; with ``pipeline``, this rank's stage (or a list of its stages).
+            (``fully_shard``, tensor or expert parallel, any mix), a Megatron-Core model (or this
+            rank's list of its virtual-pipeline chunks), a DDP module or a plain ``nn.Module``;
+            with ``pipeline``, this rank's stage (or a list of its stages).
         rule: ``EMA(...)``, ``SWA()``, ``PowerEMA(...)``, a ``multi_avg_fn(shadows, lives,
             num_updates)`` such as ``get_ema_multi_avg_fn(0.999)``, or a dict of them to keep
             several named averages (``{"ema": EMA(decay=0.999), "swa": SWA()}``), which share one
-            read of the live shards per update; methods that use one average then take its name.
+            read of the local shards per update; methods that use one average then take its name.
             Default ``EMA(decay=0.999)``.
         strategy: ``"auto"`` (detect, see [`detect`][shardavg.detect]) or one of ``"replicated"``,
-            ``"fsdp1"``, ``"fsdp2"``, ``"zero3"``; a forced strategy that does not fit the model is
-            refused.
+            ``"fsdp1"``, ``"fsdp2"``, ``"zero3"``, ``"megatron"``; a forced strategy that does not fit
+            the model is refused.
         source: ``"live"`` (the weights the model holds) or ``"master"`` (a DeepSpeed ZeRO-1/2/3
             engine's fp32 masters: this rank's part of them).
         pipeline: The process group or mesh of this rank's pipeline, as ``PipelineStage`` gets it;
@@ -102,7 +106,7 @@ class WeightAverager:
         rule: The rule of the only average.
         rules: Each average's rule, by name (``None`` for a single unnamed average).
         options: The settings ([`Options`][shardavg.update.options.Options]) it was built with.
-        strategy: The engine adapter in use.
+        strategy: The engine's strategy in use.
         layout: Which rank holds which part of every tensor.
         step: The last step seen by ``update()`` (restored by ``load``).
         tensors: Each tensor tracked (a ``TensorInfo``), with this rank's part.
@@ -144,8 +148,8 @@ class WeightAverager:
         **options: Any,
     ) -> None:
         settings = checked_options(options)
-        adapter = make_strategy(model, strategy, source, pipeline)
-        self._state = state = AverageState(adapter, named_rules(rule), settings)
+        made = make_strategy(model, strategy, source, pipeline)
+        self._state = state = AverageState(made, named_rules(rule), settings)
         narrowed = state.narrowed()
         if narrowed:
             warnings.warn(
@@ -157,7 +161,7 @@ class WeightAverager:
     rule = property(lambda self: self._state.average(None).rule, doc="The rule of the only average.")
     rules = property(lambda self: {n: a.rule for n, a in self._state.averages.items()}, doc="Each average's rule.")
     options = property(lambda self: self._state.options, doc="The settings (``Options``) it was built with.")
-    strategy = property(lambda self: self._state.strategy, doc="The engine adapter in use.")
+    strategy = property(lambda self: self._state.strategy, doc="The engine's strategy in use.")
     layout = property(lambda self: self._state.layout, doc="Which rank holds which part of every tensor.")
     step = property(lambda self: self._state.step, doc="The last step seen by update() (restored by load).")
 
@@ -230,7 +234,7 @@ class WeightAverager:
         self._state.gather_bucket_bytes = value
 
     def update(self, step: int | None = None, *, finite: bool | torch.Tensor | None = None) -> bool:
-        """Average the live shards in; call after ``optimizer.step()``, every step. No communication.
+        """Average the local shards in; call after ``optimizer.step()``, every step. No communication.
 
         The update runs at ``start_step + k * every_n_steps``, the first one copying. A refused
         call changes nothing.
@@ -338,7 +342,7 @@ class WeightAverager:
         """A context in which the live model holds an average.
 
         Shard-local, no gather (but under ZeRO-1/2 masters, where every rank holds the whole
-        model: a collective there). The live shards come back bit for bit on exit, also when the
+        model: a collective there). The local shards come back bit for bit on exit, also when the
         block raises.
 
         Args:
@@ -417,11 +421,11 @@ class WeightAverager:
     def export(
         self,
         path: str | os.PathLike,
-        max_shard_size: int | str = "5GB",
-        dtype: torch.dtype | None = None,
+        max_shard_size: int | str = DEFAULTS.max_shard_size,
+        dtype: torch.dtype | None = DEFAULTS.dtype,
         average: str | None = None,
         live: bool = False,
-        writers: int | None = None,
+        writers: int | None = DEFAULTS.writers,
     ) -> Path:
         """Collective: write the full average as safetensors into a model folder.
 
@@ -431,8 +435,9 @@ class WeightAverager:
 
         Args:
             path: The folder; every writer must see it (a shared file system).
-            max_shard_size: Above this size (bytes, or a string such as ``"5GB"``, ``"500MiB"``)
-                the Hugging Face sharded layout with its index is written.
+            max_shard_size: Above this size (bytes, or a string such as ``"2GB"``, ``"500MiB"``;
+                default ``WriteOptions.max_shard_size``) the Hugging Face sharded layout with its
+                index is written.
             dtype: Cast floating tensors to this dtype; None keeps each tensor's own.
             average: The average's name; None for the only one.
             live: Write the live weights instead of the average.
@@ -487,6 +492,100 @@ class WeightAverager:
                 (under ``strict``) any difference above.
         """
         stateful.load_state_dict(self._state, state_dict, strict)
+
+    @_after_the_update
+    def sharded_state_dict(
+        self, prefix: str = "ema.", average: str | None = None, metadata: Mapping[str, Any] | None = None
+    ) -> dict[str, Any]:
+        """Megatron-Core only: the average as Megatron's own checkpoints describe the model.
+
+        One ``ShardedTensor`` per tensor this rank holds, built from the model's own
+        ``sharded_state_dict(metadata=metadata)`` (the same offsets, fragmentation, replica ids and
+        stacked layer axes) with this rank's shadow as data and ``prefix`` before every key; and the
+        counters (``num_updates``, ``step``), kept by every rank and written by rank 0. So
+        Megatron's ``dist_checkpointing`` saves the average beside the model and optimizer in one
+        checkpoint, and loads it at any other TP/PP/DP layout::
+
+            from megatron.core import dist_checkpointing
+            dist_checkpointing.save({**model.sharded_state_dict(), **avg.sharded_state_dict()}, folder)
+            # resume (any layout): the averager's own sharded_state_dict() is the load template
+            loaded = dist_checkpointing.load({**model.sharded_state_dict(), **avg.sharded_state_dict()}, folder)
+            avg.load_sharded_state_dict(loaded)
+
+        With ``prefix=""`` the checkpoint is the averaged model itself, under the model's own keys:
+        ``dist_checkpointing.load(model.sharded_state_dict(), folder)`` loads it into a ``GPTModel``
+        for evaluation or serving, at any layout. The tensors are the shadows themselves (the
+        template loads into them in place); frozen parameters carry copies of their live values.
+        Under a virtual pipeline the chunks' entries are under ``{prefix}model0``, ``{prefix}model1``...
+
+        Args:
+            prefix: Put before every key (Megatron's and the dict's), so the average does not
+                collide with the model in one checkpoint. Default ``"ema."``.
+            average: The average's name; None for the only one.
+            metadata: Megatron's ``sharded_state_dict`` metadata, as the model's own call gets it.
+
+        Returns:
+            A sharded state dict for ``dist_checkpointing.save`` / ``load``.
+
+        Raises:
+            StrategyError: The averager does not average a Megatron-Core model (save with ``save``
+                or ``state_dict`` then).
+            ValueError: No average of that name, or None while several averages are kept.
+            ModelChangedError: The model's tensors are no longer those the averager was built on.
+        """
+        state = self._state
+        state.updater.require_whole("sharded_state_dict()")
+        state.verify_structure()
+        name = state.average(average).name
+        values = [
+            state.flat_part(index, name) if state.stored(index) else state.flat_part(index, live=True).clone()
+            for index in range(len(state.infos))
+        ]
+        counters = torch.tensor([self.step, self.num_updates, self.num_skipped], dtype=torch.int64)
+        names = [info.name for info in state.infos]
+        return megatron.sharded_average(state.strategy, names, values, counters, prefix, metadata)
+
+    @_after_the_update
+    def load_sharded_state_dict(
+        self, state_dict: Mapping[str, Any], prefix: str = "ema.", average: str | None = None
+    ) -> None:
+        """Collective, Megatron-Core only: restore an average from what ``dist_checkpointing.load`` returned.
+
+        The load's template must hold this averager's own ``sharded_state_dict(prefix, average)``
+        (built on the model as it is now laid out, at any TP/PP/DP): Megatron then reshards the
+        saved average into its shadows in place, and this takes the counters and checks that
+        every tensor came back (copying any that was loaded elsewhere). Checked on every rank
+        before anything changes.
+
+        Args:
+            state_dict: What ``dist_checkpointing.load`` returned.
+            prefix: The prefix the average was saved under.
+            average: The average's name; None for the only one.
+
+        Raises:
+            CheckpointError: On every rank, naming the rank and its reason: a tensor or the counters
+                missing, or of another shape than this rank's slice; no average of that name; or the
+                averager does not average a Megatron-Core model.
+        """
+        state = self._state
+        error: BaseException | None = None
+        try:
+            name = state.average(average).name
+            found, counters = megatron.loaded_average(state.strategy, [i.name for i in state.infos], state_dict, prefix)
+        except Exception as caught:  # raised on every rank below, not here alone
+            error = caught
+        agree_or_raise(error, "loading the averager's sharded state dict")
+        with torch.no_grad():
+            for index, value in found.items():
+                if state.stored(index):
+                    target = state.flat_part(index, name)
+                    if target.data_ptr() != value.data_ptr():  # (loaded in place otherwise)
+                        target.copy_(value.reshape(-1))
+        step, num_updates, num_skipped = (int(count) for count in counters.tolist())
+        every = {key for index in range(len(state.infos)) for key, _ in state.keys(index)}
+        state.resume(
+            dataclasses.replace(state.describe(), step=step, num_updates=num_updates, num_skipped=num_skipped), every
+        )
 
     @_after_the_update
     def save(

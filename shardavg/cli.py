@@ -17,16 +17,19 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, NoReturn
 
-import torch
-
 from .base.dtypes import DTYPES
 from .base.errors import CheckpointError
 from .base.logs import log
 from .base.progress import Progress
+from .offline.methods import METHODS, given
 from .offline.saved_average import SavedAverage
+from .output.megatron_run import TRACKER
 from .output.model_folder import folder_summary, is_model_folder
+from .output.write_options import add_flags, from_args
 
-EXPORT_DTYPES = ("float32", "bfloat16", "float16")
+EXPORT_OPTIONS = ("max_shard_size", "dtype")  # the write options (output.write_options) each command takes
+POSTHOC_OPTIONS = ("max_shard_size", "dtype")
+MERGE_OPTIONS = ("max_shard_size", "dtype", "output", "iteration")
 QUIET_HELP = "show no progress (shown on stderr when it is a terminal: bytes written, rate, time left)"
 GROUP_VARIABLES = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")  # torchrun's rendezvous for its workers
 
@@ -43,26 +46,21 @@ def _parser() -> argparse.ArgumentParser:
         prog="shardavg",
         description="Work with shardavg checkpoints offline: one process, no process group, "
         "one tensor in memory at a time.",
-        epilog="CKPT_DIR is a directory written by avg.save() (a checkpoint, or the parent of step-* "
+        epilog="CKPT_DIR is a folder written by avg.save() (a checkpoint, or the parent of step-* "
         "checkpoints, of which the newest committed one is used), or a torch.distributed.checkpoint "
-        "directory holding an averager under --key.",
+        "folder holding an averager under --key.",
     )
     commands = parser.add_subparsers(dest="command", required=True)
     export = commands.add_parser(
         "export",
         help="write the full averaged model as safetensors",
-        description="Consolidate the averaged weights into OUT (a directory): model.safetensors, or "
+        description="Consolidate the averaged weights into OUT (a folder): model.safetensors, or "
         "model-ID-0000k-of-0000N.safetensors files with model.safetensors.index.json above --max-shard-size. "
         "Keys are the plain model's parameter and buffer names, so the result loads with strict=True.",
     )
     export.add_argument("checkpoint", metavar="CKPT_DIR")
     export.add_argument("out", metavar="OUT")
-    export.add_argument(
-        "--max-shard-size", default="5GB", help="largest file before splitting, e.g. 5GB or 500MiB (default 5GB)"
-    )
-    export.add_argument(
-        "--dtype", choices=EXPORT_DTYPES, help="cast floating tensors (default: as saved, fp32 averages)"
-    )
+    add_flags(export, EXPORT_OPTIONS, unset={"dtype": "as saved, fp32 averages"})
     export.add_argument("--key", default="ema", help="the averager's key in a DCP checkpoint (default ema)")
     export.add_argument("--average", metavar="NAME", help="which average, when the averager kept several (see inspect)")
     export.add_argument(
@@ -93,8 +91,7 @@ def _parser() -> argparse.ArgumentParser:
     posthoc.add_argument("out", metavar="OUT", nargs="?")
     posthoc.add_argument("--sigma-rel", type=float, help="the profile's relative width, e.g. 0.08")
     posthoc.add_argument("--step", type=int, help="a snapshot's training step (default: the last snapshot's)")
-    posthoc.add_argument("--dtype", choices=EXPORT_DTYPES, help="cast floating tensors (default fp32)")
-    posthoc.add_argument("--max-shard-size", default="5GB", help="largest file before splitting (default 5GB)")
+    add_flags(posthoc, POSTHOC_OPTIONS, unset={"dtype": "fp32"})
     posthoc.add_argument("--list", action="store_true", help="print the snapshots instead")
     posthoc.add_argument("--quiet", action="store_true", help=QUIET_HELP)
     _merge_parser(commands)
@@ -116,15 +113,10 @@ def _merge_parser(commands: Any) -> None:  # (argparse's subparsers action)
     )
     merge.add_argument("inputs", metavar="IN", nargs="*", help="checkpoints, oldest first")
     merge.add_argument("--out", required=True, metavar="OUT", help="the folder to write")
-    weighting = merge.add_mutually_exclusive_group()
-    weighting.add_argument("--weights", type=float, nargs="+", metavar="W", help="one per input, normalised to sum 1")
-    weighting.add_argument(
-        "--ema", type=float, metavar="DECAY", help="weight step s by DECAY**(newest - s): an EMA over the saved steps"
-    )
-    weighting.add_argument(
-        "--schedule", choices=("linear", "cosine", "minus-sqrt"),
-        help="the weights that make the merge what this learning-rate decay over the inputs' steps gives (WSM)",
-    )  # fmt: skip
+    weighting = merge.add_mutually_exclusive_group()  # (each merge method's option, from its declaration)
+    for method in METHODS.values():
+        if method.keyword is not None:
+            weighting.add_argument(f"--{method.keyword}", dest=method.keyword, **method.option)
     merge.add_argument(
         "--raw-weights", action="store_true",
         help="take --weights as given, not normalised to sum 1 (negative ones too: task arithmetic)",
@@ -145,20 +137,13 @@ def _merge_parser(commands: Any) -> None:  # (argparse's subparsers action)
         help="merge only tensors whose name matches (fnmatch; repeatable)",
     )
     merge.add_argument("--exclude", action="append", metavar="PATTERN", help="leave out tensors whose name matches")
-    merge.add_argument("--dtype", choices=EXPORT_DTYPES, help="floating output dtype (default: the inputs', or fp32)")
     merge.add_argument("--accumulate", choices=("float32", "float64"), default="float32", help="(default float32)")
-    merge.add_argument("--max-shard-size", default="5GB", help="largest file before splitting (default 5GB)")
-    merge.add_argument(
-        "--format", choices=("safetensors", "shardavg", "dcp"), default="safetensors",
-        help="a model folder (default); an averager's checkpoint that avg.load restores at any world size; or a "
-        "DCP checkpoint under the inputs' keys that their trainer loads back (from Megatron-Core inputs with "
-        "metadata.json, the common state and *._extra_state carried: load it with --no-load-optim --no-load-rng)",
-    )  # fmt: skip
+    add_flags(merge, MERGE_OPTIONS, unset={"dtype": "the inputs', or fp32"})
     merge.add_argument(
         "--collective", action=argparse.BooleanOptionalAction,
-        help="split the merge between the workers of a launch (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT); "
+        help="split the merge between the writers of a launch (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT); "
         "default: only when torchrun started this process itself (torchrun -m shardavg merge), never when it "
-        "inherited them (a command run by a training script's worker), which merges alone",
+        "inherited them (a command run by a training script's torchrun worker), which merges alone",
     )  # fmt: skip
     merge.add_argument("--quiet", action="store_true", help=QUIET_HELP)
 
@@ -176,23 +161,25 @@ def _merge(args: argparse.Namespace, together: bool, lead: bool) -> str:
         last = int(count)
     elif not inputs:
         raise ValueError("merge needs checkpoints IN, or --last K RUN_DIR")
+    chosen = given({method.keyword: getattr(args, method.keyword) for method in METHODS.values() if method.keyword})
     out = merge(
-        inputs, args.out, weights=args.weights, last=last, ema=args.ema, schedule=args.schedule,
-        normalize=not args.raw_weights, key=args.key, average=args.average,
-        prefix=args.prefix, include=args.include, exclude=args.exclude,
-        dtype=_dtype(args.dtype),
-        accumulate=DTYPES[args.accumulate], max_shard_size=args.max_shard_size, output=args.format,
+        inputs, args.out, last=last, method=chosen[0] if chosen else None, normalize=not args.raw_weights,
+        key=args.key, average=args.average, prefix=args.prefix, include=args.include, exclude=args.exclude,
+        accumulate=DTYPES[args.accumulate], **from_args(args, MERGE_OPTIONS),
         collective=together, progress=Progress("merge", quiet=args.quiet or not lead),
     )  # fmt: skip
-    return f"wrote the merge of {len(inputs) if last is None else last} checkpoints to {out}"
+    said = f"wrote the merge of {len(inputs) if last is None else last} checkpoints to {out}"
+    if out != Path(args.out):  # (its iter_NNNNNNN folder: OUT is a Megatron-LM run folder)
+        said += f", which {TRACKER} names: Megatron-LM loads it with --load {args.out} --no-load-optim --no-load-rng"
+    return said
 
 
 @contextlib.contextmanager
-def _workers(collective: bool | None) -> Iterator[tuple[bool, bool]]:
-    """The workers' process group, when this merge is one of several: asked for (``--collective``),
+def _writers(collective: bool | None) -> Iterator[tuple[bool, bool]]:
+    """The writers' process group, when this merge is one of several: asked for (``--collective``),
     or by default when torchrun started this process (``_started_by_torchrun``); a gloo group over
-    the workers (on one node or several) made here, or the one there is, which then split the
-    merge. Yields whether it merges together, and whether this is the first worker (the one
+    the writers (on one node or several) made here, or the one there is, which then split the
+    merge. Yields whether it merges together, and whether this is the first writer (the one
     that reports). A group made here goes when the merge is done or refused."""
     import torch.distributed as dist
 
@@ -201,15 +188,15 @@ def _workers(collective: bool | None) -> Iterator[tuple[bool, bool]]:
         missing = [name for name in GROUP_VARIABLES if name not in os.environ]
         if missing:
             raise ValueError(
-                f"--collective joins the workers of a launch, but {', '.join(missing)} not set: launch it with "
+                f"--collective joins the writers of a launch, but {', '.join(missing)} not set: launch it with "
                 "torchrun (torchrun --nproc_per_node N -m shardavg merge ...), or leave --collective out"
             )
         together = int(os.environ["WORLD_SIZE"]) > 1
     if not together or dist.is_initialized():
         yield together, not together or dist.get_rank() == 0
         return
-    # (a worker waits at each agreement for the slowest to finish its share: hours for terabytes;
-    # a worker that dies ends the others at once, its connection closed)
+    # (a writer waits at each agreement for the slowest to finish its share: hours for terabytes;
+    # a writer that dies ends the others at once, its connection closed)
     dist.init_process_group("gloo", timeout=datetime.timedelta(hours=4))
     try:
         if dist.get_rank() != 0:
@@ -223,12 +210,12 @@ def _started_by_torchrun() -> bool:
     """Whether torchrun started this process as one of its workers, with a world of several.
 
     torchrun sets ``TORCHELASTIC_RUN_ID`` (with ``RANK``, ``WORLD_SIZE``, ...) for each worker it
-    starts, and every process a worker starts inherits them: a training script's rank 0 that runs
+    starts, and every process those start inherits them: a training script's rank 0 that runs
     ``shardavg merge`` at the end would join a group of its parent's size, and hang. The two differ
-    in the parent: a worker's is torchrun's agent, which holds no run id of its own (or, for a
-    torchrun started inside a worker, another one), where an inheriting process's parent is the
-    worker, holding the same. Where the parent's environment cannot be read (no ``/proc``), the
-    process merges alone, saying how to merge together."""
+    in the parent: a torchrun worker's is torchrun's agent, which holds no run id of its own (or,
+    for a torchrun started inside a torchrun worker, another one), where an inheriting process's
+    parent is the training script's rank, holding the same. Where the parent's environment cannot
+    be read (no ``/proc``), the process merges alone, saying how to merge together."""
     run = os.environ.get("TORCHELASTIC_RUN_ID")
     if not run or int(os.environ.get("WORLD_SIZE", "1")) <= 1:
         return False
@@ -254,14 +241,10 @@ def _posthoc(args: argparse.Namespace) -> str:
     if args.out is None or args.sigma_rel is None:
         raise ValueError("posthoc needs OUT and --sigma-rel (or --list)")
     path, written = export_synthesized(
-        args.snapshots, args.out, args.sigma_rel, step=args.step, dtype=_dtype(args.dtype),
-        max_shard_size=args.max_shard_size, progress=Progress("posthoc", quiet=args.quiet),
+        args.snapshots, args.out, args.sigma_rel, step=args.step, **from_args(args, POSTHOC_OPTIONS),
+        progress=Progress("posthoc", quiet=args.quiet),
     )  # fmt: skip
     return f"wrote the post-hoc EMA of sigma_rel {args.sigma_rel} ({written} tensors) to {path}"
-
-
-def _dtype(name: str | None) -> torch.dtype | None:
-    return None if name is None else DTYPES[name]
 
 
 def _inspect(saved: SavedAverage, verify: bool) -> str:
@@ -280,8 +263,8 @@ def _inspect_folder(path: Path) -> int:
 
 def _export(saved: SavedAverage, args: argparse.Namespace) -> str:
     path = saved.export(
-        args.out, average=args.average, dtype=_dtype(args.dtype), max_shard_size=args.max_shard_size,
-        verify=args.verify, progress=Progress("export", quiet=args.quiet),
+        args.out, average=args.average, **from_args(args, EXPORT_OPTIONS), verify=args.verify,
+        progress=Progress("export", quiet=args.quiet),
     )  # fmt: skip
     average = saved.average(args.average)
     which = "" if average is None else f" of average {average!r}"
@@ -312,7 +295,7 @@ def main(argv: list[str] | None = None) -> int:
     log.setLevel(logging.INFO if level == logging.NOTSET else level)
     try:
         if args.command == "merge":
-            with _workers(args.collective) as (together, lead):
+            with _writers(args.collective) as (together, lead):
                 said = _merge(args, together, lead)
             if lead:
                 print(said)

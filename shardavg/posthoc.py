@@ -32,12 +32,13 @@ from .base.dtypes import dtype_name
 from .base.errors import CheckpointError
 from .base.logs import internal
 from .base.progress import Progress
-from .checkpoints.format import MANIFEST, SNAPSHOT_DIR, snapshot_directory
+from .checkpoints.format import MANIFEST, SNAPSHOT_DIR, snapshot_folder
 from .checkpoints.reading import read_manifest
 from .output.model_writer import write_model
 from .output.provenance import made_by, of_input
 from .output.record import FolderRecord
 from .output.target import check_out
+from .output.write_options import DEFAULTS, WriteOptions
 from .rules import PowerEMA, gamma_to_sigma_rel, rule_from_config, shown, sigma_rel_to_gamma
 from .state.description import Description, TensorEntry
 
@@ -132,7 +133,7 @@ def _profile_rules(sigma_rels: Any, gammas: Any) -> list[PowerEMA]:
 
 
 class Snapshot:
-    """One snapshot directory: its update count ``t``, training step, and profiles (rules, gammas) by name."""
+    """One snapshot folder: its update count ``t``, training step, and profiles (rules, gammas) by name."""
 
     def __init__(self, path: Path) -> None:
         self.path = path
@@ -169,12 +170,12 @@ def snapshots(directory: str | os.PathLike) -> list[Snapshot]:
     fewer than two profiles."""
     directory = Path(directory)
     if not directory.is_dir():
-        raise CheckpointError(f"no snapshot directory at {directory}")
+        raise CheckpointError(f"no snapshot folder at {directory}")
     found = [
         Snapshot(p) for p in sorted(directory.iterdir()) if SNAPSHOT_DIR.match(p.name) and (p / MANIFEST).is_file()
     ]
     if not found:
-        raise CheckpointError(f"{directory} holds no committed snapshot-<t> directory")
+        raise CheckpointError(f"{directory} holds no committed snapshot-<t> folder")
     found.sort(key=lambda s: s.t)
     first = found[0]
     run_ids = {s.run for s in found}
@@ -182,13 +183,13 @@ def snapshots(directory: str | os.PathLike) -> list[Snapshot]:
         other = next(s for s in found if s.run != first.run)
         raise CheckpointError(
             f"{directory} mixes the snapshots of {len(run_ids)} runs ({first.path.name} is run {first.run}, "
-            f"{other.path.name} run {other.run}): synthesize from one run's snapshots, one directory per run"
+            f"{other.path.name} run {other.run}): synthesize from one run's snapshots, one folder per run"
         )
     for other in found[1:]:
         shapes = {n: e.shape for n, e in other.tensors.items()}
         if shapes != {n: e.shape for n, e in first.tensors.items()} or other.gammas != first.gammas:
             raise CheckpointError(
-                f"{other.path} and {first.path} are snapshots of different models or profiles: one directory per run"
+                f"{other.path} and {first.path} are snapshots of different models or profiles: one folder per run"
             )
     if len(first.gammas) < 2:
         raise CheckpointError(
@@ -256,7 +257,7 @@ class PostHocEMA:
         model: as for ``WeightAverager`` (any engine).
         sigma_rels: the profiles' relative widths (EDM2 uses 0.05 and 0.10); or give ``gammas``.
         snapshot_every: write every profile after each ``snapshot_every`` applied updates.
-        directory: where ``snapshot-<t>/`` directories go (``t``, the update count, in the name).
+        directory: where ``snapshot-<t>/`` folders go (``t``, the update count, in the name).
         snapshot_dtype: the dtype snapshots are stored in (fp32 by default; ``torch.bfloat16``
             halves them, at bf16 rounding of each snapshot).
         averager_options: passed to ``WeightAverager`` (``dtype``, ``buffers``, ...).
@@ -301,7 +302,7 @@ class PostHocEMA:
         # in every snapshot (rank 0's, the same on every rank); a resumed run loads its own back
         self.averager.run_id = all_gathered(secrets.token_hex(16))[0]
         self._issued = 0  # updates applied (or issued to the device) since the profiles began
-        self._directory_checked = False  # whether the snapshots already in ``directory`` are this run's
+        self._folder_checked = False  # whether the snapshots already in ``directory`` are this run's
 
     def update(self, step: int | None = None, *, finite: bool | torch.Tensor | None = None) -> bool:
         """``averager.update(step, finite=finite)``, then a snapshot after every ``snapshot_every``-th
@@ -318,19 +319,19 @@ class PostHocEMA:
         Raises:
             CheckpointError: at the first update, when ``directory`` holds another run's snapshots.
         """
-        if not self._directory_checked:
-            self._check_directory()
+        if not self._folder_checked:
+            self._check_folder()
         applied = self.averager.update(step, finite=finite)
         if applied:
             self._issued += 1
             if self._issued % self.snapshot_every == 0:  # the name takes the settled count
-                path = self.directory / snapshot_directory(self.averager.num_updates)
+                path = self.directory / snapshot_folder(self.averager.num_updates)
                 self.averager.save(path, dtype=self.snapshot_dtype)
         return applied
 
-    def _check_directory(self) -> None:
+    def _check_folder(self) -> None:
         """Collective, at the first update (after building or loading): every snapshot already in the
-        directory must be this run's (a resumed run rewrites its own later ones), or synthesis would
+        folder must be this run's (a resumed run rewrites its own later ones), or synthesis would
         mix two runs."""
         error: BaseException | None = None
         if rank() == 0:
@@ -341,13 +342,13 @@ class PostHocEMA:
                         if theirs != self.averager.run_id:
                             raise CheckpointError(
                                 f"{self.directory} holds snapshots of another run ({path.name}, run {theirs}; this "
-                                f"is run {self.averager.run_id}): write to a directory of its own, or load this "
+                                f"is run {self.averager.run_id}): write to a folder of its own, or load this "
                                 "run's checkpoint before going on with it"
                             )
             except Exception as caught:
                 error = caught
         agree_or_raise(error, f"checking {self.directory}")
-        self._directory_checked = True
+        self._folder_checked = True
 
     # checkpoints of the running profiles: as a WeightAverager's (snapshots are already on disk)
     def state_dict(self) -> dict[str, Any]:
@@ -367,13 +368,13 @@ class PostHocEMA:
         """
         self.averager.load_state_dict(state_dict, strict)  # (the run's identity too)
         self._issued = self.averager.num_updates
-        self._directory_checked = False
+        self._folder_checked = False
 
     def save(self, directory: str | os.PathLike, keep_last: int | None = None) -> Path:
         """Collective: save the running profiles, as ``WeightAverager.save`` does.
 
         Args:
-            directory: the checkpoint directory (with ``keep_last``, the folder of ``step-*`` checkpoints).
+            directory: the checkpoint folder (with ``keep_last``, the folder of ``step-*`` checkpoints).
             keep_last: keep the newest ``keep_last`` checkpoints in ``directory``.
 
         Returns:
@@ -393,7 +394,7 @@ class PostHocEMA:
         """
         path = self.averager.load(directory, strict)  # (the run's identity too)
         self._issued = self.averager.num_updates
-        self._directory_checked = False
+        self._folder_checked = False
         return path
 
     def synthesize(
@@ -426,7 +427,7 @@ def synthesize(
     step: int | None = None,
     **averager_options: Any,
 ) -> WeightAverager:
-    """``PostHocEMA.synthesize`` for any model and snapshot directory (collective).
+    """``PostHocEMA.synthesize`` for any model and snapshot folder (collective).
 
     Args:
         model: the model the snapshots were taken of (any engine, any world size).
@@ -504,8 +505,8 @@ def export_synthesized(
     sigma_rel: float,
     *,
     step: int | None = None,
-    dtype: torch.dtype | None = None,
-    max_shard_size: int | str = "5GB",
+    dtype: torch.dtype | None = DEFAULTS.dtype,
+    max_shard_size: int | str = DEFAULTS.max_shard_size,
     progress: Progress | None = None,
 ) -> tuple[Path, int]:
     """One process, no process group (``shardavg posthoc``): the post-hoc EMA of ``sigma_rel`` at
@@ -517,13 +518,14 @@ def export_synthesized(
         out: the model folder to write.
         sigma_rel: the relative width of the profile to synthesize.
         step: synthesize from the snapshots up to this training step (default: all of them).
-        dtype: the floating tensors' dtype (default: fp32 for averaged ones).
-        max_shard_size: the largest file before the model is split (``"5GB"``, or bytes).
+        dtype: the floating tensors' dtype (``WriteOptions.dtype``; default: fp32 for averaged ones).
+        max_shard_size: the largest file before the model is split (``WriteOptions.max_shard_size``).
         progress: shows the bytes as they are written (default: nothing shown).
 
     Returns:
         The folder written, and how many tensors (names) it holds.
     """
+    options = WriteOptions(max_shard_size=max_shard_size, dtype=dtype)
     check_out(out, "posthoc")
     description, tensors = synthesized_tensors(directory, target_gamma(sigma_rel=sigma_rel), step)
     entries = [replace(e, dtype=dtype_name(synthesized_dtype(e))) for e in description.tensors]
@@ -537,7 +539,7 @@ def export_synthesized(
     progress = Progress("posthoc", quiet=True) if progress is None else progress
     with progress:
         counted = progress.counted(values(), sum(entry.nbytes for entry in entries))
-        path = write_model(out, entries, counted, record, max_shard_size, dtype)
+        path = write_model(out, entries, counted, record, options.max_bytes, options.dtype)
     return path, sum(len(entry.names) for entry in entries)
 
 

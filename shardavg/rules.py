@@ -13,6 +13,8 @@ back, checked, with ``Rule.from_json``.
 
 Any callable with torch's ``multi_avg_fn(shadow_list, live_list, num_updates)`` signature is
 accepted as well (see ``CustomRule``), e.g. ``torch.optim.swa_utils.get_ema_multi_avg_fn``.
+
+It may import: base.
 """
 
 from __future__ import annotations
@@ -466,7 +468,7 @@ class CustomRule(Rule):
     """Wraps a ``multi_avg_fn(shadow_list, live_list, num_updates)`` callable.
 
     The averager calls it once per (device, dtype) group with lists of shadow shards and
-    live shards of the same dtype (live shards are cast in bounded buckets when the shadow
+    local shards of the same dtype (local shards are cast in bounded buckets when the shadow
     dtype differs) and ``num_updates`` as a 0-d integer tensor on the group's device,
     exactly as ``AveragedModel`` does. Passing the callable itself as a rule wraps it so.
 

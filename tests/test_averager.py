@@ -449,26 +449,26 @@ def test_local_views_before_a_scan_are_refused(model) -> None:
     from shardavg.strategies import make_strategy
 
     strategy = make_strategy(model)
-    with pytest.raises(RuntimeError, match=r"Replicated.local_views\(\) before tensors\(\)"):
-        strategy.local_views()
+    with pytest.raises(RuntimeError, match=r"Replicated.local_shards\(\) before tensors\(\)"):
+        strategy.local_shards()
     infos = strategy.tensors()
-    assert [tuple(v.shape) for v in strategy.local_views()] == [tuple(i.shape) for i in infos]
+    assert [tuple(v.shape) for v in strategy.local_shards()] == [tuple(i.shape) for i in infos]
 
 
 def test_local_views_are_the_same_objects_until_the_engine_changes_them(model, trainer) -> None:
     averager = WeightAverager(model, EMA(decay=0.9))
     trainer.step()
     averager.update()
-    views, groups = averager.strategy.local_views(), averager.updater.groups
+    views, groups = averager.strategy.local_shards(), averager.updater.groups
     for _ in range(3):
         trainer.step()
         averager.update()
-        assert all(a is b for a, b in zip(averager.strategy.local_views(), views))
+        assert all(a is b for a, b in zip(averager.strategy.local_shards(), views))
         assert averager.updater.groups is groups
     model.double()  # buffers are replaced in their modules' dicts, parameters get new .data
     with torch.no_grad():
         model.block.norm.running_mean.add_(1.0)  # only the new buffer holds this
-    after = averager.strategy.local_views()
+    after = averager.strategy.local_shards()
     assert averager.update() and averager.updater.groups is not groups
     assert {v.dtype for v in after if v.is_floating_point()} == {torch.float64}
     running_mean = averager.full_state_dict()["block.norm.running_mean"]  # copied into its fp32 shadow

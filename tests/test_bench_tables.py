@@ -4,7 +4,9 @@ rows (counts and exact values, never wall time)."""
 
 from __future__ import annotations
 
+import functools
 import os
+import statistics
 
 import pytest
 import torch
@@ -196,3 +198,26 @@ def test_the_verdict_rows_against_the_unchecked_update_and_the_fp32_peers() -> N
     assert bench.verdict_table(rows_of_a_case("transformer", ms, {})) == ""  # (no verdict rows: no table)
     fp32 = [bench.Row("ddp", "s", "float32", "torchtitan-style", "peer", 1.0, 1.0, 0, 0, "peer")]
     assert bench.keeps_fp32(fp32[0]) and not bench.keeps_fp32(rows[-4])
+
+
+def test_the_verdict_ratios_pair_the_runs_of_each_round() -> None:
+    """With each round's times kept, a ratio is the median of the rounds' ratios: a burst of
+    load in some rounds slows every method of those rounds alike and cancels in the pair, where a
+    ratio of medians would take the verdict's slow rounds against the unchecked update's fast ones."""
+    off_rounds = [1.0, 1.0, 1.0, 2.0, 2.0]  # rounds 4 and 5 under load
+    verdict_rounds = [1.01, 1.01, 2.02, 2.02, 2.02]  # round 3 under load too
+    row = functools.partial(bench.Row, "fsdp1", "many_small", "float32")
+    rows = [
+        row("ours", "ours", 3.0, 3.0, 0, 0, "bitwise", rounds_ms=[3.0] * 5),
+        row("ours, check off", "ours", 1.0, 2.0, 0, 0, "bitwise", rounds_ms=off_rounds),
+        row("ours, verdict", "verdict", 2.02, 2.02, 0, 0, "bitwise", rounds_ms=verdict_rounds),
+        row("ours, verdict, screen_every=1", "verdict", 3.0, 3.0, 0, 0, "bitwise", rounds_ms=[3.0] * 5),
+        row("torchtitan-style", "peer", 1.0, 2.0, 0, 0, "peer", rounds_ms=[1.0, 1.0, 2.0, 2.0, 2.0]),
+    ]
+    figures = bench.verdict_figures(bench.cases(rows)[("fsdp1", "many_small", "float32")])
+    assert figures["verdict"] / figures["check off"] == pytest.approx(2.02)  # (the ratio of medians)
+    assert figures["verdict / check off"] == pytest.approx(1.01)  # rounds: 1.01, 1.01, 2.02, 1.01, 1.01
+    assert figures["verdict / fastest fp32 peer"] == pytest.approx(1.01)
+    amortized = [bench.amortized_ms(v, 3.0) for v in verdict_rounds]
+    assert figures["verdict amortized / check off"] == pytest.approx(statistics.median(
+        a / o for a, o in zip(amortized, off_rounds)))  # fmt: skip

@@ -1,4 +1,4 @@
-"""``output.dcp_checkpoint``: a merge written as a DCP checkpoint by several workers, each its own file,
+"""``output.dcp_checkpoint``: a merge written as a DCP checkpoint by several writers, each its own file,
 loaded back by DCP's own loaders (``dcp.load``, ``dcp_to_torch_save``) and by shardavg's reader; Megatron's
 files carried byte for byte; a Megatron-Core merge read back as the checkpoint it merged."""
 
@@ -27,7 +27,7 @@ TENSORS = {
 
 
 def two_workers(folder: Path, nesting: dict | None = None) -> None:
-    """Worker 0 writes rows [0, 2) of the stack and the bf16 tensor; worker 1 the last row and the scalar."""
+    """Writer 0 writes rows [0, 2) of the stack and the bf16 tensor; writer 1 the last row and the scalar."""
     folder.mkdir()
     first = write_part(folder, 0, [("model.layers.w", (0, 2), TENSORS["model.layers.w"][:2]),
                                    ("model.norm", None, TENSORS["model.norm"])])  # fmt: skip
@@ -63,7 +63,7 @@ def test_every_workers_chunks_load_back_with_dcps_own_loaders(tmp_path: Path) ->
 def test_a_missing_chunk_is_refused_before_the_metadata_is_written(tmp_path: Path) -> None:
     (tmp_path / "out").mkdir()
     written = write_part(tmp_path / "out", 0, [("model.layers.w", (0, 2), TENSORS["model.layers.w"][:2])])
-    with pytest.raises(shardavg.CheckpointError, match=r"the workers wrote 48 of 'model.layers.w''s 72 elements"):
+    with pytest.raises(shardavg.CheckpointError, match=r"the writers wrote 48 of 'model.layers.w''s 72 elements"):
         commit(tmp_path / "out", {"model.layers.w": (torch.float32, (3, 6, 4))}, written)
     assert not (tmp_path / "out" / ".metadata").exists()
 

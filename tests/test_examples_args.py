@@ -113,6 +113,27 @@ CASES = [
         "argument --tp: 3 does not divide the 2 process(es) (torchrun's --nproc_per_node)",
     ),
     ("fsdp2_tp.py", ["--dim", "-1"], {}, "argument --dim: must be at least 1, got -1"),
+    ("megatron_gpt.py", ["--save-every", "0"], {}, "argument --save-every: must be at least 1, got 0"),
+    ("megatron_gpt.py", ["--tp", "3"], {}, "argument --tp: 3 does not divide the model's 4 attention heads"),
+    ("megatron_gpt.py", ["--dim", "30"], {}, "argument --dim: 30 is not a multiple of the 4 attention heads"),
+    (
+        "megatron_gpt.py",
+        ["--layers", "3", "--pp", "2"],
+        {},
+        "argument --layers: 3 do not split evenly into --pp 2 stages",
+    ),
+    (
+        "megatron_gpt.py",
+        ["--tp", "2"],
+        {"WORLD_SIZE": "3"},
+        "argument --pp: --tp 2 x --pp 1 does not divide the 3 process(es) (torchrun's --nproc_per_node)",
+    ),
+    (
+        "megatron_gpt.py",
+        ["--tp", "2", "--pp", "2"],
+        {"WORLD_SIZE": "4"},
+        "argument --pp: Megatron's pipeline schedules need CUDA; on CPU, --pp 1",
+    ),
 ]
 
 # torchrun's variables: without them a recipe past its checks cannot start a process group.

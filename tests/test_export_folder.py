@@ -172,7 +172,7 @@ IN_THE_WAY += "shardavg will not write through it; move it"
             f".{INDEX}.incomplete",
             True,
             "{out} holds weight files shardavg did not write (.{index}.incomplete): they would be replaced; "
-            "export into another directory, or move them",
+            "export into another folder, or move them",
         ),
     ],
 )

@@ -40,15 +40,15 @@ def poison_at(parameter: torch.nn.Parameter, steps: set[int], value: float) -> l
     return count
 
 
-def snapshot(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+def weights_of(module: torch.nn.Module) -> dict[str, torch.Tensor]:
     return {name: p.detach().clone() for name, p in module.named_parameters()}
 
 
-def assert_ema_of(avg: WeightAverager, snapshots: list[dict[str, torch.Tensor]]) -> None:
-    """``avg`` holds, bitwise, the EMA (``get_ema_multi_avg_fn``'s lerp) of ``snapshots`` in order."""
-    names = list(snapshots[0])
-    reference = [snapshots[0][n].float().clone() for n in names]
-    for live in snapshots[1:]:
+def assert_ema_of(avg: WeightAverager, recorded: list[dict[str, torch.Tensor]]) -> None:
+    """``avg`` holds, bitwise, the EMA (``get_ema_multi_avg_fn``'s lerp) of ``recorded`` in order."""
+    names = list(recorded[0])
+    reference = [recorded[0][n].float().clone() for n in names]
+    for live in recorded[1:]:
         torch._foreach_lerp_(reference, [live[n].float() for n in names], 1 - DECAY)
     got = avg.full_state_dict()
     for name, want in zip(names, reference):
@@ -78,7 +78,7 @@ def test_accelerate_never_counts_a_step_its_scaler_skipped() -> None:
             assert finite is False and accelerator.optimizer_step_was_skipped
         else:
             assert finite is norms[-1]  # the norm as clip_grad_norm_ returned it, not read
-            applied.append(snapshot(model))
+            applied.append(weights_of(model))
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             avg.update(finite=finite)
@@ -106,7 +106,7 @@ def test_accelerate_skips_on_the_norm_it_clipped_with() -> None:
         accelerator.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
         if step < 3:
-            applied.append(snapshot(model))
+            applied.append(weights_of(model))
         with warnings.catch_warnings(record=True):
             warnings.simplefilter("always")
             avg.update(finite=accelerate.verdict(accelerator))
@@ -132,14 +132,14 @@ class Tiny(L.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.1)
 
 
-class Snapshots(L.Callback):
+class Recorded(L.Callback):
     """The weights after each optimizer step, and whether it ran (before the averaging callback)."""
 
     def __init__(self) -> None:
         self.after: list[tuple[int, dict]] = []
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-        self.after.append((trainer.global_step, snapshot(pl_module)))
+        self.after.append((trainer.global_step, weights_of(pl_module)))
 
 
 @pytest.mark.parametrize(
@@ -149,7 +149,7 @@ class Snapshots(L.Callback):
 def test_lightning_passes_the_scaler_skip_and_the_norm_it_clipped_with(precision, clip, poison) -> None:
     """16-mixed: the GradScaler skips step 3 (Lightning still counts it); with ``gradient_clip_val``
     the norm Lightning clipped with skips the last step, whose NaN the optimizer applied."""
-    module, snapshots = Tiny(), Snapshots()
+    module, recorded = Tiny(), Recorded()
     bad = 3 if precision == "16-mixed" else 5
     poison_at(module.layer.weight, {bad}, poison)
     averaging = lightning.ShardedWeightAveraging(decay=DECAY)
@@ -160,7 +160,7 @@ def test_lightning_passes_the_scaler_skip_and_the_norm_it_clipped_with(precision
         {"plugins": [MixedPrecision(precision, "cpu", scaler)]} if precision == "16-mixed" else {"precision": precision}
     )
     trainer = L.Trainer(
-        max_steps=5, callbacks=[snapshots, averaging], accelerator="cpu", gradient_clip_val=clip, logger=False,
+        max_steps=5, callbacks=[recorded, averaging], accelerator="cpu", gradient_clip_val=clip, logger=False,
         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, **mixed,
     )  # fmt: skip
     data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.randn(20, 4)), batch_size=4)
@@ -171,7 +171,7 @@ def test_lightning_passes_the_scaler_skip_and_the_norm_it_clipped_with(precision
     assert any(f"step {bad}" in str(w.message) for w in caught if issubclass(w.category, RuntimeWarning))
     avg = averaging.averager
     assert (avg.num_updates, avg.num_skipped) == (4, 1)
-    assert_ema_of(avg, [weights for step, weights in snapshots.after if step != bad])
+    assert_ema_of(avg, [weights for step, weights in recorded.after if step != bad])
     assert "clip_grad_by_norm" not in vars(trainer.precision_plugin)  # given back at teardown
 
 
@@ -185,7 +185,7 @@ class Recorder(TrainerCallback):
         self.after: list[dict] = []
 
     def on_step_end(self, args, state, control, model=None, **kwargs):
-        self.after.append(snapshot(model))
+        self.after.append(weights_of(model))
 
 
 def test_hf_trainer_skips_on_the_norm_it_clipped_with(tmp_path) -> None:
@@ -244,7 +244,7 @@ def test_main_job_passes_the_norm_it_clips_with() -> None:
         loss, finite = wrapped.train_step(torch.randn(3, 4), torch.randn(3, 2), 0.1, 1.0)
         assert isinstance(loss, float) and isinstance(finite, torch.Tensor) and finite.isfinite() == (step == 1)
         if step == 1:
-            applied.append(snapshot(module))
+            applied.append(weights_of(module))
         with warnings.catch_warnings(record=True):
             warnings.simplefilter("always")
             avg.update(step, finite=finite)

@@ -174,6 +174,36 @@ def test_a_later_launch_that_fails_finishes_that_update_through_aten(
     assert_bitwise(on_host, on_device)
 
 
+def test_a_launch_that_fails_on_the_background_thread_warns_in_the_loop_at_collection(
+    model, trainer, stand_in: StandIn
+) -> None:
+    """With ``background=True`` the failing launch runs on the update's thread: its warning is kept
+    and given once, by the call that collects that update, in the loop's thread (so the loop's own
+    ``catch_warnings`` sees it); that update and the later ones have the ATen path's bits."""
+    with pytest.MonkeyPatch.context() as host_only:
+        host_only.setattr(Updater, "kernel_devices", frozenset({"cuda"}))
+        on_host = WeightAverager(model, EMA(decay=0.9), buffers="average")
+    on_device = WeightAverager(model, EMA(decay=0.9), buffers="average", background=True)
+    train(on_host, on_device, trainer, 2)
+    on_device.wait()
+    stand_in.fails = lambda options: True
+    trainer.step()
+    on_host.update()
+    with warnings.catch_warnings(record=True) as during:
+        warnings.simplefilter("always")
+        on_device.update()  # (started: the launch fails on the thread)
+        on_device.updater.background._landed.wait()  # (the thread is over: its warning was kept, not given)
+    assert kernel_warnings(during) == []
+    with warnings.catch_warnings(record=True) as collected:
+        warnings.simplefilter("always")
+        on_device.wait()
+    assert_one_warning(collected, f"RuntimeError: {BROKEN}")
+    assert collected[0].category is RuntimeWarning
+    train(on_host, on_device, trainer, 2)
+    on_device.wait()
+    assert_bitwise(on_host, on_device)
+
+
 def test_a_failure_after_one_launch_of_four_averages_finishes_only_the_fifth(model, trainer, stand_in) -> None:
     """Five averages take two launches; the second (one lerp: a specialization of its own) fails:
     the four the first launch wrote are kept, the fifth is finished through ATen, nothing twice."""

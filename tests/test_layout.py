@@ -78,7 +78,7 @@ def test_a_flat_range_is_at_most_2n_minus_1_boxes_and_reads_back() -> None:
 
 def test_strided_index_ranges_become_boxes_in_local_order() -> None:
     """What ``Shard(0)`` then ``_StridedShard(0, sf=2)`` gives a rank: global rows 1 and 3 (and
-    column ranges 0-1, 4): one box per combination of ranges, each where the local view holds it."""
+    column ranges 0-1, 4): one box per combination of ranges, each where the local shard holds it."""
     shape = (4, 6)
     full = torch.arange(24).reshape(shape)
     part = Part.grid(shape, [[1, 3], [0, 1, 4]])

@@ -4,7 +4,7 @@ dtypes the averager allows (fp32, bf16, fp16 live weights, each into an fp32, bf
 average), forced onto the CPU as tests/test_device_check.py forces it (``on_device = True``).
 
 Two slips it once made, each caught here: the live values were promoted with the shadow instead of
-cast to its dtype (an fp32 live shard into a bf16 average: "expected dtype c10::BFloat16"), and
+cast to its dtype (an fp32 local shard into a bf16 average: "expected dtype c10::BFloat16"), and
 the lerp weight was rounded to a bf16 or fp16 shadow's dtype, where the host path's lerp by a
 Python float runs in fp32. The Triton kernel's own bits for these pairs are tests/test_kernels.py's
 and tests_gpu/'s concern: this file runs ATen only, so it is fast."""

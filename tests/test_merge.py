@@ -378,7 +378,7 @@ def test_memory_does_not_grow_with_the_number_of_inputs(tmp_path: Path) -> None:
 def test_schedules_weight_each_step_by_the_drop_of_their_learning_rate_decay(run: Run, tmp_path: Path) -> None:
     """WSM: checkpoints at steps 1, 2 and 4; the window starts one mean spacing (1.5) before step 1,
     so they sit at progress 1/3, 5/9 and 1 of it, and checkpoint i weighs decay(x_{i-1}) - decay(x_i)."""
-    from shardavg.offline.merge import schedule_weights
+    from shardavg.offline.methods import schedule_weights
 
     x = [0.0, 1 / 3, 5 / 9, 1.0]
     decays = {

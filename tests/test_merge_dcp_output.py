@@ -28,7 +28,7 @@ from shardavg.output import dcp_checkpoint
 
 
 def weights(seed: int) -> dict[str, torch.Tensor]:
-    """A model's tensors: fp32 matrices (one of 12 rows, split in pieces between workers), a bf16 vector, a counter."""
+    """A model's tensors: fp32 matrices (one of 12 rows, split in pieces between writers), a bf16 vector, a counter."""
     g = torch.Generator().manual_seed(seed)
     return {
         "embed.weight": torch.randn(12, 4, generator=g),
@@ -175,7 +175,7 @@ def test_out_is_refused_unless_it_is_new_empty_or_an_earlier_dcp_merge(tmp_path:
 
 
 def interrupted_after_the_first_piece(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Make every worker's part fail after its first piece is written (a full disk, a bad input found late)."""
+    """Make every writer's part fail after its first piece is written (a full disk, a bad input found late)."""
     written = dcp_checkpoint.write_part
 
     def interrupted(folder, rank, chunks, objects=(), merge="0"):
@@ -310,7 +310,7 @@ def test_the_current_directory_as_out_is_refused_before_anything_is_read(tmp_pat
     """A dcp merge replaces OUT whole (a staged folder swapped into place): ``.`` cannot be."""
     (tmp_path / "work").mkdir()
     monkeypatch.chdir(tmp_path / "work")
-    with pytest.raises(ValueError, match="names the current or a parent directory"):
+    with pytest.raises(ValueError, match="names the current or a parent folder"):
         shardavg.merge([tmp_path / "missing-1", tmp_path / "missing-2"], ".", output="dcp")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["work"] and not any((tmp_path / "work").iterdir())
 

@@ -309,6 +309,6 @@ def test_collective_needs_a_launchs_variables(tmp_path: Path, capsys, monkeypatc
         monkeypatch.delenv(name, raising=False)
     folder = model(tmp_path / "in", 0)
     Refusals(capsys)(str(folder), "--collective", "--out", str(tmp_path / "out"),
-                     match="--collective joins the workers of a launch, but RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT "
+                     match="--collective joins the writers of a launch, but RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT "
                      "not set")  # fmt: skip
     assert listing(tmp_path / "out") is None

@@ -330,3 +330,158 @@ def test_a_step_folder_linked_out_of_its_run_is_refused(tmp_path: Path) -> None:
     newest.symlink_to(older.name)  # (a link within the run: the same checkpoint twice, refused as such)
     with pytest.raises(ValueError, match="are one checkpoint"):
         shardavg.merge(run, tmp_path / "out", last=2)
+
+
+def megatron_lm_tracked(run: Path) -> Path:
+    """The checkpoint Megatron-LM's ``--load run`` finds, by its own rules (``get_checkpoint_tracker_filename``,
+    ``read_metadata``, ``get_checkpoint_name``): the tracker's stripped text parsed as an int above 0, or
+    ``release``; then ``iter_`` and the iteration in at least 7 digits."""
+    text = (run / "latest_checkpointed_iteration.txt").read_text().strip()
+    try:
+        iteration, release = int(text), False
+    except ValueError:
+        iteration, release = 0, text == "release"
+    assert iteration > 0 or release, f"Megatron-LM refuses the tracker {text!r}"
+    return run / ("release" if release else f"iter_{iteration:07d}")
+
+
+def benign_run(root: Path, steps: tuple[int, ...] = (100, 200, 300)) -> list[Path]:
+    """Iterations of a run whose ``common.pt`` Megatron's load reads (``torch.load``, weights only): its
+    common state as ``dist_checkpointing.save`` keeps it, the iteration among it; a tracker naming the newest."""
+    folders = [root / f"iter_{step:07d}" for step in steps]
+    for seed, (folder, step) in enumerate(zip(folders, steps)):
+        megatron_save(folder, model(seed), root / "unpickled", tp=1 + seed % 2)
+        torch.save({"iteration": step, "checkpoint_version": 3.0}, folder / "common.pt")
+    (root / "latest_checkpointed_iteration.txt").write_text(str(steps[-1]))
+    return folders
+
+
+def megatron_load(folder: Path) -> dict:
+    """``folder`` as Megatron-Core's own ``dist_checkpointing.load`` reads it into whole tensors (one process,
+    a gloo group of one, which its load asks for)."""
+    pytest.importorskip("megatron.core")
+    import torch.distributed as dist
+    from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing import ShardedTensor
+
+    wanted = {
+        name: ShardedTensor.from_rank_offsets(name, torch.empty(t.shape, dtype=t.dtype), replica_id=0)
+        for name, t in model(0).items()
+    }
+    dist.init_process_group("gloo", store=dist.FileStore(str(folder.parent / ".store"), 1), rank=0, world_size=1)
+    try:
+        assert dist_checkpointing.check_is_distributed_checkpoint(str(folder))
+        return dist_checkpointing.load(wanted, str(folder))
+    finally:
+        dist.destroy_process_group()
+        (folder.parent / ".store").unlink(missing_ok=True)
+
+
+def test_a_dcp_merge_is_a_megatron_lm_run_that_its_load_finds_and_dist_checkpointing_reads_exactly(
+    tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    """``--load OUT`` found no tracker in a merge written as one DCP folder, warned, and trained from random
+    weights; now OUT is a run: ``iter_NNNNNNN`` (the newest input's iteration) and the tracker naming it."""
+    run = tmp_path / "run"
+    inputs = benign_run(run)
+    out = tmp_path / "merged"
+    written = shardavg.merge(run, out, last=2, weights=[1, 3], output="dcp")
+    assert written == out / "iter_0000300" == megatron_lm_tracked(out)
+    assert sorted(p.name for p in out.iterdir()) == ["iter_0000300", "latest_checkpointed_iteration.txt"]
+    assert (out / "latest_checkpointed_iteration.txt").read_text() == "300"  # (as Megatron-LM writes it)
+    loaded = megatron_load(written)
+    mean = numpy_mean([model(1), model(2)], [0.25, 0.75])
+    dtypes = {name: t.dtype for name, t in model(0).items()}
+    assert_matches({name: loaded[name] for name in mean}, mean, dtypes)
+    assert loaded["iteration"] == 300  # (the newest input's common state, carried byte for byte)
+    assert not (run / "unpickled").exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["merged", "run"]  # no lock, no staging left
+    args = [str(inputs[0]), str(inputs[1]), "--out", str(out), "--format", "dcp", "--iteration", "1000", "--quiet"]
+    assert shardavg.cli.main(["merge", *args]) == 0  # a re-merge at another iteration replaces the earlier one
+    said = capsys.readouterr().out
+    assert f"to {out / 'iter_0001000'}, which latest_checkpointed_iteration.txt names" in said, said
+    assert f"--load {out} --no-load-optim --no-load-rng" in said, said
+    assert megatron_lm_tracked(out) == out / "iter_0001000"
+    assert sorted(p.name for p in out.iterdir()) == ["iter_0001000", "latest_checkpointed_iteration.txt"]
+    mean = numpy_mean([model(0), model(1)], [0.5, 0.5])
+    loaded = megatron_load(out / "iter_0001000")
+    assert_matches({name: loaded[name] for name in mean}, mean, dtypes)
+
+
+def test_the_tracker_is_written_last_a_failure_leaving_the_earlier_merge_tracked(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    inputs = benign_run(tmp_path / "run")
+    out = tmp_path / "merged"
+    shardavg.merge(inputs[:2], out, output="dcp")  # iteration 200
+    before = {p.relative_to(out): p.read_bytes() for p in sorted(out.rglob("*")) if p.is_file()}
+    monkeypatch.setattr(dcp_checkpoint, "swap", lambda out: (_ for _ in ()).throw(OSError("disk gone")))
+    with pytest.raises(OSError, match="disk gone"):  # the iteration never committed: nothing changed
+        shardavg.merge(inputs, out, output="dcp")
+    assert {p.relative_to(out): p.read_bytes() for p in sorted(out.rglob("*")) if p.is_file()} == before
+    monkeypatch.undo()
+    from shardavg.output import megatron_run
+
+    def tracker_fails(path: Path):
+        raise OSError("No space left on device")
+
+    monkeypatch.setattr(megatron_run, "atomic_file", tracker_fails)
+    with pytest.raises(OSError, match="No space left on device"):  # committed, but not yet tracked
+        shardavg.merge(inputs, out, output="dcp")
+    assert megatron_lm_tracked(out) == out / "iter_0000200"  # --load still finds the earlier merge, whole
+    assert sorted(p.name for p in out.iterdir()) == [
+        "iter_0000200",
+        "iter_0000300",
+        "latest_checkpointed_iteration.txt",
+    ]
+    monkeypatch.undo()
+    killed = out / ".iter_0000050.incomplete"  # (what a merge of another iteration, killed, left)
+    killed.mkdir()
+    (killed / ".shardavg-staging").write_text("a killed merge's token")
+    shardavg.merge(inputs, out, output="dcp")  # the next merge takes over the untracked iteration and the rest
+    assert megatron_lm_tracked(out) == out / "iter_0000300"
+    assert sorted(p.name for p in out.iterdir()) == ["iter_0000300", "latest_checkpointed_iteration.txt"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["merged", "run"]
+
+
+def test_a_megatron_lm_run_as_out_is_refused_and_left_as_it_was(tmp_path: Path) -> None:
+    """A merge into a training run's folder would become the iteration its next restart resumes from."""
+    run = tmp_path / "run"
+    inputs = benign_run(run)
+    before = {p: p.read_bytes() for p in sorted(run.rglob("*")) if p.is_file()}
+    other = tmp_path / "other"
+    benign_run(other, (400,))
+    with pytest.raises(shardavg.CheckpointError) as refused:
+        shardavg.merge(inputs, other, output="dcp")
+    message = str(refused.value)
+    assert f"OUT {other} holds a Megatron-LM run (iter_0000400) that shardavg's merge did not write" in message
+    assert "--load OUT --no-load-optim --no-load-rng" in message and "\n" not in message, message
+    with pytest.raises(shardavg.CheckpointError, match="lie one inside the other"):  # (the inputs' own run)
+        shardavg.merge(inputs, run, output="dcp")
+    assert {p: p.read_bytes() for p in sorted(run.rglob("*")) if p.is_file()} == before
+    out = tmp_path / "merged"
+    out.mkdir()
+    (out / "notes.txt").write_text("mine")
+    with pytest.raises(shardavg.CheckpointError, match=r"holds files a merge into a Megatron-LM run folder did not"):
+        shardavg.merge(inputs, out, output="dcp")
+    (out / "notes.txt").unlink()
+    (out / "latest_checkpointed_iteration.txt").write_text("100")  # (a tracker alone: a run's, not a merge's)
+    with pytest.raises(shardavg.CheckpointError, match=r"holds a Megatron-LM run \(latest_checkpointed_iteration"):
+        shardavg.merge(inputs, out, output="dcp")
+
+
+def test_the_iteration_is_megatrons_own_and_only_a_megatron_merge_takes_one(tmp_path: Path) -> None:
+    inputs = benign_run(tmp_path / "run", (100, 200))
+    for wrong, refusal in ((0, "iteration must be"), (True, "iteration must be"), (10**18, "at most")):
+        with pytest.raises(ValueError, match=refusal):
+            shardavg.merge(inputs, tmp_path / "out", output="dcp", iteration=wrong)
+    with pytest.raises(ValueError, match="only a merge of Megatron-Core torch_dist checkpoints written as DCP"):
+        shardavg.merge(inputs, tmp_path / "out", iteration=5)  # (a model folder)
+    unnamed = [tmp_path / "a", tmp_path / "b"]  # (folders whose names give no iteration)
+    for folder, source in zip(unnamed, inputs):
+        source.rename(folder)
+    with pytest.raises(shardavg.CheckpointError, match=r"no input records one .* iteration=N \(--iteration N\)"):
+        shardavg.merge(unnamed, tmp_path / "out", output="dcp")
+    assert not (tmp_path / "out").exists()
+    written = shardavg.merge(unnamed, tmp_path / "out", output="dcp", iteration=7)
+    assert written == megatron_lm_tracked(tmp_path / "out") == tmp_path / "out" / "iter_0000007"

@@ -57,7 +57,7 @@ def test_save_refuses_a_regular_file_and_a_checkpoint_with_a_foreign_file(traine
     averager = trained(trainer, steps=3)
     (tmp_path / "notes").write_text("mine")
     for keep_last in (None, 2):
-        with pytest.raises(CheckpointError, match="notes exists and is not a directory: shardavg will not replace it"):
+        with pytest.raises(CheckpointError, match="notes exists and is not a folder: shardavg will not replace it"):
             averager.save(tmp_path / "notes", keep_last=keep_last)
     assert sorted(os.listdir(tmp_path)) == ["notes"] and (tmp_path / "notes").read_text() == "mine"
     averager.save(tmp_path / "ckpt")
@@ -101,7 +101,7 @@ def test_export_writes_beside_a_hugging_face_folder_and_replaces_only_its_own_we
     with pytest.raises(CheckpointError, match="is a checkpoint: export into a model folder of its own"):
         averager.export(averager.save(tmp_path / "ckpt"))
     (tmp_path / "a-file").write_text("mine")
-    with pytest.raises(CheckpointError, match="exists and is not a directory"):
+    with pytest.raises(CheckpointError, match="exists and is not a folder"):
         averager.export(tmp_path / "a-file")
     assert (tmp_path / "a-file").read_text() == "mine"
 

@@ -120,7 +120,7 @@ def test_what_cannot_be_synthesized_is_refused(trainer, tmp_path) -> None:
     (tmp_path / "snapshots" / "snapshot-000000006" / "rank-00000-of-00001.safetensors").unlink()
     with pytest.raises(CheckpointError, match="rank-00000-of-00001.safetensors"):
         ph.synthesize(0.07)
-    with pytest.raises(CheckpointError, match="no snapshot directory"):
+    with pytest.raises(CheckpointError, match="no snapshot folder"):
         synthesize(trainer.model, tmp_path / "nowhere", 0.07)
 
 

@@ -1,5 +1,5 @@
 """Several named averages in one averager: each exactly what it would be alone, one read of the
-live shards per update for all of them, and every use (swap, gather, export, save, load, CLI) by name."""
+local shards per update for all of them, and every use (swap, gather, export, save, load, CLI) by name."""
 
 from __future__ import annotations
 

@@ -59,7 +59,7 @@ def test_each_bucket_is_copied_ahead_into_the_other_buffer(monkeypatch) -> None:
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("on_device", [False, True])
 def test_a_staged_update_has_the_bits_of_the_unstaged_one(model, trainer, monkeypatch, on_device, dtype) -> None:
-    """Every live shard staged (as for shadows on the host) in buckets of 40 bytes, smaller than
+    """Every local shard staged (as for shadows on the host) in buckets of 40 bytes, smaller than
     most shards: each average is bitwise the one updated in place, and the buffers stay bounded
     (bf16 weights too: staged in bf16, cast piece by piece on the host as beside the shards)."""
     model.to(dtype)
@@ -79,7 +79,7 @@ def test_a_staged_update_has_the_bits_of_the_unstaged_one(model, trainer, monkey
     for _ in range(6):
         trainer.step()
         direct.update()
-        with monkeypatch.context() as forced:  # as if every live shard were on another device
+        with monkeypatch.context() as forced:  # as if every local shard were on another device
             forced.setattr(shardavg.update.fused, "needs_staging", lambda group, dtype: True)
             staged.update()
     assert len(staged_buckets) > 6 * 10, "few buckets were staged: the check is vacuous"

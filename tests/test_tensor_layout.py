@@ -69,7 +69,7 @@ def test_mesh_layouts_match_dtensors_own_split(shape, grid_shape, placements) ->
         part = layout.part(ranks[position])
         assert part.numel == want.numel()
         got = torch.empty(part.numel, dtype=full.dtype)
-        for block in part.blocks:  # the local view read through the part's blocks: the same global indices
+        for block in part.blocks:  # the local shard read through the part's blocks: the same global indices
             block.view(got).copy_(full[tuple(slice(o, o + s) for o, s in zip(block.offsets, block.sizes))])
         assert torch.equal(got, want.reshape(-1)), (coordinate, part)
     layout.check("w")

@@ -59,7 +59,7 @@ def test_the_fused_update_has_the_bits_of_one_call_per_tensor() -> None:
 
 def test_several_averages_take_the_bits_each_would_alone_in_cache_sized_batches() -> None:
     """Two averages over one staged read give each average exactly what a lone update gives it,
-    also when the fused pieces are walked in batches (a live shard larger than a batch)."""
+    also when the fused pieces are walked in batches (a local shard larger than a batch)."""
     torch.manual_seed(0)
     shapes = [(FUSED_PIECE + 3,), (5,), (2 * FUSED_PIECE,)]
     total = sum(torch.Size(s).numel() for s in shapes)
@@ -140,3 +140,27 @@ def test_small_shards_apart_are_screened_in_runs_through_a_scratch(monkeypatch) 
             lives[index][4999] = bad
             assert nonfinite(groups) == [index]
             lives[index][4999] = 0.25
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_screen_dots_fp32_halves_and_sums_bf16(dtype) -> None:
+    """The screen's one read of a large piece: a dot of its halves in fp32, a sum in bf16 (ATen's
+    CPU dot is scalar for bf16: 340x a sum's time, which made a checked bf16 update 4x the
+    unchecked one)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Ops(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.seen: list[str] = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.seen.append(func.overloadpacket.__name__)
+            return func(*args, **(kwargs or {}))
+
+    lives = [torch.randn(SUMMED_NUMEL * 2).to(dtype)]
+    groups = group_tensors(["average"], [[torch.zeros(SUMMED_NUMEL * 2)]], lives)
+    with Ops() as ops:
+        assert nonfinite(groups) == []
+    assert ("dot" in ops.seen) == (dtype == torch.float32), ops.seen
+    assert ("sum" in ops.seen) == (dtype == torch.bfloat16), ops.seen

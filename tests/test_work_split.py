@@ -13,7 +13,7 @@ from shardavg.offline.sources import Spec
 from shardavg.output.export import work_of
 from shardavg.output.record import FolderRecord
 from shardavg.output.weight_files import WeightPlan
-from shardavg.output.work import Work, Workers, assign, pieces
+from shardavg.output.work import Work, Writers, assign, pieces
 
 SHAPES = {"embed": (10, 4), "scale": (3,), "proj": (7, 2), "step": ()}  # fp32: 160, 12, 56 and 4 bytes
 
@@ -31,14 +31,14 @@ def test_the_row_planner_cuts_a_large_tensor_into_consecutive_rows() -> None:
 def test_export_and_merge_plan_the_same_pieces_for_the_same_tensors() -> None:
     entries = [Entry(name, torch.float32, shape) for name, shape in SHAPES.items()]
     record = FolderRecord("export")
-    for workers in (1, 2, 3, 5):
-        largest = -(-sum(entry.nbytes for entry in entries) // workers)  # the merge's: 1/workers of the whole
+    for writers in (1, 2, 3, 5):
+        largest = -(-sum(entry.nbytes for entry in entries) // writers)  # the merge's: 1/writers of the whole
         exported = work_of(list(range(len(entries))), WeightPlan(entries, 2**30, record), largest)
         plan = [Planned((name,), (name,)) for name in SHAPES]
-        merged = _work(plan, [Spec(torch.float32, shape) for shape in SHAPES.values()], "safetensors", workers)
-        assert exported == merged, workers
+        merged = _work(plan, [Spec(torch.float32, shape) for shape in SHAPES.values()], "safetensors", writers)
+        assert exported == merged, writers
     embed, proj = [(0, (k, k + 2)) for k in range(0, 10, 2)], [(2, (0, 5)), (2, (5, 7))]  # 47 bytes a piece at most
-    assert [(w.index, w.rows) for w in merged] == [*embed, (1, None), *proj, (3, None)]  # (232 bytes, 5 workers)
+    assert [(w.index, w.rows) for w in merged] == [*embed, (1, None), *proj, (3, None)]  # (232 bytes, 5 writers)
 
 
 def test_a_tied_tensor_is_one_piece_written_under_each_name() -> None:
@@ -61,8 +61,8 @@ def test_one_digest_for_every_agreement() -> None:
     assert digest(value) != digest([["w", (3, 2), "float32"], [0.25, 0.75], "/out"])
 
 
-def test_a_worker_alone_raises_its_own_error_as_it_is() -> None:
-    alone = Workers.of(True)  # no process group: alone, whatever is asked
+def test_a_writer_alone_raises_its_own_error_as_it_is() -> None:
+    alone = Writers.of(True)  # no process group: alone, whatever is asked
     assert (alone.rank, alone.count, alone.together, alone.lead) == (0, 1, False, True)
     alone.agree(None, "writing")
     refused = ValueError("w: 1 values overflow float16")

@@ -266,18 +266,18 @@ def check_copy_to_gives_every_rank_the_same_average(averager: WeightAverager, fu
 
 
 class StableViews:
-    """Records each averager's local views and update groups after an update, and checks at each
+    """Records each averager's local shards and update groups after an update, and checks at each
     later update that the engine's views are the same objects and nothing was regrouped."""
 
     def __init__(self) -> None:
         self.seen: dict[str, tuple[list[torch.Tensor], object]] = {}
 
     def check(self, label: str, averager: WeightAverager) -> None:
-        views, groups = averager.strategy.local_views(), averager.updater.groups
+        views, groups = averager.strategy.local_shards(), averager.updater.groups
         if label in self.seen:
             old_views, old_groups = self.seen[label]
             changed = [i for i, (a, b) in enumerate(zip(old_views, views)) if a is not b]
-            assert not changed, f"{label}: local views {changed} are new objects although the engine kept them"
+            assert not changed, f"{label}: local shards {changed} are new objects although the engine kept them"
             assert groups is old_groups, f"{label}: the update regrouped its tensors"
         self.seen[label] = (views, groups)
 
@@ -286,7 +286,7 @@ def check_a_cast_is_followed(engine: Engine, averager: WeightAverager) -> None:
     """model.to(float64) gives DDP and FSDP2 new local storage: the next update reads it."""
     before = averager.full_state_dict()
     engine.model.to(torch.float64)
-    floating = [v for v in averager.strategy.local_views() if v.is_floating_point()]
+    floating = [v for v in averager.strategy.local_shards() if v.is_floating_point()]
     assert {v.dtype for v in floating} == {torch.float64}, {v.dtype for v in floating}
     assert averager.update()
     live = engine.gather_live()

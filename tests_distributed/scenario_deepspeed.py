@@ -272,7 +272,7 @@ def offload(root: Path) -> None:
             "master": {t.untyped_storage().data_ptr() for t in optimizer.fp32_partitioned_groups_flat},
         }
         for source, averager in (("live", live_source), ("master", run.avg)):
-            for info, view in zip(averager.tensors, averager.strategy.local_views()):
+            for info, view in zip(averager.tensors, averager.strategy.local_shards()):
                 if info.kind == "param" and info.requires_grad:
                     assert view.untyped_storage().data_ptr() in written[source], (zero, source, info.name)
             got = averager.full_state_dict("ema" if source == "master" else None)

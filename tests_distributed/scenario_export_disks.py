@@ -7,10 +7,10 @@ in a mount namespace of its own where ``DISK`` is bind-mounted over ``BASE``, so
 names rank 0's folder on rank 0 and another folder on rank 1 (done first, while the process is
 single-threaded, as the namespace must be). An earlier export left its temporary
 ``.model.safetensors.incomplete`` on rank 1's disk. The export written by every rank must be
-refused on every rank, naming rank 1 and saying that the ranks do not share OUT, with nothing
-committed on rank 0's side (its previous export byte for byte); the same where rank 1's disk
-holds nothing under the names (a split export); ``writers=1`` (what the message suggests) then
-writes the new export.
+refused on every rank, naming rank 1 (its failure kept in ``failures`` too) and saying that the
+ranks do not share OUT, with nothing committed on rank 0's side (its previous export byte for
+byte); the same where rank 1's disk holds nothing under the names (a split export);
+``writers=1`` (what the message suggests) then writes the new export.
 """
 
 from __future__ import annotations
@@ -44,6 +44,7 @@ from safetensors.torch import load_file
 from torch.distributed.elastic.multiprocessing.errors import record
 
 from shardavg import EMA, ExportError, WeightAverager
+from shardavg.base.errors import RankFailure
 
 STALE = ".model.safetensors.incomplete"
 
@@ -59,15 +60,18 @@ def train(engine: harness.Engine, averager: WeightAverager, steps: range) -> Non
 
 
 def refused(averager: WeightAverager, out: Path, *fragments: str, **options: object) -> str:
-    """The every-rank export refused on every rank with ``fragments`` in the message; the message."""
+    """The every-rank export refused on every rank with ``fragments`` in the message, and rank 1's
+    failure in ``failures`` on every rank; the message."""
     try:
         averager.export(out, **options)
     except ExportError as error:
-        message = str(error)
+        message, failures = str(error), error.failures
     else:
         raise AssertionError(f"rank {dist.get_rank()}: the export into {out} was not refused")
     missing = [f for f in (f"exporting to {out} failed: rank 1: ExportError", *fragments) if f not in message]
     assert not missing and "\n" not in message, f"{message!r} lacks {missing}"
+    said = message.removeprefix(f"exporting to {out} failed: rank 1: ExportError: ")
+    assert failures == {1: RankFailure("ExportError", said)}, f"rank {dist.get_rank()}: {failures}"
     return message
 
 

@@ -30,7 +30,7 @@ from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainerCallback, TrainingArguments
 
 from shardavg import EMA
-from shardavg.integrations.transformers import DIRECTORY, with_weight_averaging
+from shardavg.integrations.transformers import FOLDER, with_weight_averaging
 
 STEPS, DECAY = 8, 0.9
 
@@ -163,7 +163,7 @@ def main() -> None:
         out = root / "out"
         kept = sorted(p.name for p in out.iterdir() if p.name.startswith("checkpoint-"))
         assert kept == ["checkpoint-6", "checkpoint-8"], kept  # checkpoint-3 rotated away, its average with it
-        assert all((out / name / DIRECTORY / "shardavg.json").is_file() for name in kept)
+        assert all((out / name / FOLDER / "shardavg.json").is_file() for name in kept)
         history = [entry for entry in trainer.state.log_history if "eval_avg_loss" in entry]
         expected = [4, 8] if kind == "ddp" else []  # (a resumed run's history holds step 4's from the checkpoint)
         assert [entry["step"] for entry in history] == expected, history

@@ -7,10 +7,10 @@ averagers follow it (an EMA, a power EMA, a custom ``multi_avg_fn``, three named
 one averager, offloaded shadows, averaged buffers); after the run each is compared with a
 reference computed in the same run from ``full_tensor()`` of the live weights: bitwise for
 fp32, within rounding for bf16. The launch also checks that ``update()`` communicates nothing,
-that local views and fused groups stay the same objects, that every rank's shadow is exactly
+that local shards and fused groups stay the same objects, that every rank's shadow is exactly
 its part of the reference (uneven and empty parts included), the shadow bytes against the
 local shards, the forward inside ``swapped()`` against the reference model, the placements the
-adapter refuses, and for pipeline stages the export against an unpipelined run.
+strategy refuses, and for pipeline stages the export against an unpipelined run.
 """
 
 from __future__ import annotations
@@ -136,7 +136,7 @@ def run(engine: Engine, moe: bool = False, pipeline=None, reference_forward=None
     harness.check_writers(averagers["ema"], engine.name)
     ema = averagers["ema"]
     local_bytes = sum(engine.local_param_numels().values()) * 4
-    local_bytes += sum(v.numel() * v.element_size() for v, info in zip(ema.strategy.local_views(), ema.tensors)
+    local_bytes += sum(v.numel() * v.element_size() for v, info in zip(ema.strategy.local_shards(), ema.tensors)
                        if info.kind == "buffer")  # fmt: skip
     assert ema.shadow_bytes() == local_bytes, f"{engine.name}: shadow bytes {ema.shadow_bytes()} != {local_bytes}"
     shadows = [None] * dist.get_world_size()
@@ -199,7 +199,7 @@ def check_pipeline(dtype: torch.dtype) -> None:
     engine = pipelined.engine()
     results = run(engine, pipeline=pipelined.group)
     average = WeightAverager(engine.model, EMA(decay=0.9), pipeline=pipelined.group)
-    with expect_raises(Exception, "a list of model parts is a pipeline's stages"):
+    with expect_raises(Exception, "a list of modules is a pipeline's stages"):
         WeightAverager([engine.model], EMA(decay=0.9))
     for step in range(STEPS + 1, STEPS + 3):
         engine.step(step)

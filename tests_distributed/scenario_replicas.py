@@ -172,8 +172,9 @@ def check_megatron_mark() -> None:
         return (
             f"'fc.weight' is a tensor-parallel slice on rank {on} (Megatron's tensor_model_parallel attribute, "
             "partition_dim=0, partition_stride=1, and 1 more), not a replica: the 'replicated' strategy would "
-            "export one rank's slice as the whole tensor, and shardavg has no Megatron-Core adapter yet; average "
-            "Megatron's own checkpoints with `shardavg merge` (it reads torch_dist exactly)"
+            "export one rank's slice as the whole tensor; a Megatron-Core model is averaged by strategy='auto' (the "
+            "'megatron' strategy places its slices from its sharded_state_dict()); a module marked by hand: hold its "
+            "slices as DTensors"
         )
 
     torch.manual_seed(0)
@@ -237,9 +238,9 @@ def check_no_false_alarm(out: Path) -> None:
     from shardavg.strategies.replicated import Replicated, refuse_non_replicas, refuse_unlike_values
 
     one = one_all_reduce()
-    adapter = Replicated(model)
+    strategy = Replicated(model)
     with harness.CollectiveCount() as count:
-        refuse_non_replicas([adapter], compare_shapes=True)
+        refuse_non_replicas([strategy], compare_shapes=True)
     assert count.count == one, f"the construction check issued {count.names}"
     with harness.CollectiveCount() as count:
         refuse_unlike_values([p.detach() for p in model.parameters()], ["?"] * 6, "checking", 2**20, [4, 0])

@@ -1,8 +1,9 @@
 """``torchrun -m shardavg merge --format dcp`` at 2 workers: each worker writes its own part of the DCP
 checkpoint (the largest tensor in row pieces across both), the first commits ``.metadata``; the result
 loads back with DCP's own ``dcp_to_torch_save`` equal to the one-process merge, and a Megatron merge
-carries its files and ``*._extra_state`` byte for byte; a re-merge that fails late on the workers leaves
-the earlier merge byte for byte and no staging folder."""
+carries its files and ``*._extra_state`` byte for byte, in the ``iter_NNNNNNN`` folder its tracker
+names; a re-merge that fails late on the workers leaves the earlier merge byte for byte and no
+staging folder."""
 
 from __future__ import annotations
 
@@ -59,6 +60,10 @@ def test_two_workers_write_a_dcp_checkpoint_equal_to_one_process(tmp_path: Path,
     assert launch.returncode == 0, launch.output[-20000:]
     assert [r["code"] for r in launch.reports("EXIT")] == [0, 0], launch.output[-5000:]
     assert launch.output.count("wrote the merge of 2 checkpoints") == 1, "not only the first worker reports"
+    if kind == "megatron":  # (a Megatron-LM run folder: the iteration of the newest input, and its tracker)
+        assert one == tmp_path / "one" / "iter_0000200"
+        assert (out / "latest_checkpointed_iteration.txt").read_text() == "200"
+        out = out / "iter_0000200"
     want, got = whole(one, tmp_path / "one.pt", kind), whole(out, tmp_path / "two.pt", kind)
     assert sorted(got) == sorted(want)
     for key, value in want.items():

@@ -19,8 +19,8 @@ reference ours is checked against), the kernel floor (the update's arithmetic in
 plain tensors of this rank's local-shard sizes) and two streams of the same bytes.
 
 Bytes, not kernels: every update row counts the bytes its result must move per rank at least
-(check off: the live shard read once, the fp32 shadow read and written once, ``itemsize + 8``
-an element; the check reads the live shard once more; each further average adds 8). The
+(check off: the local shard read once, the fp32 shadow read and written once, ``itemsize + 8``
+an element; the check reads the local shard once more; each further average adds 8). The
 memory's speed for those bytes is measured in the same run, every rank at once and taking
 turns with the updates: the faster of a streaming copy and ``b += a`` (the update's own
 pattern, one tensor read, one read and written; on a CPU a copy's writes also read their lines
@@ -55,7 +55,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
@@ -126,7 +126,7 @@ class Shards:
     itemsize: int
 
     def update_bytes(self, check: bool, averages: int = 1) -> int:
-        """The least an update moves: the live shard read once (twice with the non-finite check),
+        """The least an update moves: the local shard read once (twice with the non-finite check),
         each fp32 shadow read and written once."""
         return self.elements * ((2 if check else 1) * self.itemsize + 8 * averages)
 
@@ -152,7 +152,7 @@ SCREEN_EVERY = 100  # the default of Options.screen_every: the steady verdict ro
 
 def with_verdict(wrapped: engines.Wrapped, decay: float, shards: Shards, screen_every: int) -> Method:
     """Ours with the loop's verdict: ``update(finite=norm)``, ``norm`` a finite 0-d fp32 tensor on
-    the live shards' device, as ``clip_grad_norm_`` returns it, the check on (``"raise"``). With
+    the local shards' device, as ``clip_grad_norm_`` returns it, the check on (``"raise"``). With
     ``screen_every`` at its default (100) every timed update past the first takes the verdict
     alone (the steady state; the first update, in the warm-up, screens); with ``screen_every=1``
     every update screens too (what the periodic screen costs with a verdict). The bytes floor is
@@ -189,7 +189,7 @@ SEVERAL = {"ema": EMA(decay=0.999), "slow": EMA(decay=0.9999), "swa": SWA()}  # 
 
 
 def several_in_one(wrapped: engines.Wrapped, shards: Shards) -> Method:
-    """Three averages kept by one averager: one read, screen and staging of the live shards."""
+    """Three averages kept by one averager: one read, screen and staging of the local shards."""
     average = WeightAverager(wrapped.model, SEVERAL)
     result = lambda: average.full_state_dict("ema")  # noqa: E731
     return Method("3 averages, one averager", "several", average.update, result, average.shadow_bytes,
@@ -197,8 +197,8 @@ def several_in_one(wrapped: engines.Wrapped, shards: Shards) -> Method:
 
 
 def several_apart(wrapped: engines.Wrapped, shards: Shards) -> Method:
-    """The same three averages as three averagers, each reading the live shards itself (the
-    bytes floor is the same result's: the live shards read twice, not six times)."""
+    """The same three averages as three averagers, each reading the local shards itself (the
+    bytes floor is the same result's: the local shards read twice, not six times)."""
     averages = [WeightAverager(wrapped.model, rule) for rule in SEVERAL.values()]
 
     def update() -> None:
@@ -227,7 +227,7 @@ def floor(wrapped: engines.Wrapped, decay: float, shards: Shards, piece: int) ->
 def one_pass(shadows: list[torch.Tensor], lives: list[torch.Tensor], weight: float, piece: int) -> Callable[[], None]:
     """fp32 ``shadows`` lerped toward ``lives`` by ``weight``, the memory seeing the live read once
     and each shadow read and written once. fp32 live: one ``_foreach_lerp_``; bf16 and fp16
-    (which ``lerp`` refuses to mix with fp32): the live shards cast to fp32 ``piece`` elements at a
+    (which ``lerp`` refuses to mix with fp32): the local shards cast to fp32 ``piece`` elements at a
     time into a buffer that stays in cache, the shadows lerped from it (not ``mul_`` + ``add_``,
     two passes)."""
     if all(live.dtype == torch.float32 for live in lives):
@@ -243,7 +243,7 @@ def one_pass(shadows: list[torch.Tensor], lives: list[torch.Tensor], weight: flo
 
 
 def pieces(shadows: list[torch.Tensor], lives: list[torch.Tensor], buffer: torch.Tensor) -> list[tuple]:
-    """The flattened shadows and live shards cut into batches of at most ``buffer.numel()``
+    """The flattened shadows and local shards cut into batches of at most ``buffer.numel()``
     elements (a large tensor split over several, small ones packed into one), each batch as
     (shadow views, live views, the buffer's views of the same sizes): one ``_foreach_copy_`` and
     one ``_foreach_lerp_`` a batch, however many tensors."""
@@ -427,6 +427,7 @@ class Row:
     of_memory: float = 0.0  # gb_per_s / the memory's GB/s
     screened: list[int] | None = None  # with a verdict: the updates (1-based) that ran the screen; None: no verdict
     timed: tuple[int, int] = (0, 0)  # the updates (1-based, inclusive) in the timed window
+    rounds_ms: list[float] = field(default_factory=list)  # each timed round's ms, in order (see ``paired``)
 
 
 def compare(got: dict | None, want: dict | None, dtype: torch.dtype, failing: str) -> str:
@@ -454,7 +455,7 @@ def run_case(kind: str, shape_name: str, shape: dict, dtype: torch.dtype, cfg: d
     counted = Shards(int(elements), shards[0].element_size())
     synchronize = torch.cuda.synchronize if device.type == "cuda" else lambda: None
 
-    def next_weights() -> None:  # what an optimizer step would do: every live shard changes in place
+    def next_weights() -> None:  # what an optimizer step would do: every local shard changes in place
         with torch.no_grad():
             torch._foreach_mul_(shards, 0.999)
             torch._foreach_add_(shards, 0.001)
@@ -493,7 +494,8 @@ def run_case(kind: str, shape_name: str, shape: dict, dtype: torch.dtype, cfg: d
         window = (cfg["warmup"] + 1, cfg["warmup"] + cfg["repeats"])
         rows.append(
             Row(kind, shape_name, str(dtype)[6:], method.name, method.role, timing.median_ms, timing.p90_ms, int(comm),
-                int(extra), "", floor_bytes=method.floor_bytes, screened=screened, timed=window)
+                int(extra), "", floor_bytes=method.floor_bytes, screened=screened, timed=window,
+                rounds_ms=timing.rounds_ms)
         )  # fmt: skip
     against_memory(rows)
     # (AveragedModel's bf16 copy loses the average: "differs")
@@ -524,7 +526,7 @@ def blocked_rows(
     wrapped: engines.Wrapped, kind: str, shape_name: str, dtype: torch.dtype, cfg: dict, next_weights, synchronize
 ) -> list[Row]:
     """How long the loop is blocked per update, in the loop and in the background (``background=True``),
-    shadows beside the live shards and offloaded (``device="cpu"``): ``update()`` itself plus what
+    shadows beside the local shards and offloaded (``device="cpu"``): ``update()`` itself plus what
     collecting it waits beyond ``work_ms`` of the loop's own work in between (a stand-in for the
     forward and backward; the optimizer step that follows collects it, here ``wait()``). The
     averages are checked bitwise against the loop's. On a CPU the background shares the cores the
@@ -743,28 +745,45 @@ def amortized_ms(steady: float, screened: float, every: int = SCREEN_EVERY) -> f
     return ((every - 1) * steady + screened) / every
 
 
+def paired(numerator: list[float], denominator: list[float]) -> float:
+    """The median over the timed rounds of one run's time over the other's in the same round.
+
+    Each round times every method once, one after the other, on the same live weights: a pair
+    sees the same state of a shared machine (another process's burst, a slower core), which a
+    ratio of two medians, each taken over all rounds, does not cancel."""
+    return statistics.median(a / b for a, b in zip(numerator, denominator, strict=True))
+
+
 def verdict_figures(by_role: dict[str, list[Row]]) -> dict[str, float] | None:
-    """One case's update with a verdict against the unchecked update and the peers (ms medians and
-    ratios); None when the case has no verdict rows."""
+    """One case's update with a verdict against the unchecked update and the fastest shard-local
+    peer that keeps an fp32 average: ms medians, and the ratios as the median of each timed round's
+    ratio (``paired``; a ratio of medians where a run's JSON has no rounds). None when the case has
+    no verdict rows."""
     verdicts = {r.method: r for r in by_role.get("verdict", [])}
     steady, every_one = verdicts.get("ours, verdict"), verdicts.get("ours, verdict, screen_every=1")
     if steady is None or every_one is None:
         return None
     on, off = by_role["ours"]
-    peers = by_role.get("peer", [])
-    fastest = min((r.ms_median for r in peers if keeps_fp32(r)), default=float("nan"))
-    amortized = amortized_ms(steady.ms_median, every_one.ms_median)
+    peers = [r for r in by_role.get("peer", []) if keeps_fp32(r)]
+    fastest = min(peers, key=lambda r: r.ms_median, default=None)
+    rounds = {
+        "verdict": steady.rounds_ms or [steady.ms_median],
+        "amortized": [amortized_ms(a, b) for a, b in zip(steady.rounds_ms, every_one.rounds_ms)]
+        or [amortized_ms(steady.ms_median, every_one.ms_median)],
+        "check off": off.rounds_ms or [off.ms_median],
+        "peer": [float("nan")] if fastest is None else fastest.rounds_ms or [fastest.ms_median],
+    }
     return {
         "verdict": steady.ms_median,
         "screened": every_one.ms_median,
-        "amortized": amortized,
+        "amortized": amortized_ms(steady.ms_median, every_one.ms_median),
         "check off": off.ms_median,
         "check on": on.ms_median,
-        "fastest fp32 peer": fastest,
-        "verdict / check off": steady.ms_median / off.ms_median,
-        "verdict / fastest fp32 peer": steady.ms_median / fastest,
-        "verdict amortized / check off": amortized / off.ms_median,
-        "verdict amortized / fastest fp32 peer": amortized / fastest,
+        "fastest fp32 peer": float("nan") if fastest is None else fastest.ms_median,
+        "verdict / check off": paired(rounds["verdict"], rounds["check off"]),
+        "verdict / fastest fp32 peer": paired(rounds["verdict"], rounds["peer"]),
+        "verdict amortized / check off": paired(rounds["amortized"], rounds["check off"]),
+        "verdict amortized / fastest fp32 peer": paired(rounds["amortized"], rounds["peer"]),
     }
 
 

@@ -11,7 +11,7 @@ For each world size W it launches torchrun with W processes, which shard an fp32
 - ``export()``: every rank writes about 1/W of the files' bytes;
 - torch's ``HuggingFaceStorageWriter`` (``save_distributed``, ``enable_consolidation``) saving
   the model's state dict through DCP, consolidated into the same Hugging Face layout;
-- ``shardavg merge`` of two such exports across W workers (``torchrun -m shardavg merge``).
+- ``shardavg merge`` of two such exports across W writers (``torchrun -m shardavg merge``).
 
 Each row gives the median of ``--repeats`` runs (the methods taking turns) of the seconds on
 the slowest rank, GB/s of model bytes, and the most resident memory a rank added (Linux:
@@ -117,7 +117,7 @@ def child(args: argparse.Namespace) -> None:
 
 
 def merge_child(args: argparse.Namespace) -> None:
-    """One worker of ``torchrun -m shardavg merge``, timed like the others."""
+    """One writer of ``torchrun -m shardavg merge``, timed like the others."""
     from shardavg.cli import main as cli
 
     dist.init_process_group("gloo")

@@ -19,6 +19,7 @@ from torch.utils._pytree import tree_leaves
 class Timing:
     median_ms: float
     p90_ms: float
+    rounds_ms: list[float]  # each kept round's time, in order: the runs of one round are a pair
 
 
 def interleaved_ms(
@@ -46,11 +47,12 @@ def interleaved_ms(
             dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
             if index >= warmup:
                 times.append(elapsed.item() * 1e3)
-    return [_timing(sorted(times)) for times in kept]
+    return [_timing(times) for times in kept]
 
 
-def _timing(times: list[float]) -> Timing:
-    return Timing(statistics.median(times), times[min(len(times) - 1, int(0.9 * len(times)))])
+def _timing(rounds: list[float]) -> Timing:
+    times = sorted(rounds)
+    return Timing(statistics.median(times), times[min(len(times) - 1, int(0.9 * len(times)))], rounds)
 
 
 # c10d functions and the argument that holds what this rank receives

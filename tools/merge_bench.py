@@ -1,15 +1,15 @@
-"""``shardavg merge`` of Megatron-Core ``torch_dist`` checkpoints against the storage's floor, at 1, 2 and 4 workers.
+"""``shardavg merge`` of Megatron-Core ``torch_dist`` checkpoints against the storage's floor, at 1, 2 and 4 writers.
 
-    python -m tools.merge_bench --dir /tmp/merge-bench [--inputs 8] [--gb 0.25] [--workers 1 2 4]
+    python -m tools.merge_bench --dir /tmp/merge-bench [--inputs 8] [--gb 0.25] [--writers 1 2 4]
 
 Writes ``--inputs`` checkpoints laid out as Megatron-Core's ``dist_checkpointing.save`` with the
 ``torch_dist`` backend writes them (flat keys, layer stacks ``[L, ...]``, its ``metadata.json``,
 its ranks' save plans in DCP's ``.metadata``), each of ``--gb`` GB of fp32 model tensors, then
-times for each worker count W, the steps taking turns ``--repeats`` times (the median reported):
+times for each writer count W, the steps taking turns ``--repeats`` times (the median reported):
 
 - the floor: W processes together read every input file once and write the output's bytes once
   (each 1/W of both, its file synced): what any merge must move;
-- ``shardavg.merge(IN..., OUT, collective=True)`` in each of W workers launched by torchrun
+- ``shardavg.merge(IN..., OUT, collective=True)`` in each of W writers launched by torchrun
   (what ``torchrun -m shardavg merge`` runs), timed between barriers, the launch not counted.
 
 The inputs were just written, so both read from the page cache where it holds them: the same
@@ -81,16 +81,16 @@ def floor(files: list[Path], world: int, out: Path, out_bytes: int) -> float:
     shutil.rmtree(out, ignore_errors=True)
     out.mkdir(parents=True)
     started = time.perf_counter()
-    workers = [Process(target=floor_part, args=(files, r, world, out, out_bytes)) for r in range(world)]
-    for worker in workers:
-        worker.start()
-    for worker in workers:
-        worker.join()
+    processes = [Process(target=floor_part, args=(files, r, world, out, out_bytes)) for r in range(world)]
+    for process in processes:
+        process.start()
+    for process in processes:
+        process.join()
     return time.perf_counter() - started
 
 
 def merge_child(args: argparse.Namespace) -> None:
-    """One worker of a merge split over the launch's workers, timed between barriers ``--repeats`` times."""
+    """One writer of a merge split over the launch's writers, timed between barriers ``--repeats`` times."""
     import torch.distributed as dist
 
     import shardavg
@@ -112,14 +112,14 @@ def merge_child(args: argparse.Namespace) -> None:
 
 
 def merge(args: argparse.Namespace, inputs: list[Path], world: int) -> list[float]:
-    """The seconds of each of ``--repeats`` merges at ``world`` workers (the launch not counted)."""
+    """The seconds of each of ``--repeats`` merges at ``world`` writers (the launch not counted)."""
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={world}",
                "-m", "tools.merge_bench", "--dir", args.dir, "--repeats", str(args.repeats),
                "--merge-inputs", *map(str, inputs)]  # fmt: skip
     env = os.environ | {"OMP_NUM_THREADS": "1"}
     result = subprocess.run(command, capture_output=True, text=True, env=env, check=False)
     if result.returncode:
-        raise SystemExit(f"merge at {world} workers failed:\n{result.stderr[-5000:]}")
+        raise SystemExit(f"merge at {world} writers failed:\n{result.stderr[-5000:]}")
     line = next(line for line in result.stdout.splitlines() if line.startswith("SECONDS "))
     return json.loads(line.removeprefix("SECONDS "))
 
@@ -129,10 +129,10 @@ def main() -> None:
     parser.add_argument("--dir", required=True, help="the folder written into (on the storage to measure)")
     parser.add_argument("--inputs", type=int, default=8, help="checkpoints merged")
     parser.add_argument("--gb", type=float, default=0.25, help="each checkpoint's size in GB")
-    parser.add_argument("--workers", type=int, nargs="+", default=[1, 2, 4])
+    parser.add_argument("--writers", type=int, nargs="+", default=[1, 2, 4])
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--json", help="write the rows here")
-    parser.add_argument("--merge-inputs", nargs="+", help="(a merge worker: the checkpoints to merge)")
+    parser.add_argument("--merge-inputs", nargs="+", help="(a merge writer: the checkpoints to merge)")
     args = parser.parse_args()
     if args.merge_inputs:
         return merge_child(args)
@@ -145,7 +145,7 @@ def main() -> None:
     read = sum(f.stat().st_size for f in files)
     written = read // args.inputs
     rows = []
-    for world in args.workers:
+    for world in args.writers:
         times = {
             "floor: read every input once, write the output once": [
                 floor(files, world, root / "floor", written) for _ in range(args.repeats)
@@ -154,11 +154,11 @@ def main() -> None:
         }
         for method, seconds in times.items():
             median = statistics.median(seconds)
-            rows.append({"method": method, "workers": world, "seconds": median, "read_bytes": read, "all": seconds})
-    lines = ["| method | workers | seconds | GB/s read |", "|---|---:|---:|---:|"]
+            rows.append({"method": method, "writers": world, "seconds": median, "read_bytes": read, "all": seconds})
+    lines = ["| method | writers | seconds | GB/s read |", "|---|---:|---:|---:|"]
     for r in rows:
         lines.append(
-            f"| {r['method']} | {r['workers']} | {r['seconds']:.2f} | {r['read_bytes'] / r['seconds'] / 1e9:.2f} |"
+            f"| {r['method']} | {r['writers']} | {r['seconds']:.2f} | {r['read_bytes'] / r['seconds'] / 1e9:.2f} |"
         )
     print("\n".join(lines))
     if args.json:

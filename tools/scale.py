@@ -30,7 +30,7 @@ projections column- and row-wise tensor parallel with ``parallelize_module``, ev
 then ``fully_shard`` on the (replicate, shard) submesh); ``fsdp1`` (``FullyShardedDataParallel`` per
 layer, ``device_id=cpu``, meta-device init through ``param_init_fn``); ``zero3`` (DeepSpeed
 ``zero.Init`` partitioning with ``DS_ACCELERATOR=cpu``: the partitioned module, without
-``deepspeed.initialize``, which takes minutes for 45,000 tensors; its live shards are bf16 on CPUs
+``deepspeed.initialize``, which takes minutes for 45,000 tensors; its local shards are bf16 on CPUs
 without oneDNN fp16, DESIGN.md says why). FSDP2 makes all W chunks of every parameter to keep one,
 O(W) per tensor: ``LazyChunks`` makes only those it reads (``--torch-chunks``: torch's own).
 
@@ -539,7 +539,7 @@ def update_ms(averager: Any) -> float:
 
 def bytes_floor_ms(averager: Any) -> float:
     """The least an update with the non-finite check can take here: the bytes it must move (each
-    live shard read twice, by the screen and by the update; each shadow read and written once)
+    local shard read twice, by the screen and by the update; each shadow read and written once)
     at the memory's speed measured now, in this process, as ``tools/bench.py`` measures it: the
     faster of a streaming copy and ``b += a`` (the update's own pattern) over 64 MiB."""
     live = sum(info.local_numel * info.dtype.itemsize for info in averager.tensors)
@@ -627,7 +627,7 @@ def measure_run(run: Run, directory: Path, record: Record) -> None:
 # ---------------------------------------------------------------- one simulated rank (a subprocess)
 
 
-def worker(run: Run, result: Path) -> None:
+def simulate(run: Run, result: Path) -> None:
     """Run as rank ``run.rank`` of ``run.world`` under the fake process group; results go to ``result``."""
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
@@ -651,7 +651,7 @@ def launch(run: Run, timeout: float, max_rss_gib: float) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="scale-run-") as scratch:
         result = Path(scratch) / "result.json"
         stderr_path = Path(scratch) / "stderr"
-        command = [sys.executable, __file__, "--worker", json.dumps(dataclasses.asdict(run)), "--result", str(result)]
+        command = [sys.executable, __file__, "--simulate", json.dumps(dataclasses.asdict(run)), "--result", str(result)]
         environment = os.environ | {"OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu"}
         with stderr_path.open("w") as stderr:
             process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=stderr, env=environment)
@@ -751,7 +751,7 @@ def real(args: argparse.Namespace) -> list[dict[str, Any]]:
             k = scale_down(args, model, engine, world)
             run = Run(model, engine, world, me, k, args.hsdp_shard, args.torch_chunks)
             record = Record(None, **dataclasses.asdict(run), mode="real")
-            with shared_directory() as directory:
+            with shared_folder() as directory:
                 measure_run(run, directory, record)
             everyone: list[dict] = [{}] * world
             dist.all_gather_object(everyone, dict(record))
@@ -762,8 +762,8 @@ def real(args: argparse.Namespace) -> list[dict[str, Any]]:
 
 
 @contextlib.contextmanager
-def shared_directory() -> Iterator[Path]:
-    """A temporary directory all ranks write into: rank 0 makes it, and removes it once every rank is done."""
+def shared_folder() -> Iterator[Path]:
+    """A temporary folder all ranks write into: rank 0 makes it, and removes it once every rank is done."""
     name = [tempfile.mkdtemp(prefix="scale-real-") if dist.get_rank() == 0 else None]
     dist.broadcast_object_list(name)
     try:
@@ -950,7 +950,7 @@ def arguments(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--resume", action="store_true", help="skip the runs --json holds already, and show them")
     parser.add_argument("--plot", type=Path, help="a log-log figure of construction time and memory against W")
     parser.add_argument("--real", action="store_true", help="under torchrun: real ranks and gloo, not simulated")
-    parser.add_argument("--worker", help=argparse.SUPPRESS)  # one simulated run (JSON), from the sweep
+    parser.add_argument("--simulate", help=argparse.SUPPRESS)  # one simulated run (JSON), from the sweep
     parser.add_argument("--result", type=Path, help=argparse.SUPPRESS)
     return parser.parse_args(argv)
 
@@ -958,8 +958,8 @@ def arguments(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> None:
     args = arguments(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    if args.worker:
-        worker(Run(**json.loads(args.worker)), args.result)
+    if args.simulate:
+        simulate(Run(**json.loads(args.simulate)), args.result)
         os._exit(0)  # all is recorded: tearing down the model's objects (45,000 FSDP parameters) is not measured
     records = real(args) if args.real else sweep(args)
     if args.real and dist.get_rank() != 0:

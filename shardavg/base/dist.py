@@ -15,7 +15,7 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
-from .errors import CheckpointError
+from .errors import CheckpointError, RankFailure
 
 
 def distributed() -> bool:
@@ -68,20 +68,24 @@ def all_gathered(value: object) -> list:
 
 
 def gather_or_raise(
-    error: BaseException | None, value: object, what: str, kind: type[Exception] = CheckpointError
+    error: BaseException | None, value: object, what: str, kind: type[CheckpointError] = CheckpointError
 ) -> list:
     """Collective: every rank's ``value``; or, if any rank failed, raise ``kind`` on every rank,
-    naming the ranks and their errors."""
-    reports = all_gathered((None if error is None else f"{type(error).__name__}: {error}", value))
-    failed = "; ".join(f"rank {r}: {e}" for r, (e, _) in enumerate(reports) if e is not None)
-    if failed:
-        raise kind(f"{what} failed: {failed}") from error
+    naming the ranks and their errors, with ``failures``: each failing rank's ``RankFailure`` (its
+    exception's type name and message, the strings that cross processes; the exception itself
+    is the cause only on its own rank)."""
+    reports = all_gathered((None if error is None else (type(error).__name__, str(error)), value))
+    failures = {r: RankFailure(*failure) for r, (failure, _) in enumerate(reports) if failure is not None}
+    if failures:
+        failed = "; ".join(f"rank {r}: {failure}" for r, failure in failures.items())
+        raise kind(f"{what} failed: {failed}", failures=failures) from error
     return [value for _, value in reports]
 
 
-def agree_or_raise(error: BaseException | None, what: str, kind: type[Exception] = CheckpointError) -> None:
+def agree_or_raise(error: BaseException | None, what: str, kind: type[CheckpointError] = CheckpointError) -> None:
     """Collective: raise ``kind`` on every rank if any rank failed, naming the ranks and their errors
-    (one all-reduce when none did; the errors are gathered only when one did)."""
+    in its message and in its ``failures`` (rank -> ``RankFailure``); one all-reduce when none did,
+    the errors gathered only when one did."""
     alike = same_everywhere([0 if error is None else 1])  # every rank takes part, failed or not
     if error is not None or not alike:
         gather_or_raise(error, None, what, kind)

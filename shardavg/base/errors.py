@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from dataclasses import dataclass
+
 
 class StrategyError(ValueError):
     """An unknown strategy or source, or a strategy forced on a model it does not fit.
@@ -33,12 +36,38 @@ class LayoutError(RuntimeError):
     """
 
 
+@dataclass(frozen=True)
+class RankFailure:
+    """One rank's failure as every rank learns it: its exception's type name and message.
+
+    An exception cannot cross processes whole (its traceback holds frames, its arguments need not
+    pickle, and shardavg sends other ranks only plain data), so the failing rank sends these two
+    strings and every rank keeps them. ``str()`` gives ``"TypeName: message"``.
+    """
+
+    type_name: str
+    message: str
+
+    def __str__(self) -> str:
+        return f"{self.type_name}: {self.message}"
+
+
 class CheckpointError(ValueError):
     """A checkpoint is missing, never committed, corrupt, not ours or of another model; the message names it.
 
     Also raised when a write is refused (something not shardavg's in the way, another process
     writing there). A ``ValueError``.
+
+    Where the ranks agree on a failure before collective I/O (a save's commit, a load, an export
+    written by every rank), the error is raised on every rank and ``failures`` maps each failing
+    rank to its ``RankFailure`` (the same mapping on every rank, as torch DCP's
+    ``CheckpointException.failures`` maps ranks to their exceptions); the message says the same in
+    words. ``failures`` is empty for an error of this process alone.
     """
+
+    def __init__(self, *args: object, failures: Mapping[int, RankFailure] | None = None) -> None:
+        super().__init__(*args)
+        self.failures: dict[int, RankFailure] = dict(failures or {})
 
 
 class ProvenanceError(CheckpointError):

@@ -63,7 +63,7 @@ def device(name: str, value: Any) -> torch.device | None:
         else " or 'cpu' (this machine has no accelerator torch can use)"
     )
     raise ValueError(
-        f"{name}={value!r} is not a device of this machine: use None (each shadow beside its live shard){kinds}, "
+        f"{name}={value!r} is not a device of this machine: use None (each shadow beside its local shard){kinds}, "
         "as a string or torch.device"
     )
 

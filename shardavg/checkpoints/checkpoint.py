@@ -6,9 +6,9 @@ chunk is a box of the tensor itself, a checkpoint loads under any layout, world 
 strategy: each rank reads the parts of the saved boxes that overlap its own.
 
 ``save(directory)`` writes one safetensors file per rank and a checksummed ``shardavg.json``
-manifest into a staging directory; the manifest is written last and the directory swapped
+manifest into a staging folder; the manifest is written last and the folder swapped
 into place, so a crash at any point leaves the previous checkpoint intact and an uncommitted
-directory that ``load`` refuses. Every shard carries the save's id, and the manifest the id and
+folder that ``load`` refuses. Every shard carries the save's id, and the manifest the id and
 every file's size and SHA-256, hashed as the file was written. It replaces only a checkpoint of
 its own (``ownership.py``), holds a lock on the target while writing, and with ``keep_last``
 removes only its own older ``step-*`` checkpoints. ``load`` reads one save whole even while
@@ -38,7 +38,7 @@ from ..layouts.tensor_layout import MeshLayout, world_grid
 from ..state.average_state import AverageState
 from ..state.description import Description, TensorEntry, tensor_key
 from ..strategies import refuse_unlike_values
-from .format import MANIFEST, SAVE_ID_KEY, STEP_DIR, manifest_json, saved_length, shard_file, step_directory
+from .format import MANIFEST, SAVE_ID_KEY, STEP_DIR, manifest_json, saved_length, shard_file, step_folder
 from .ownership import (
     STAGING_MARKER,
     TargetLock,
@@ -62,7 +62,7 @@ from .storage import (
     Entry,
     SafetensorsFile,
     atomic_file,
-    commit_directory,
+    commit_folder,
     replaced_path,
     staging_path,
     write_safetensors,
@@ -169,7 +169,7 @@ def loadable(state: AverageState, saved: dict[str, TensorEntry], saved_state: De
 
 def _check_not_a_file(path: Path) -> None:
     if path.is_symlink() or (path.exists() and not path.is_dir()):
-        raise CheckpointError(f"{path} exists and is not a directory: shardavg will not replace it")
+        raise CheckpointError(f"{path} exists and is not a folder: shardavg will not replace it")
 
 
 def _check_outside_checkpoints(directory: Path, target: Path) -> None:
@@ -182,20 +182,20 @@ def _check_outside_checkpoints(directory: Path, target: Path) -> None:
         )
 
 
-def _make_directory(directory: Path) -> None:
+def _make_folder(directory: Path) -> None:
     _check_not_a_file(directory)
     directory.mkdir(parents=True, exist_ok=True)
 
 
 def _prepare(directory: Path, target: Path, keep_last: int | None) -> int:
     """Rank 0, under the lock: refuse a target that is not ours, clear what earlier crashed saves
-    left (only when it is provably ours), and create the staging directory. Returns the save's
+    left (only when it is provably ours), and create the staging folder. Returns the save's
     sequence number in ``directory``."""
     _check_not_a_file(directory)
     if keep_last and (directory / MANIFEST).exists():
         raise CheckpointError(
-            f"{directory} is a single checkpoint; keep_last=K writes step-* checkpoints into a directory "
-            "of their own: save without keep_last, or into another directory"
+            f"{directory} is a single checkpoint; keep_last=K writes step-* checkpoints into a folder "
+            "of their own: save without keep_last, or into another folder"
         )
     sequence = 0
     if keep_last:
@@ -218,7 +218,7 @@ def _prepare(directory: Path, target: Path, keep_last: int | None) -> int:
         raise CheckpointError(
             f"{target} holds files shardavg did not write ({', '.join(foreign[:8])}"
             f"{', ...' if len(foreign) > 8 else ''}): it replaces only its own checkpoints; save into a new "
-            "or empty directory (keep_last=K keeps step-* checkpoints beside other files)"
+            "or empty folder (keep_last=K keeps step-* checkpoints beside other files)"
         )
     replaced = replaced_path(target)
     if target.exists() and is_own_checkpoint(replaced):  # an interrupted replacement of a complete target
@@ -241,7 +241,7 @@ def _commit(manifest: dict[str, Any], target: Path) -> None:
     (staging / STAGING_MARKER).unlink()
     if foreign_in_checkpoint(target):  # written by someone else since _prepare looked
         raise CheckpointError(f"{target} changed during the save and is no longer shardavg's own: left alone")
-    commit_directory(staging, target)
+    commit_folder(staging, target)
     replaced = replaced_path(target)
     if is_own_checkpoint(replaced):  # the previous checkpoint, kept by a save interrupted long ago
         shutil.rmtree(replaced)
@@ -317,18 +317,18 @@ def save(
     state.check_current()
     refuse_unlike_replicas(state, f"saving {directory}", state.names)
     directory = target_path(directory, "save", replaced_whole=not keep_last)
-    target = directory / step_directory(state.step) if keep_last else directory
+    target = directory / step_folder(state.step) if keep_last else directory
     staging = staging_path(target)
     me, ranks = rank(), world_size()
     files = [shard_file(r, ranks) for r in range(ranks)]
     with contextlib.ExitStack() as held:
         error: BaseException | None = None
-        identity = None  # the save's sequence number in its directory and its id, decided by rank 0
+        identity = None  # the save's sequence number in its folder and its id, decided by rank 0
         if me == 0:
             try:
                 _check_outside_checkpoints(directory, target)
                 if keep_last:
-                    _make_directory(directory)
+                    _make_folder(directory)
                 held.enter_context(TargetLock.inside(directory) if keep_last else TargetLock.beside(directory))
                 identity = (_prepare(directory, target, keep_last), secrets.token_hex(16))
             except Exception as caught:

@@ -67,13 +67,13 @@ from ..state.description import (
     checksum,
     with_checksum,
 )
-from ..strategies import ADAPTERS
+from ..strategies import SAVED_STRATEGIES
 from ..update.options import Options, Role
 from .storage import read_bounded
 
 MANIFEST = "shardavg.json"  # a checkpoint's description, chunk tables and files; written last
 CHECKPOINT_FILE = re.compile(r"^(shardavg\.json|rank-\d{5}-of-\d{5}\.safetensors)$")
-STEP_DIR = re.compile(r"^step-(\d+)$")  # a keep_last directory's checkpoints
+STEP_DIR = re.compile(r"^step-(\d+)$")  # a keep_last folder's checkpoints
 SNAPSHOT_DIR = re.compile(r"^snapshot-(\d+)$")  # a PostHocEMA's snapshots, by update count
 STEP_NAME = re.compile(r"^(?:step-|checkpoint-|global_step)(\d+)$")  # a checkpoint of shardavg, HF Trainer, DeepSpeed
 DCP_METADATA = ".metadata"  # a torch.distributed.checkpoint folder's index
@@ -94,12 +94,12 @@ def shard_file(rank: int, world: int) -> str:
     return f"rank-{rank:05d}-of-{world:05d}.safetensors"
 
 
-def step_directory(step: int) -> str:
+def step_folder(step: int) -> str:
     """The name of a ``keep_last`` checkpoint of step ``step`` (nine digits: a billion steps sort)."""
     return f"step-{step:09d}"
 
 
-def snapshot_directory(updates: int) -> str:
+def snapshot_folder(updates: int) -> str:
     """The name of a ``PostHocEMA`` snapshot taken after ``updates`` updates."""
     return f"snapshot-{updates:09d}"
 
@@ -204,8 +204,8 @@ def _checked_description(meta: Any, where: str) -> dict[str, Any]:
             "averages": [{"name": None, "rule": rule}]
         }
     _check_averages(meta["averages"], where)
-    if "strategy" in meta and not (isinstance(meta["strategy"], str) and meta["strategy"] in ADAPTERS):
-        raise invalid(where, f"'strategy' must be one of {sorted(ADAPTERS)}, got {meta['strategy']!r}")
+    if "strategy" in meta and not (isinstance(meta["strategy"], str) and meta["strategy"] in SAVED_STRATEGIES):
+        raise invalid(where, f"'strategy' must be one of {sorted(SAVED_STRATEGIES)}, got {meta['strategy']!r}")
     if "options" in meta:  # (typed here: a manifest's other checks follow, on the same dict)
         meta = meta | {"options": Options.from_json(meta["options"], where)}
     if "run" in meta and not (isinstance(meta["run"], str) and RUN_ID.match(meta["run"])):

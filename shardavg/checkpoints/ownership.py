@@ -1,8 +1,8 @@
 """What shardavg may delete or replace, and the lock that keeps two writers of one path apart.
 
 The rule: shardavg deletes or replaces only what it can prove it wrote. A checkpoint
-directory is its own when it holds a ``shardavg.json`` manifest and nothing but shardavg's
-files (by name); a staging directory (``.NAME.incomplete``) when it holds the staging marker
+folder is its own when it holds a ``shardavg.json`` manifest and nothing but shardavg's
+files (by name); a staging folder (``.NAME.incomplete``) when it holds the staging marker
 or a manifest, and nothing else (a model folder's weight files: ``output.target``). Anything
 else in the way is the user's: the write is refused, naming it, and nothing is touched. Nothing
 is written inside a checkpoint but the checkpoint itself, and no target is an empty path or a
@@ -42,7 +42,7 @@ def temporary_of(name: str, pattern: re.Pattern) -> bool:
 
 
 def entries_of(path: Path) -> dict[str, os.stat_result] | None:
-    """The entries of a real directory (not a link) by name, or None."""
+    """The entries of a real folder (not a link) by name, or None."""
     try:
         if not stat.S_ISDIR(os.lstat(path).st_mode):
             return None
@@ -60,7 +60,7 @@ def _only_own_files(entries: dict[str, os.stat_result], extra: tuple[str, ...] =
 
 
 def foreign_in_checkpoint(path: Path) -> list[str]:
-    """What in the directory ``path`` shardavg did not write as a checkpoint (empty: it may be replaced)."""
+    """What in the folder ``path`` shardavg did not write as a checkpoint (empty: it may be replaced)."""
     entries = entries_of(path) or {}
     foreign = sorted(
         name
@@ -78,7 +78,7 @@ def is_own_checkpoint(path: Path) -> bool:
 
 
 def is_own_staging(path: Path) -> bool:
-    """A staging directory a save left: the marker (before commit) or a manifest (the previous
+    """A staging folder a save left: the marker (before commit) or a manifest (the previous
     checkpoint, swapped out by the commit), and nothing but shardavg's files."""
     entries = entries_of(path)
     return (
@@ -89,16 +89,16 @@ def is_own_staging(path: Path) -> bool:
 
 
 def target_path(path: str | os.PathLike, what: str, replaced_whole: bool) -> Path:
-    """``path`` as a directory shardavg writes into: never an empty path (which would silently mean
-    the current directory), and, when it is replaced whole, one with a name of its own."""
+    """``path`` as a folder shardavg writes into: never an empty path (which would silently mean
+    the current folder), and, when it is replaced whole, one with a name of its own."""
     text = os.fspath(path)
     if not text:
-        raise ValueError(f"{what}: the path is empty; name a directory, e.g. 'ckpt/ema'")
+        raise ValueError(f"{what}: the path is empty; name a folder, e.g. 'ckpt/ema'")
     target = Path(text)
     if replaced_whole and target.name in ("", ".", ".."):
         raise ValueError(
-            f"{what}: {text!r} names the current or a parent directory, which shardavg would have to replace "
-            "as a whole; name a directory of its own inside it, e.g. 'ckpt/ema'"
+            f"{what}: {text!r} names the current or a parent folder, which shardavg would have to replace "
+            "as a whole; name a folder of its own inside it, e.g. 'ckpt/ema'"
         )
     return target
 
@@ -121,7 +121,7 @@ class TargetLock:
 
     Use it as a context manager: entering takes the lock, leaving releases it and removes the
     lock file. ``inside(directory)`` locks ``directory/.shardavg.lock`` (a ``keep_last``
-    directory, an export folder: places shardavg writes into); ``beside(target)`` locks
+    folder, an export folder: places shardavg writes into); ``beside(target)`` locks
     ``.NAME.lock`` next to a single checkpoint, which is swapped whole and so cannot hold its own
     lock. Any other ``path`` works the same (the main job locks its run folder for its lifetime).
     Where the platform or file system has no ``flock``, entering warns and locks nothing.

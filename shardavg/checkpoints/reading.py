@@ -1,11 +1,11 @@
 """Reading a committed checkpoint as one save, whatever another process does to its folder meanwhile.
 
-A save commits by swapping a complete directory into place (``storage.commit_directory``) and
+A save commits by swapping a complete folder into place (``storage.commit_folder``) and
 removing the previous one, and ``keep_last`` prunes old ones. A reader that looked its files up
 by path could take the manifest of one save and a shard of the next. ``OpenCheckpoint`` opens
-the checkpoint's directory once and every file through that handle, so everything it reads
-comes from the directory it opened; a later save swaps in another directory and cannot change
-it. If the opened directory is replaced or removed before one of its files is opened, the
+the checkpoint's folder once and every file through that handle, so everything it reads
+comes from the folder it opened; a later save swaps in another folder and cannot change
+it. If the opened folder is replaced or removed before one of its files is opened, the
 reader says so (``CheckpointReplaced``) and ``open_checkpoint`` opens the newer save instead,
 a bounded number of times. Within a save, each shard names the save it belongs to (an id the
 manifest holds too), and the manifest records every file's size and SHA-256: sizes and ids are
@@ -46,7 +46,7 @@ class CheckpointReplaced(CheckpointError):
 
 
 def _sequence(path: Path) -> int:
-    """The save's place in its directory's history (older checkpoints without one come first)."""
+    """The save's place in its folder's history (older checkpoints without one come first)."""
     try:
         meta = json.loads(read_manifest_bytes(path / MANIFEST))
     except FileNotFoundError:
@@ -68,7 +68,7 @@ def committed_steps(
 
     A manifest that cannot be read raises (which one is newest is then unknown), or with
     ``readable_only`` is left out with a warning (a save or a prune goes on without it). One
-    that disappears while the directory is listed was pruned by a save: it is left out."""
+    that disappears while the folder is listed was pruned by a save: it is left out."""
     found = []
     for path in directory.iterdir():
         match = STEP_DIR.match(path.name)
@@ -100,7 +100,7 @@ def resolve(directory: str | os.PathLike) -> Path:
             )
         raise CheckpointError(f"no checkpoint at {directory}")
     if not directory.is_dir():
-        raise CheckpointError(f"no checkpoint at {directory}: it is not a directory")
+        raise CheckpointError(f"no checkpoint at {directory}: it is not a folder")
     for _ in range(ATTEMPTS):  # a save committing and pruning meanwhile changes the listing: look again
         listed = sorted(p.name for p in directory.iterdir() if STEP_DIR.match(p.name))
         committed = committed_steps(directory)
@@ -124,7 +124,7 @@ def resolve(directory: str | os.PathLike) -> Path:
 
 class OpenCheckpoint:
     """The committed checkpoint at ``path``, opened once: its manifest (checked whole) and, as they
-    are asked for, its shard files, all through one directory handle (see the module docstring).
+    are asked for, its shard files, all through one folder handle (see the module docstring).
 
     ``identity`` tells two opened saves apart (the manifest's checksum). Close it when done (or
     use ``with``); the files opened stay readable until then, whatever happens to the folder."""
@@ -168,7 +168,7 @@ class OpenCheckpoint:
             raise self._missing(MANIFEST) from None
 
     def _missing(self, name: str) -> CheckpointError:
-        """Why ``name`` is not in the opened directory: a newer save replaced it, or committed beside
+        """Why ``name`` is not in the opened folder: a newer save replaced it, or committed beside
         it and is pruning it (its files go one by one), or the checkpoint itself lacks the file."""
         try:
             here, opened = os.stat(self.path), os.fstat(self._dir)  # type: ignore[arg-type]

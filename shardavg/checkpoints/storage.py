@@ -1,4 +1,4 @@
-"""Files on disk: streaming safetensors, read and written without mapping, and atomic files and directories.
+"""Files on disk: streaming safetensors, read and written without mapping, and atomic files and folders.
 
 ``safetensors.torch.save_file`` serialises a whole dict in memory; an export or a checkpoint
 shard must instead hold one tensor at a time. The format is simple (an 8-byte header length,
@@ -151,15 +151,15 @@ def replaced_path(target: Path) -> Path:
     return target.with_name(f".{target.name}.replaced")
 
 
-def commit_directory(staging: Path, target: Path) -> None:
-    """Move a complete staging directory into place, replacing ``target`` (empty, or proved to be
+def commit_folder(staging: Path, target: Path) -> None:
+    """Move a complete staging folder into place, replacing ``target`` (empty, or proved to be
     shardavg's own by the caller) in one atomic exchange; the previous version is then removed.
 
     Where the exchange is unsupported, two renames: a crash between them leaves the previous
     version complete under ``.<name>.replaced``, which ``load`` reports rather than uses.
     """
     if not target.exists() or not any(target.iterdir()):
-        os.replace(staging, target)  # a rename may replace an empty directory
+        os.replace(staging, target)  # a rename may replace an empty folder
     elif _exchange(staging, target):
         shutil.rmtree(staging)  # now the previous version
     else:
@@ -174,7 +174,7 @@ INCOMPLETE = ".incomplete"  # the suffix of what is written before it is committ
 
 
 def staging_path(target: Path) -> Path:
-    """Where ``target`` (a file or a directory) is written before it is committed:
+    """Where ``target`` (a file or a folder) is written before it is committed:
     ``.<name>.incomplete`` beside it."""
     return target.with_name(f".{target.name}{INCOMPLETE}")
 

@@ -30,7 +30,7 @@ from typing import Any
 from ..averager import WeightAverager
 from . import Verdict, norm_verdict
 
-DIRECTORY = "shardavg"  # inside the accelerator's checkpoint folder
+FOLDER = "shardavg"  # inside the accelerator's checkpoint folder
 
 # accelerator -> {directory: Registration}: a second attach is refused, load_state checks each
 _ATTACHED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -56,20 +56,20 @@ class Handle:
 
     Args:
         handle: The handle accelerate's ``register_*_state_pre_hook`` returned.
-        registrations: The accelerator's attached averagers, by directory.
-        directory: The directory the averager is attached under.
+        registrations: The accelerator's attached averagers, by folder.
+        directory: The folder the averager is attached under.
     """
 
     def __init__(self, handle: Any, registrations: dict, directory: str) -> None:
-        self.handle, self._registrations, self._directory = handle, registrations, directory
+        self.handle, self._registrations, self._folder = handle, registrations, directory
 
     def remove(self) -> None:
         """Remove the hook and detach the averager, so that it (or another) can be attached again."""
         self.handle.remove()
-        self._registrations.pop(self._directory, None)
+        self._registrations.pop(self._folder, None)
 
 
-def attach(accelerator: Any, avg: WeightAverager, directory: str = DIRECTORY) -> tuple[Handle, Handle]:
+def attach(accelerator: Any, avg: WeightAverager, directory: str = FOLDER) -> tuple[Handle, Handle]:
     """Save and load ``avg`` with ``accelerator.save_state``/``load_state`` under ``<dir>/<directory>``.
 
     Update the averager once per real optimizer step: ``if accelerator.sync_gradients:

@@ -27,7 +27,7 @@ from ..base.errors import CheckpointError
 from ..checkpoints.storage import atomic_file
 from . import Verdict, norm_verdict
 
-AVERAGE_DIR = "shardavg"  # inside the tag's directory
+AVERAGE_DIR = "shardavg"  # inside the tag's folder
 LATEST = "latest"  # DeepSpeed's pointer to the newest tag
 
 

@@ -10,7 +10,7 @@ and optionally copied into the model when training ends.
 
 Checkpoints: a callback's own state is saved from rank 0 only under FSDP and ModelParallel,
 and a callback cannot add to their distributed checkpoint. So every rank's shard goes to a
-sidecar directory next to each checkpoint, ``<checkpoint>.shardavg/``, written whenever the
+sidecar folder next to each checkpoint, ``<checkpoint>.shardavg/``, written whenever the
 strategy writes the checkpoint (saving the same path again replaces it) and removed with it;
 ``trainer.fit(ckpt_path=...)`` restores it from beside that path.
 

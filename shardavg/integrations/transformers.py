@@ -2,7 +2,7 @@
 
 ``WeightAveragingCallback`` builds a ``WeightAverager`` once the Trainer has prepared the model
 (``on_train_begin``: under DeepSpeed the ``model`` it is handed is the partitioned module, which
-the averager reads through its ZeRO-3 adapter), updates it once per optimizer step
+the averager reads through its ZeRO-3 strategy), updates it once per optimizer step
 (``on_step_end``, after gradient accumulation), saves every rank's shard into
 ``checkpoint-<step>/shardavg/`` when the Trainer saves (``on_save`` runs on every rank after the
 model, optimizer and ``trainer_state.json`` are written and old checkpoints rotated away, the
@@ -59,7 +59,7 @@ from ..output.model_folder import declare_dtype
 from ..rules import MultiAvgFn, Rule
 from . import Verdict, accelerate
 
-DIRECTORY = "shardavg"  # inside each checkpoint-<step> folder
+FOLDER = "shardavg"  # inside each checkpoint-<step> folder
 TRAINER_STATE = "trainer_state.json"  # the Trainer's file the average is paired with
 PREFIX = "eval_avg"  # metric prefix of the averaged weights' evaluation
 
@@ -169,14 +169,14 @@ class WeightAveragingCallback(TrainerCallback):
     def _restore(self, checkpoint: Path, step: int) -> None:
         """Load the average saved with ``checkpoint``, checked to be paired with it; or, with
         ``strict=False`` and none there, restart it from the loaded weights."""
-        path = checkpoint / DIRECTORY
+        path = checkpoint / FOLDER
         if not path.is_dir():
             if not self.strict:
                 warnings.warn(f"{checkpoint} holds no average: restarted from the loaded weights", stacklevel=3)
                 self.averager.restart(step)
                 return
             raise CheckpointError(
-                f"training resumes from {checkpoint} at step {step}, but it holds no average ({DIRECTORY}/): copy "
+                f"training resumes from {checkpoint} at step {step}, but it holds no average ({FOLDER}/): copy "
                 f"it with the checkpoint, add the callback with with_weight_averaging(trainer, ...) so it sees "
                 "which checkpoint resumes, or pass strict=False to restart the average from the loaded weights"
             )
@@ -225,7 +225,7 @@ class WeightAveragingCallback(TrainerCallback):
         """
         checkpoint = Path(args.output_dir) / f"checkpoint-{state.global_step}"
         self.averager.run_id = _fingerprint(checkpoint)  # (the Trainer wrote the state before calling)
-        self.averager.save(checkpoint / DIRECTORY)
+        self.averager.save(checkpoint / FOLDER)
 
     def on_train_end(self, args, state, control, model=None, **kwargs):
         """Export the average to ``export_dir``, with the model's configs, when one is set.
@@ -243,8 +243,8 @@ class WeightAveragingCallback(TrainerCallback):
         if self.export_dir is None or not self.averager.num_updates:
             return
         best = state.best_model_checkpoint
-        if args.load_best_model_at_end and best is not None and (Path(best) / DIRECTORY).is_dir():
-            self.averager.load(Path(best) / DIRECTORY)  # the average saved with the model the Trainer kept
+        if args.load_best_model_at_end and best is not None and (Path(best) / FOLDER).is_dir():
+            self.averager.load(Path(best) / FOLDER)  # the average saved with the model the Trainer kept
         self.averager.export(self.export_dir, average=self.average)
         if rank() == 0:  # the rank that wrote the weights (the Trainer may call more than one process zero)
             for part in ("config", "generation_config"):  # what from_pretrained needs beside the weights

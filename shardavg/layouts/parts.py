@@ -1,7 +1,7 @@
-"""Which elements of a global tensor a rank's local view holds: a ``Part``, made of boxes.
+"""Which elements of a global tensor a rank's local shard holds: a ``Part``, made of boxes.
 
 A box is the N-dimensional block ``offsets .. offsets + sizes`` of the global tensor, as a
-chunk of torch's distributed checkpoint describes one on disk. Every engine's local view is a part:
+chunk of torch's distributed checkpoint describes one on disk. Every engine's local shard is a part:
 
 - a DTensor's local shard (FSDP2, HSDP, tensor and expert parallel) holds, along each dim,
   some of the global indices; usually one box (``Shard(d)`` on any dims, uneven or empty), in
@@ -12,7 +12,7 @@ chunk of torch's distributed checkpoint describes one on disk. Every engine's lo
 - a tensor held whole is one box; a tensor this rank does not hold (another pipeline stage's)
   is no box at all.
 
-Each ``Block`` also says where its elements sit in the local view read flat (row-major): from
+Each ``Block`` also says where its elements sit in the local shard read flat (row-major): from
 element ``at``, with ``strides``. So the same few functions gather, save and load every layout,
 and ``tiles`` checks that the parts the ranks own cover every tensor exactly once.
 """
@@ -39,12 +39,12 @@ def contiguous_strides(sizes: Sequence[int]) -> tuple[int, ...]:
 
 @dataclass(frozen=True)
 class Block:
-    """One box of the global tensor, and where its elements are in the flat local view."""
+    """One box of the global tensor, and where its elements are in the flat local shard."""
 
     offsets: tuple[int, ...]
     sizes: tuple[int, ...]
     at: int  # the flat local position of the box's first element
-    strides: tuple[int, ...]  # element strides of the box within the flat local view
+    strides: tuple[int, ...]  # element strides of the box within the flat local shard
 
     @property
     def numel(self) -> int:
@@ -52,24 +52,24 @@ class Block:
 
     @property
     def dense(self) -> bool:
-        """Whether the box's elements are back to back, row-major, in the local view."""
+        """Whether the box's elements are back to back, row-major, in the local shard."""
         return all(
             stride == want for size, stride, want in zip(self.sizes, self.strides, contiguous_strides(self.sizes))
             if size > 1
         )  # fmt: skip
 
     def view(self, flat: torch.Tensor) -> torch.Tensor:
-        """The box's elements as a view of ``flat`` (a contiguous flat local view), shaped ``sizes``."""
+        """The box's elements as a view of ``flat`` (a contiguous flat local shard), shaped ``sizes``."""
         return flat.as_strided(self.sizes, self.strides, flat.storage_offset() + self.at)
 
 
 @dataclass(frozen=True)
 class Part:
-    """The boxes of a global tensor of ``shape`` that one local view holds, and its element count."""
+    """The boxes of a global tensor of ``shape`` that one local shard holds, and its element count."""
 
     shape: tuple[int, ...]
     blocks: tuple[Block, ...]
-    numel: int  # elements of the local view
+    numel: int  # elements of the local shard
 
     # ------------------------------------------------------------------ building
 
@@ -98,7 +98,7 @@ class Part:
 
     @classmethod
     def grid(cls, shape: Sequence[int], indices: Sequence[Sequence[int]]) -> Part:
-        """A local view of shape ``[len(i) for i in indices]`` whose element at local position
+        """A local shard of shape ``[len(i) for i in indices]`` whose element at local position
         ``(p0, p1, ...)`` is the global element ``(indices[0][p0], indices[1][p1], ...)``: one box per
         combination of ranges of consecutive indices."""
         return cls.from_ranges(shape, [[(first, length) for first, length, _ in _ranges(dim)] for dim in indices])
@@ -128,7 +128,7 @@ class Part:
 
     @property
     def dense(self) -> bool:
-        """Whether the local view holds its boxes one after the other, each row-major."""
+        """Whether the local shard holds its boxes one after the other, each row-major."""
         at = 0
         for block in self.blocks:
             if block.at != at or not block.dense:
@@ -137,7 +137,7 @@ class Part:
         return at == self.numel
 
     def flat_range(self) -> tuple[int, int] | None:
-        """``(start, end)`` when the local view is exactly that range of the flattened tensor, in
+        """``(start, end)`` when the local shard is exactly that range of the flattened tensor, in
         order (a flat range, rows of ``Shard(0)``, the whole tensor); otherwise None."""
         if not self.dense:
             return None
@@ -180,7 +180,7 @@ class Part:
         return Part((stop - start, *self.shape[1:]), tuple(blocks), at)
 
     def rows_of(self, flat: torch.Tensor, start: int, stop: int) -> torch.Tensor:
-        """This part's elements within rows ``[start, stop)``, taken from its local view ``flat``,
+        """This part's elements within rows ``[start, stop)``, taken from its local shard ``flat``,
         flat and packed as ``within_rows`` lays them out (a view where they are one range)."""
         views = [
             block.view(flat).narrow(0, low - block.offsets[0], high - low).reshape(-1)
@@ -205,13 +205,13 @@ class Part:
 
 
 def place(full: torch.Tensor, part: Part, flat: torch.Tensor) -> None:
-    """Write a local view ``flat`` (contiguous, ``part.numel`` elements) into the full tensor ``full``."""
+    """Write a local shard ``flat`` (contiguous, ``part.numel`` elements) into the full tensor ``full``."""
     for block in part.blocks:
         full[box_slices(block.offsets, block.sizes)].copy_(block.view(flat))
 
 
 def place_from(full: torch.Tensor, part: Part, flat: torch.Tensor) -> None:
-    """Fill a local view ``flat`` (contiguous) with its elements of the full tensor ``full``."""
+    """Fill a local shard ``flat`` (contiguous) with its elements of the full tensor ``full``."""
     for block in part.blocks:
         block.view(flat).copy_(full[box_slices(block.offsets, block.sizes)])
 

@@ -1,12 +1,12 @@
 """Which rank holds which part of every tensor, and gathering full tensors from those parts.
 
-Every tensor's ``TensorLayout`` (``tensor_layout.py``) comes from its adapter, derived from what
+Every tensor's ``TensorLayout`` (``tensor_layout.py``) comes from its strategy, derived from what
 every rank already knows (DTensor placements, a flat partition), so building the layout costs
 each rank the same at 8 ranks as at 4,096: ``ShardLayout.build`` checks that each rank's own
 part is what its layout says and that the ranks agree on every layout (one all-reduce of a
 digest, not every rank's table), and proves once per distinct layout that the owned parts tile
-the tensor, which turns a mistake in an adapter into a clear error instead of a wrong export.
-Where a rank's part disagrees with its adapter's rule (an engine laid out in a way the adapter
+the tensor, which turns a mistake in a strategy into a clear error instead of a wrong export.
+Where a rank's part disagrees with its strategy's rule (an engine laid out in a way the strategy
 does not know), the parts of those tensors alone are gathered from every rank
 (``ListedLayout``), and tiled the same way. Identical parts on several ranks are replicas (DDP,
 HSDP, tensor parallel's replicated dims, every buffer); the lowest such rank *owns* the part.

@@ -1,8 +1,8 @@
-"""What an adapter says of one tensor: its names, kind, global shape and dtype, and the part of it
-this rank's local view holds (with every rank's layout, where the engine's rule tells).
+"""What a strategy says of one tensor: its names, kind, global shape and dtype, and the part of it
+this rank's local shard holds (with every rank's layout, where the engine's rule tells).
 
 It is the one record the layouts, the update and the checkpoints all read, so it lives here with
-``Part`` and ``TensorLayout``, below the adapters that make it."""
+``Part`` and ``TensorLayout``, below the strategies that make it."""
 
 from __future__ import annotations
 
@@ -26,9 +26,9 @@ class TensorInfo:
         aliases: Other names of the same tensor (tied weights).
         kind: ``"param"`` or ``"buffer"``.
         shape: The global shape.
-        dtype: The dtype of its local view (fp32 for DeepSpeed masters).
+        dtype: The dtype of its local shard (fp32 for DeepSpeed masters).
         requires_grad: Whether it is a trained parameter (False for buffers).
-        part: What of the global tensor this rank's local view holds.
+        part: What of the global tensor this rank's local shard holds.
         layout: Every rank's part, where the engine's rule tells; None: found by a gather.
     """
 
@@ -48,7 +48,7 @@ class TensorInfo:
 
     @property
     def local_numel(self) -> int:
-        """Elements of this rank's part (and of its local view)."""
+        """Elements of this rank's part (and of its local shard)."""
         return self.part.numel
 
     @property

@@ -31,12 +31,11 @@ from ..base.untrusted import parse_json
 from ..checkpoints.format import DCP_METADATA
 from ..checkpoints.storage import read_bounded
 from ..output.dcp_checkpoint import StoredBytes
+from ..output.megatron_run import ITERATION, TRACKER
 from .saved_average import DcpFolder
 
 METADATA = "metadata.json"  # Megatron's record of the backend that wrote the folder
 COMMON = "common.pt"  # its common state: a pickle, never loaded here
-ITERATION = re.compile(r"^iter_([0-9]+)$")  # a Megatron-LM run's checkpoint of one step
-TRACKER = "latest_checkpointed_iteration.txt"  # the newest finished iteration, written after its save
 TRACKED = re.compile(r"[0-9]{1,18}|release")  # what Megatron-LM writes there (ASCII: "²".isdigit() is True)
 SMALL_FILE = 2**16  # (bytes) the most metadata.json or the tracker may hold: Megatron writes a few dozen
 OBJECT_KEY = re.compile(r"/shard_[\d.]+_[\d.]+$")  # a ShardedObject's suffix in the DCP key

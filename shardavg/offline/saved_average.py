@@ -2,7 +2,7 @@
 
 Two layouts are understood: ``avg.save``'s (a ``shardavg.json`` manifest and one safetensors
 file per rank) and the entry an averager wrote into a ``torch.distributed.checkpoint``
-directory. DCP stores its ``.metadata`` as a pickle; it is read with an unpickler that only
+folder. DCP stores its ``.metadata`` as a pickle; it is read with an unpickler that only
 builds DCP's own metadata classes, and tensors with ``torch.load(weights_only=True)``, so a
 checkpoint carrying a malicious pickle is refused before anything in it runs.
 """
@@ -38,6 +38,7 @@ from ..output.model_writer import write_model
 from ..output.provenance import made_by, of_input, shown
 from ..output.record import FolderRecord
 from ..output.target import check_out
+from ..output.write_options import DEFAULTS, WriteOptions
 from ..state.description import Description, TensorEntry, tensor_key
 
 StoredChunk = tuple[list[Box], Callable[[torch.Tensor, int], None]]  # a chunk on disk: its boxes, fill(out, first row)
@@ -88,7 +89,7 @@ class SavedAverage:
 
     def __init__(self, path: str | Path, key: str = "ema") -> None:
         if not os.fspath(path):
-            raise CheckpointError("the checkpoint path is empty: name a checkpoint directory")
+            raise CheckpointError("the checkpoint path is empty: name a checkpoint folder")
         path = Path(path)
         self._opened = None
         if os.path.lexists(path / DCP_METADATA):  # (a link too: ``read_dcp_metadata`` says where it may lead)
@@ -129,8 +130,8 @@ class SavedAverage:
         out: str | os.PathLike,
         *,
         average: str | None = None,
-        dtype: torch.dtype | None = None,
-        max_shard_size: int | str = "5GB",
+        dtype: torch.dtype | None = DEFAULTS.dtype,
+        max_shard_size: int | str = DEFAULTS.max_shard_size,
         verify: bool = False,
         progress: Progress | None = None,
     ) -> Path:
@@ -143,8 +144,8 @@ class SavedAverage:
         Args:
             out: the model folder to write (beside the checkpoint is fine, inside it is not).
             average: which average, when the averager kept several.
-            dtype: the floating tensors' dtype (default: as saved).
-            max_shard_size: the largest file before the model is split (``"5GB"``, or bytes).
+            dtype: the floating tensors' dtype (``WriteOptions.dtype``; default: as saved).
+            max_shard_size: the largest file before the model is split (``WriteOptions.max_shard_size``).
             verify: first hash every file against the SHA-256 recorded when it was written.
             progress: shows the bytes read as they are written (default: nothing shown).
 
@@ -155,6 +156,7 @@ class SavedAverage:
             CheckpointError: an OUT that cannot take the export, a checkpoint saved before any
                 update, or a damaged checkpoint; nothing is written then.
         """
+        options = WriteOptions(max_shard_size=max_shard_size, dtype=dtype)
         check_out(out, "export", [self.path], beside=True)
         average = self.average(average)
         description = self.description
@@ -172,7 +174,7 @@ class SavedAverage:
         )  # fmt: skip
         record = FolderRecord.of_average(description, average, False, made)
         with progress:
-            return write_model(out, description.tensors, values, record, max_shard_size, dtype)
+            return write_model(out, description.tensors, values, record, options.max_bytes, options.dtype)
 
     # --------------------------------------------------------------- DCP
 

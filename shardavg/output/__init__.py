@@ -4,7 +4,9 @@ files' plan and writers (``weight_files``), the folder's weights, carried files 
 dtype (``model_folder``), the work split between writers (``work``), the driver every writer
 goes through with the cast and its overflow refusal (``model_writer``), and the averager's
 consolidated export (``export``: gathered, or written by every rank where its parts lie); and
-a merge written as a DCP checkpoint by every worker (``dcp_checkpoint``).
+a merge written as a DCP checkpoint by every writer (``dcp_checkpoint``), for Megatron-Core inputs
+in a Megatron-LM run folder (``megatron_run``); and the write options, declared once
+(``write_options``).
 
 It may import: base, state, checkpoints.
 """

@@ -1,10 +1,10 @@
 """A merge written as a ``torch.distributed.checkpoint`` folder, which trainers load back.
 
 Megatron-Core (``dist_checkpointing.load``) and torchtitan (its ``CheckpointManager``, a model-only
-checkpoint) resume or evaluate from a DCP folder, never from a model folder. Every worker writes the
+checkpoint) resume or evaluate from a DCP folder, never from a model folder. Every writer writes the
 chunks it merged into a file of its own (``__{rank}_{token}.distcp``), each chunk as DCP writes an item
 (``torch.save`` of the tensor, one after another), synced and committed under its name only when
-complete (``write_part``); the first worker then gathers what each wrote (plain data) and writes
+complete (``write_part``); the first writer then gathers what each wrote (plain data) and writes
 ``.metadata`` through DCP's own ``FileSystemWriter.finish`` (``commit``): the keys, shapes and
 dtypes of the inputs, each chunk a box of its tensor, and the entries' nesting as the newest input
 recorded it. What a trainer needs beside the tensors is copied byte for byte, never unpickled: the
@@ -15,7 +15,7 @@ asks for: ``write_part``'s ``objects``) and its files (Megatron's ``metadata.jso
 Such a folder is shardavg's when its ``provenance.json`` says a merge wrote it as DCP, and it holds
 nothing but the files a merge writes there (``check_replaceable``). A merge never writes into it:
 ``staged`` holds it (locked beside it, as a checkpoint swapped whole is) and makes a staging folder
-beside it (``.OUT.incomplete``: a marker with this merge's token, which every worker checks it sees
+beside it (``.OUT.incomplete``: a marker with this merge's token, which every writer checks it sees
 before writing there, ``joined``; then the record); every part, the carried files and ``.metadata``
 go there, and ``swap`` moves it into place in one exchange once ``.metadata`` is written. Until
 then OUT is the earlier merge, whole, or nothing; a merge that fails removes its staging folder,
@@ -44,7 +44,7 @@ from ..checkpoints.format import DCP_METADATA
 from ..checkpoints.ownership import LOCK_FILE, STAGING_MARKER, TargetLock, entries_of, target_path, temporary_of
 from ..checkpoints.storage import (
     atomic_file,
-    commit_directory,
+    commit_folder,
     open_regular,
     read_bounded,
     replaced_path,
@@ -73,8 +73,8 @@ class StoredBytes:
 
 @dataclass(frozen=True)
 class Written:
-    """One chunk a worker wrote: its tensor's key, its box, and where its bytes lie (plain data,
-    gathered to the first worker)."""
+    """One chunk a writer wrote: its tensor's key, its box, and where its bytes lie (plain data,
+    gathered to the first writer)."""
 
     key: str
     offsets: tuple[int, ...] | None  # (None: an object's bytes, copied as they were)
@@ -85,7 +85,7 @@ class Written:
 
 
 def part_name(rank: int, merge: str = "0") -> str:
-    """The file worker ``rank`` writes its chunks into: DCP's naming, with the ``merge``'s token
+    """The file writer ``rank`` writes its chunks into: DCP's naming, with the ``merge``'s token
     in place of DCP's file index, so that a reader that took an earlier merge's ``.metadata``
     finds its files gone after a re-merge rather than the new merge's bytes at the old offsets."""
     return f"__{rank}_{merge}.distcp"
@@ -98,7 +98,7 @@ def write_part(
     objects: Iterable[tuple[str, StoredBytes]] = (),
     merge: str = "0",
 ) -> list[Written]:
-    """Write this worker's ``chunks`` (``(key, rows or None, tensor)``: a whole tensor, or its rows
+    """Write this writer's ``chunks`` (``(key, rows or None, tensor)``: a whole tensor, or its rows
     ``[start, stop)``) into its file of ``folder``, one after another as DCP stores items, then
     ``objects`` (``(key, where its bytes lie)``: an input's pickled object, such as Megatron's
     ``*._extra_state``, copied as it was stored, ``COPY_BYTES`` at a time: never unpickled, nor
@@ -144,8 +144,8 @@ def commit(
     nesting: dict[str, tuple] | None = None,
     named: Path | None = None,
 ) -> None:
-    """Write ``folder``'s ``.metadata`` (the first worker, once every worker's part is written):
-    ``tensors`` (``{key: (dtype, shape)}``) and the chunks every worker ``written``, checked to
+    """Write ``folder``'s ``.metadata`` (the first writer, once every writer's part is written):
+    ``tensors`` (``{key: (dtype, shape)}``) and the chunks every writer ``written``, checked to
     cover each tensor; ``nesting`` (``{key: path}``), how the state dict saved nested each entry
     (DCP's ``planner_data``; default: every key at the top level); ``named``, the path the
     checkpoint is read at (recorded as DCP's ``checkpoint_id``; default ``folder``): OUT, where
@@ -177,7 +177,7 @@ def commit(
             results.append(WriteResult(index, chunk.length, _StorageInfo(chunk.file, chunk.start, chunk.length)))
             continue
         if chunk.key not in entries or not isinstance(entries[chunk.key], TensorStorageMetadata):
-            raise CheckpointError(f"{folder}: a worker wrote {chunk.key!r}, which the merge does not hold")
+            raise CheckpointError(f"{folder}: a writer wrote {chunk.key!r}, which the merge does not hold")
         entries[chunk.key].chunks.append(ChunkStorageMetadata(torch.Size(chunk.offsets), torch.Size(chunk.sizes)))
         index = MetadataIndex(chunk.key, chunk.offsets)
         results.append(WriteResult(index, chunk.length, _StorageInfo(chunk.file, chunk.start, chunk.length)))
@@ -186,7 +186,7 @@ def commit(
             continue
         held = sum(chunk.sizes.numel() for chunk in entry.chunks)
         if held != entry.size.numel():
-            raise CheckpointError(f"{folder}: the workers wrote {held} of {key!r}'s {entry.size.numel()} elements")
+            raise CheckpointError(f"{folder}: the writers wrote {held} of {key!r}'s {entry.size.numel()} elements")
     planner = {key: tuple((nesting or {}).get(key, (key,))) for key in entries}
     writer = FileSystemWriter(folder)
     recorded = StorageMeta(checkpoint_id=named or folder, save_id=writer.save_id)
@@ -271,10 +271,10 @@ def is_own_staging(folder: Path) -> bool:
 
 @contextlib.contextmanager
 def staged(out: Path, made: dict[str, Any]) -> Iterator[str]:
-    """Hold ``out`` for one merge written as DCP (the first worker, from before any part is written
+    """Hold ``out`` for one merge written as DCP (the first writer, from before any part is written
     to the swap): locked beside it (it is replaced whole), checked again (``check_replaceable``),
     what a killed merge left beside it removed, and its staging folder made: the marker, holding a
-    new token (yielded: every worker proves it sees this folder by it, ``joined``), then the record
+    new token (yielded: every writer proves it sees this folder by it, ``joined``), then the record
     ``made`` (with ``"output": "dcp"``). When the block raises, the staging folder goes and ``out``
     is as it was: the earlier merge, or nothing (not even an empty folder)."""
     out = target_path(out, "merge", replaced_whole=True)
@@ -303,14 +303,14 @@ def staged(out: Path, made: dict[str, Any]) -> Iterator[str]:
 
 
 def joined(out: Path, token: str, rank: int) -> Path:
-    """The staging folder of ``out`` that worker ``rank`` writes its part into, proved to be the
-    one the first worker made for this merge (its marker holds ``token``): a folder that is not
-    the same on every worker (a node-local disk at the same path) is refused before anything is
+    """The staging folder of ``out`` that writer ``rank`` writes its part into, proved to be the
+    one the first writer made for this merge (its marker holds ``token``): a folder that is not
+    the same on every writer (a node-local disk at the same path) is refused before anything is
     written, where its part would be missing from the checkpoint."""
     staging = staging_path(out)
     unshared = (
-        f"rank {rank} does not share {out} with the first worker (rank 0): each sees its own folder at that "
-        "path (a node-local disk?); merge into a folder on a file system every worker sees"
+        f"rank {rank} does not share {out} with the first writer (rank 0): each sees its own folder at that "
+        "path (a node-local disk?); merge into a folder on a file system every writer sees"
     )
     try:
         found = read_bounded(staging / STAGING_MARKER, 64, lambda size: CheckpointError(f"{staging}: {unshared}"))
@@ -323,13 +323,13 @@ def joined(out: Path, token: str, rank: int) -> Path:
 
 def swap(out: Path) -> None:
     """Move ``out``'s staging folder, complete (``.metadata`` committed into it), into place (the
-    first worker, within ``staged``): its marker removed, ``out`` checked once more to be
+    first writer, within ``staged``): its marker removed, ``out`` checked once more to be
     replaceable (a folder someone wrote into meanwhile is left alone), then exchanged with it in
-    one step (``storage.commit_directory``); the earlier merge is removed after."""
+    one step (``storage.commit_folder``); the earlier merge is removed after."""
     staging = staging_path(out)
     (staging / STAGING_MARKER).unlink()
     check_replaceable(out)
-    commit_directory(staging, out)
+    commit_folder(staging, out)
     replaced = replaced_path(out)
     if replaced.exists() and is_own_staging(replaced):  # (the earlier merge, kept by a swap killed long ago)
         shutil.rmtree(replaced)

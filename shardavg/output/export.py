@@ -22,7 +22,6 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from ..base import validate
 from ..base.dist import digest, rank, same_everywhere, world_size
 from ..base.dtypes import dtype_name
 from ..base.errors import ExportError
@@ -34,25 +33,26 @@ from .provenance import made_by
 from .record import FolderRecord
 from .target import out_path
 from .weight_files import Slot, Slots, WeightPlan
-from .work import Work, Workers, assign, pieces
+from .work import Work, Writers, assign, pieces
+from .write_options import WriteOptions
 
 
 def export(
     state: AverageState,
     path: str | os.PathLike,
-    max_shard_size: int | str = "5GB",
-    dtype: torch.dtype | None = None,
-    average: str | None = None,
-    live: bool = False,
-    writers: int | None = None,
+    max_shard_size: int | str,
+    dtype: torch.dtype | None,
+    average: str | None,
+    live: bool,
+    writers: int | None,
 ) -> Path:
     """Collective: gather ``average`` (or the live weights) and write it as a model folder, its bytes
     spread over ``writers`` ranks (default: every rank; ``1``: rank 0 alone, for a file system
-    that cannot take concurrent writers), the same files whatever the number."""
-    max_bytes = parse_size(max_shard_size)
+    that cannot take concurrent writers), the same files whatever the number. The write options
+    come as ``avg.export`` took them (``write_options``: their defaults and checks)."""
+    options = WriteOptions(max_shard_size=max_shard_size, dtype=dtype, writers=writers)
+    max_bytes = parse_size(options.max_shard_size)
     path = out_path(path, "export")
-    validate.floating_dtype("dtype", dtype)
-    validate.count("writers", writers, 1, optional=True)
     name = None if live else state.average(average).name
     ranks = _writer_ranks(world_size() if writers is None else min(writers, world_size()))
     local = (state.flat_part(i, name, live) for i in range(len(state.infos)))
@@ -84,7 +84,7 @@ def export(
         error = _write_held(state, own, name, live, slots, slots_of, dtype)
         return _write_received(gathered, iter(order), slots, plan, dtype, state, error)
 
-    return write_spread(path, plan, write, f"exporting to {path}", Workers.of(True, ExportError))
+    return write_spread(path, plan, write, f"exporting to {path}", Writers.of(True, ExportError))
 
 
 def _record(

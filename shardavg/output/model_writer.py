@@ -32,7 +32,7 @@ from ..state.description import TensorEntry
 from .record import FolderRecord
 from .target import check_out, out_path
 from .weight_files import Slots, WeightPlan, commit, create_staged, discard
-from .work import Workers
+from .work import Writers
 
 _UNITS = {
     "": 1,
@@ -119,33 +119,33 @@ def write_spread(
     plan: WeightPlan,
     write: Callable[[Slots], Exception | None],
     what: str,
-    workers: Workers,
+    writers: Writers,
     finish: Callable[[], None] = lambda: None,
 ) -> Path:
-    """The files of ``plan`` written into ``directory`` by ``workers`` (every rank of the process
+    """The files of ``plan`` written into ``directory`` by ``writers`` (every rank of the process
     group, collective; or this process alone), under an export id of their own (agreed by them).
 
-    The lead prepares the folder (``staged_export``); each worker's ``write(slots)`` writes what it
-    writes and returns its error, if any; once every worker has finished, the lead commits, then
-    runs ``finish``. A failure anywhere is every worker's, and leaves the previous export whole."""
-    plan = plan.with_id(_new_export_id(workers.together))
+    The lead prepares the folder (``staged_export``); each writer's ``write(slots)`` writes what it
+    writes and returns its error, if any; once every writer has finished, the lead commits, then
+    runs ``finish``. A failure anywhere is every writer's, and leaves the previous export whole."""
+    plan = plan.with_id(_new_export_id(writers.together))
     error: Exception | None = None
     with contextlib.ExitStack() as held:
         previous: dict[str, bool] = {}
-        if workers.lead:
+        if writers.lead:
             try:
                 previous = held.enter_context(staged_export(directory, plan))
             except Exception as caught:
                 error = caught
-        workers.agree(error, what)
-        workers.agree(write(Slots(directory, plan)), what)
-        if workers.lead:
+        writers.agree(error, what)
+        writers.agree(write(Slots(directory, plan)), what)
+        if writers.lead:
             try:
                 commit(directory, plan, previous)
                 finish()
             except Exception as caught:
                 error = caught
-    workers.agree(error, f"committing {what}")
+    writers.agree(error, f"committing {what}")
     return directory
 
 
@@ -164,17 +164,18 @@ def write_model(
     entries: Sequence[TensorEntry],
     tensors: Iterable[torch.Tensor],
     record: FolderRecord,
-    max_shard_size: int | str = "5GB",
-    dtype: torch.dtype | None = None,
+    max_bytes: int,
+    dtype: torch.dtype | None,
 ) -> Path:
     """Write ``tensors`` (one full tensor per entry, in order, produced lazily) as safetensors
     weight files into ``directory`` from this process alone (``write_spread``), with ``record``
     of how they were made: a tied tensor under each of its names, floating tensors cast to
-    ``dtype``. One tensor is held at a time; a failure while writing (an fp16 overflow found on
-    the way) leaves the previous export whole. The offline one-process path (export, posthoc)."""
+    ``dtype``, split in files above ``max_bytes`` (the caller's options, checked: ``write_options``).
+    One tensor is held at a time; a failure while writing (an fp16 overflow found on the way)
+    leaves the previous export whole. The offline one-process path (export, posthoc)."""
     directory = out_path(directory, record.made)
     planned = export_entries(((entry.names, entry.torch_dtype, entry.shape) for entry in entries), dtype)
-    plan = WeightPlan(planned, parse_size(max_shard_size), record)
+    plan = WeightPlan(planned, max_bytes, record)
 
     def write(slots: Slots) -> None:
         try:
@@ -189,4 +190,4 @@ def write_model(
         finally:
             slots.close()
 
-    return write_spread(directory, plan, write, f"writing {directory}", Workers.of(False, ExportError))
+    return write_spread(directory, plan, write, f"writing {directory}", Writers.of(False, ExportError))

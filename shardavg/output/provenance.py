@@ -8,7 +8,7 @@ index or its safetensors header), their weights and schedule, the dtype written,
 torch and Python versions, the world size and the command. An input that carries a provenance
 of its own keeps it, nested, so a merge of merges says what each merge was made of.
 ``shardavg inspect`` shows it. It is written beside the weights, never into them, so the weight
-files stay the same bytes whoever (how many ranks or workers) wrote them.
+files stay the same bytes however many writers wrote them.
 
 Whatever reads a record back (``inspect``, a merge of earlier merges, an export replacing an
 earlier one) goes through ``load`` or ``read``: a file of at most ``PROVENANCE_LIMIT`` bytes,
@@ -141,7 +141,7 @@ def load(path: Path) -> dict[str, Any] | None:
         return None
     except ProvenanceError:
         raise
-    except (OSError, ValueError) as error:  # (a CheckpointError too: a link to a FIFO, a directory)
+    except (OSError, ValueError) as error:  # (a CheckpointError too: a link to a FIFO, a folder)
         raise ProvenanceError(f"cannot read {where}: {error}") from None
     try:
         record = json.loads(raw)

@@ -35,7 +35,7 @@ EXPORT_FILE = re.compile(
 
 def out_path(out: str | os.PathLike, what: str) -> Path:
     """``out`` as the folder ``what`` writes into: never an empty path (which would silently mean the
-    current directory)."""
+    current folder)."""
     if not os.fspath(out):
         raise ValueError(f"{what}: the path is empty (OUT is empty): name the folder to write into, . for this one")
     return Path(out)
@@ -63,7 +63,7 @@ def check_out(
     """
     path = out_path(out, what)
     if path.is_symlink() or (path.exists() and not path.is_dir()):
-        raise ExportError(f"{out} exists and is not a directory: shardavg will not replace it")
+        raise ExportError(f"{out} exists and is not a folder: shardavg will not replace it")
     enclosing = enclosing_checkpoint(path.parent)
     if enclosing is not None:
         raise ExportError(f"OUT {out} is inside the checkpoint {enclosing}: write to a folder of its own")
@@ -83,7 +83,7 @@ def check_out(
     if foreign:
         raise ExportError(
             f"{path} holds weight files shardavg did not write ({', '.join(foreign)}): they would be "
-            "replaced; export into another directory, or move them"
+            "replaced; export into another folder, or move them"
         )
     return present
 
@@ -116,7 +116,7 @@ def is_own_export_file(path: Path) -> bool:
 
 
 def export_files(path: Path) -> dict[str, bool]:
-    """The weight files in the directory ``path``, each with whether shardavg wrote it."""
+    """The weight files in the folder ``path``, each with whether shardavg wrote it."""
     entries = entries_of(path) or {}
     return {
         # an atomic write's leftover is ours by its name; a weight file by its metadata

@@ -1,11 +1,11 @@
-"""Splitting the writing of a model folder between writers: the export's ranks, the merge's workers.
+"""Splitting the writing of a model folder between writers: the export's ranks, or the merge's processes.
 
 Both split the same way. The work is a list of ``Work`` items in the files' order: each tensor,
 and a tensor of more than a given number of bytes as pieces of consecutive rows of at most
 that (``pieces``), so that no writer holds more than that at once and the largest tensors spread
 over the writers too; the items go to the writers in consecutive sequences of about the same bytes
 (``assign``). The writers are this process alone, or every rank of the process group
-(``Workers``), and every step they take together ends in ``Workers.agree``: one writer's failure
+(``Writers``), and every step they take together ends in ``Writers.agree``: one writer's failure
 is every writer's.
 """
 
@@ -57,7 +57,7 @@ def assign(items_bytes: list[int], writers: int) -> list[int]:
 
 
 @dataclass(frozen=True)
-class Workers:
+class Writers:
     """Who writes: this process alone, or (``together``) every rank of the process group; a failure
     agreed on is raised as ``kind``."""
 
@@ -67,23 +67,23 @@ class Workers:
     kind: type[Exception] = CheckpointError
 
     @classmethod
-    def of(cls, together: bool, kind: type[Exception] = CheckpointError) -> Workers:
+    def of(cls, together: bool, kind: type[Exception] = CheckpointError) -> Writers:
         """Every rank of the process group when ``together`` (and there is one), else this process alone."""
         together = together and distributed()
         return cls(rank() if together else 0, world_size() if together else 1, together, kind)
 
     @property
     def lead(self) -> bool:
-        """The worker that prepares, commits and reports."""
+        """The writer that prepares, commits and reports."""
         return self.rank == 0
 
     def agree(self, error: Exception | None, what: str) -> None:
-        """Alone: raise its own error as it is; together: every worker raises if any failed."""
+        """Alone: raise its own error as it is; together: every writer raises if any failed."""
         if self.together:
             agree_or_raise(error, what, self.kind)
         elif error is not None:
             raise error
 
     def same(self, values: list[int]) -> bool:
-        """Collective when together: whether every worker passed the same integers."""
+        """Collective when together: whether every writer passed the same integers."""
         return not self.together or same_everywhere(values)

@@ -13,7 +13,7 @@ export (``output/export.py``) read and restore it through the attributes and met
 - ``check_current()`` before collective I/O, ``gathered(dst)`` for full tensors;
 - ``describe()`` and ``resume(description, saved)`` for everything but the tensors' values.
 
-It also keeps the local views it was built on current (``current_views``, ``adopt``), checking
+It also keeps the local shards it was built on current (``current_views``, ``adopt``), checking
 that the model's structure did not change; its ``updater`` (``update/updater.py``) does the update.
 """
 
@@ -40,7 +40,7 @@ from .description import DescribedAverage, Description, TensorEntry, tensor_key
 
 @dataclass
 class Average:
-    """One average: its rule and its shadow of every local view (``None`` where not stored)."""
+    """One average: its rule and its shadow of every local shard (``None`` where not stored)."""
 
     name: str | None
     rule: Rule
@@ -48,7 +48,7 @@ class Average:
 
 
 class AverageState:
-    """Shadows of this rank's local views (one set per average), the views themselves, the layout
+    """Shadows of this rank's local shards (one set per average), the views themselves, the layout
     of every tensor across ranks, and the counters, which all averages share; ``updater`` updates
     them. Building it is a collective."""
 
@@ -63,7 +63,7 @@ class AverageState:
         self.swapped = False  # whether the live model holds an average now (``state/swap.py``)
 
         self.infos: list[TensorInfo] = strategy.tensors()
-        self.live: list[torch.Tensor] = strategy.local_views()
+        self.live: list[torch.Tensor] = strategy.local_shards()
         self.roles: list[Role] = [options.role(info) for info in self.infos]
         self.layout = ShardLayout.build(self.infos)
         self.averages: dict[str | None, Average] = {
@@ -76,7 +76,7 @@ class AverageState:
     def _allocate(self, count: int) -> list[list[torch.Tensor | None]]:
         """``count`` sets of shadows carved from one zeroed pool per (device, dtype): the copied
         tensors once, shared by every set, then each set's averaged ones in order, so that shadows
-        of neighbouring live shards are neighbours too and the update fuses them (small shards that
+        of neighbouring local shards are neighbours too and the update fuses them (small shards that
         lie apart first, back to back, so the update can gather them)."""
         kinds: list[tuple | None] = []
         for role, live in zip(self.roles, self.live):
@@ -148,15 +148,15 @@ class AverageState:
     # ------------------------------------------------------------------ live views
 
     def current_views(self) -> list[torch.Tensor]:
-        """The engine's local views now, the model rescanned first if a parameter, buffer or
+        """The engine's local shards now, the model rescanned first if a parameter, buffer or
         submodule was replaced since (``verify_structure``). Cheap when nothing changed."""
         if self.watch.changed:
             self.verify_structure()
-        return self.strategy.local_views()
+        return self.strategy.local_shards()
 
     def adopt(self, live: list[torch.Tensor]) -> None:
-        """Take the engine's current local views: sizes must not change; a new dtype or device
-        (``model.to(...)``) is followed, and shadows kept next to their live shard move along."""
+        """Take the engine's current local shards: sizes must not change; a new dtype or device
+        (``model.to(...)``) is followed, and shadows kept next to their local shard move along."""
         misshaped = [
             f"{info.name}: {info.local_numel} -> {new.numel()} elements"
             for info, new in zip(self.infos, live)
@@ -211,7 +211,7 @@ class AverageState:
         self.infos = infos
         self.watch.reset(self.strategy.model.modules())
         self.updater.guard_forwards()  # (a module that writes its weights in its forward may be new)
-        self.updater.follow(self.strategy.local_views())
+        self.updater.follow(self.strategy.local_shards())
 
     # ------------------------------------------------------------------ reading
 
@@ -295,7 +295,7 @@ class AverageState:
         return name
 
     def narrowed(self) -> list[str]:
-        """Tensors whose shadows are of a narrower dtype than their live shards (worth a warning)."""
+        """Tensors whose shadows are of a narrower dtype than their local shards (worth a warning)."""
         return [
             info.name
             for info, shadow, live in zip(self.infos, self.average(self.names[0]).shadows, self.live)

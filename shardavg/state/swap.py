@@ -1,6 +1,6 @@
 """Writing an average into the tensors the model's forward reads: for a block, or for good.
 
-Shard-local: each rank writes its shadows into its own local views (under FSDP and ZeRO-3 the
+Shard-local: each rank writes its shadows into its own local shards (under FSDP and ZeRO-3 the
 forward then gathers the averaged shards as it gathers the live ones). Where every rank holds
 the whole live tensors but averages a part of them (ZeRO-1/2 fp32 masters), the average is
 gathered into them instead: a collective.
@@ -23,9 +23,9 @@ from .average_state import AverageState
 
 @contextlib.contextmanager
 def swapped(state: AverageState, average: str | None) -> Iterator[None]:
-    """Inside the block the live model holds ``average``; the live shards come back on exit.
+    """Inside the block the live model holds ``average``; the local shards come back on exit.
 
-    The live shards are stashed and written back bit for bit, also when the block raises.
+    The local shards are stashed and written back bit for bit, also when the block raises.
 
     Args:
         state: The averager's state.

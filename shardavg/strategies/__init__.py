@@ -1,4 +1,4 @@
-"""One adapter per engine, and ``detect`` to pick the one that fits a model.
+"""One strategy per engine, and ``detect`` to pick the one that fits a model.
 
 It may import: base, layouts.
 """
@@ -14,23 +14,26 @@ from ..base.errors import StrategyError
 from .base import ModuleStrategy, Strategy, TensorInfo, canonical_name, unwrap
 from .fsdp1 import FSDP1
 from .fsdp2 import FSDP2
+from .megatron import Megatron, is_megatron, megatron_strategy
 from .pipeline import Pipeline
 from .replicated import Replicated, refuse_non_replicas, refuse_unlike_values
 from .zero3 import Zero3
 from .zero12 import Zero12Master
 
-# The adapters ``strategy=`` names, in detection order; ZeRO-1/2 masters are reached by source="master" only.
-STRATEGIES: dict[str, type[ModuleStrategy]] = {cls.name: cls for cls in (Zero3, FSDP1, FSDP2, Replicated)}
-ADAPTERS = frozenset({*STRATEGIES, Zero12Master.name})  # every name a saved description may carry
+# The strategies ``strategy=`` names, in detection order; ZeRO-1/2 masters are reached by source="master" only.
+STRATEGIES: dict[str, type[ModuleStrategy]] = {cls.name: cls for cls in (Megatron, Zero3, FSDP1, FSDP2, Replicated)}
+SAVED_STRATEGIES = frozenset({*STRATEGIES, Zero12Master.name})  # every name a saved description may carry
 
 
 def detect(model: nn.Module) -> str:
-    """Name the strategy adapter that fits ``model``: what ``WeightAverager(strategy="auto")`` picks.
+    """Name the strategy that fits ``model``: what ``WeightAverager(strategy="auto")`` picks.
 
-    The first of ``"zero3"``, ``"fsdp1"``, ``"fsdp2"``, ``"replicated"`` that fits, in that order:
-    a DeepSpeed ZeRO-3 engine or partitioned module, then a model holding an FSDP1 unit, then one
-    with a DTensor parameter (``fully_shard``, tensor or expert parallel); anything else (a plain
-    module, DDP, DeepSpeed ZeRO-0/1/2) is replicated.
+    The first of ``"megatron"``, ``"zero3"``, ``"fsdp1"``, ``"fsdp2"``, ``"replicated"`` that fits,
+    in that order: a Megatron-Core module (``GPTModel``, bare or in Megatron's ``DistributedDataParallel``
+    or ``Float16Module``: its own ``sharded_state_dict()`` places its tensor- and pipeline-parallel
+    slices), a DeepSpeed ZeRO-3 engine or partitioned module, then a model holding an FSDP1 unit,
+    then one with a DTensor parameter (``fully_shard``, tensor or expert parallel); anything else
+    (a plain module, DDP, DeepSpeed ZeRO-0/1/2) is replicated.
 
     Args:
         model: The model as the user holds it (wrapped or not).
@@ -52,43 +55,47 @@ SOURCES = ("live", "master")
 def make_strategy(
     model: nn.Module | Sequence[nn.Module], strategy: str = "auto", source: str = "live", pipeline: Any = None
 ) -> Strategy:
-    """Build the adapter that tells the averager which tensors ``model`` has and where this rank's part is.
+    """Build the strategy that tells the averager which tensors ``model`` has and where this rank's part is.
 
     Args:
-        model: The model; with ``pipeline``, this rank's stage or a list of its stages.
-        strategy: An adapter's name, or ``"auto"`` (default) for the one ``detect`` picks.
+        model: The model; with ``pipeline``, this rank's stage or a list of its stages; a Megatron-Core
+            model may be its list of virtual-pipeline chunks without ``pipeline`` (Megatron's own
+            pipeline group is used).
+        strategy: A strategy's name, or ``"auto"`` (default) for the one ``detect`` picks.
         source: ``"live"`` (default) averages the weights the model holds; ``"master"`` a DeepSpeed
             engine's fp32 masters (ZeRO-1, 2 or 3).
         pipeline: The pipeline's process group or mesh: the averager then covers every stage's
             tensors (``pipeline.py``). None (default): no pipeline.
 
     Returns:
-        The adapter.
+        The strategy.
 
     Raises:
         StrategyError: An unknown ``strategy`` or ``source``, a strategy or ``"master"`` source that
-            does not fit the model, a list of parts without ``pipeline`` or a non-module part; for the
-            replicated and ZeRO-1/2 adapters, tensors that are not replicas (Megatron's tensor-parallel
+            does not fit the model, a list of stages without ``pipeline`` or a stage that is no module; for the
+            replicated and ZeRO-1/2 strategies, tensors that are not replicas (Megatron's tensor-parallel
             slices, or shapes that differ between ranks: ``replicated.refuse_non_replicas``).
     """
     if pipeline is not None:
-        parts = list(model) if isinstance(model, (list, tuple)) else [model]
-        if not parts or not all(isinstance(part, nn.Module) for part in parts):
+        stages = list(model) if isinstance(model, (list, tuple)) else [model]
+        if not stages or not all(isinstance(stage, nn.Module) for stage in stages):
             raise StrategyError(f"with pipeline=..., pass this rank's stage module or a list of them, got {model!r}")
-        adapters = [_one(part, strategy, source) for part in parts]
-        refuse_non_replicas(adapters, compare_shapes=False)  # (the stages compare their ranks' tensors themselves)
-        return Pipeline(adapters, pipeline)
+        strategies = [_one(stage, strategy, source) for stage in stages]
+        refuse_non_replicas(strategies, compare_shapes=False)  # (the stages compare their ranks' tensors themselves)
+        return Pipeline(strategies, pipeline)
+    if strategy in ("auto", Megatron.name) and source == "live" and is_megatron(model):
+        return megatron_strategy(model)  # (its stages, if any, from Megatron's own pipeline group)
     if isinstance(model, (list, tuple)):
         raise StrategyError(
-            "a list of model parts is a pipeline's stages: pass pipeline=<the pipeline's process group or mesh>"
+            "a list of modules is a pipeline's stages: pass pipeline=<the pipeline's process group or mesh>"
         )
-    adapter = _one(model, strategy, source)
-    refuse_non_replicas([adapter], compare_shapes=True)
-    return adapter
+    one = _one(model, strategy, source)
+    refuse_non_replicas([one], compare_shapes=True)
+    return one
 
 
 def _one(model: nn.Module, strategy: str, source: str) -> ModuleStrategy:
-    """The adapter for one model (or pipeline stage), unchecked against the other ranks."""
+    """The strategy for one model (or pipeline stage), unchecked against the other ranks."""
     if source not in SOURCES:
         raise StrategyError(f"unknown source {source!r}; expected one of {SOURCES}")
     if strategy == "auto":
@@ -102,6 +109,12 @@ def _one(model: nn.Module, strategy: str, source: str) -> ModuleStrategy:
             f"its parameters are held the {detect(model)!r} way"
         )
     if source == "master":
+        if cls is Megatron:
+            raise StrategyError(
+                "source='master' for a Megatron-Core model would average its DistributedOptimizer's fp32 master "
+                "shards (1/DP of the model per rank); that source is not built (Megatron's DistributedOptimizer "
+                "needs CUDA, so it cannot be tested here): use source='live', which averages the slices the model holds"
+            )
         if cls is Zero3:
             return Zero3(model, master=True)
         if Zero12Master.fits(model):
@@ -114,8 +127,9 @@ def _one(model: nn.Module, strategy: str, source: str) -> ModuleStrategy:
 
 
 __all__ = [
-    "ADAPTERS",
+    "SAVED_STRATEGIES",
     "STRATEGIES",
+    "Megatron",
     "ModuleStrategy",
     "Pipeline",
     "Strategy",

@@ -1,9 +1,9 @@
-"""What every strategy adapter answers: which tensors there are, and where this rank's shard is.
+"""What every strategy answers: which tensors there are, and where this rank's shard is.
 
-An adapter lists each tensor of the plain (unwrapped) model once, as a ``TensorInfo``: its
+A strategy lists each tensor of the plain (unwrapped) model once, as a ``TensorInfo``: its
 canonical name and aliases, global shape and dtype, and the ``Part`` of the global tensor that
-this rank's *local view* holds (``layouts/parts.py``: boxes of the global tensor; a flat range
-``[start, end)`` of the flattened tensor is the one-dimensional case). The local view is a
+this rank's *local shard* holds (``layouts/parts.py``: boxes of the global tensor; a flat range
+``[start, end)`` of the flattened tensor is the one-dimensional case). The local shard is a
 tensor the engine already owns (a DTensor's local shard, the real part of a ZeRO-3 partition,
 a flat range of an FSDP1 flat parameter, or the tensor itself) with exactly ``part.numel``
 elements. Everything else (averaging, swapping, gathering, checkpoints) is built on these two
@@ -26,7 +26,7 @@ from ..base.dist import world_size
 from ..layouts.parts import Part
 from ..layouts.tensor_info import TensorInfo, TensorKind
 from ..layouts.tensor_layout import Grid, MeshLayout, TensorLayout, make_grid, world_grid
-from .dtensor import dtensor_layout, dtensor_part, is_dtensor, local_view
+from .dtensor import dtensor_layout, dtensor_part, is_dtensor, local_shard
 
 # Submodule names that wrappers insert into parameter paths (FSDP1, activation checkpointing,
 # torch.compile); the plain model has none of them.
@@ -209,10 +209,10 @@ def held_info(names: list[str], tensor: torch.Tensor, kind: TensorKind) -> Tenso
 
 
 class Strategy(ABC):
-    """What the averager asks of an engine: the tensors, and this rank's local view of each.
+    """What the averager asks of an engine: the tensors, and this rank's local shard of each.
 
     Attributes:
-        name: The adapter's name, as ``strategy=`` and saved descriptions spell it.
+        name: The strategy's name, as ``strategy=`` and saved descriptions spell it.
         swap_gathers: Whether ``swapped()`` must gather the average (a collective): the forward
             reads whole tensors of which this rank averages a part (ZeRO-1/2 masters).
         copies_everywhere: Whether every rank holds a whole copy of every tensor, none of it
@@ -230,15 +230,15 @@ class Strategy(ABC):
     def tensors(self) -> list[TensorInfo]:
         """Scan the model: every tensor of the plain model once, with the part of it this rank holds.
 
-        ``local_views()`` answers for the latest scan; rescan after the model's structure changed.
+        ``local_shards()`` answers for the latest scan; rescan after the model's structure changed.
 
         Returns:
             One info per tensor, in the same order on every rank.
         """
 
     @abstractmethod
-    def local_views(self) -> list[torch.Tensor]:
-        """Current local views aligned with the latest ``tensors()``.
+    def local_shards(self) -> list[torch.Tensor]:
+        """Current local shards aligned with the latest ``tensors()``.
 
         Called every update: keep it cheap, and return the same tensor objects while the engine
         keeps its storage (the averager regroups its fused updates whenever a view is a new object).
@@ -251,10 +251,10 @@ class Strategy(ABC):
         """What ``swapped()`` writes the average into: the tensors the forward reads.
 
         Returns:
-            The local views, except where the average is taken from elsewhere (fp32 master
+            The local shards, except where the average is taken from elsewhere (fp32 master
                 partitions): there the live tensors.
         """
-        return self.local_views()
+        return self.local_shards()
 
     def release_gathered(self) -> None:
         """Drop full (unsharded) copies of parameters, so the next forward gathers the local shards.
@@ -264,7 +264,7 @@ class Strategy(ABC):
 
 
 class ModuleStrategy(Strategy):
-    """An adapter for one model held by one engine: its parameters as the engine holds them, then its buffers.
+    """A strategy for one model held by one engine: its parameters as the engine holds them, then its buffers.
 
     Subclasses say how the engine holds parameters (``fits``, ``_scan_params``, ``_param_views``).
 
@@ -280,7 +280,7 @@ class ModuleStrategy(Strategy):
     @staticmethod
     @abstractmethod
     def fits(model: nn.Module) -> bool:
-        """Whether this adapter understands how ``model`` holds its parameters.
+        """Whether this strategy understands how ``model`` holds its parameters.
 
         Args:
             model: The model as the user passed it.
@@ -291,11 +291,11 @@ class ModuleStrategy(Strategy):
 
     @abstractmethod
     def _scan_params(self) -> list[TensorInfo]:
-        """List the parameters (once each) and remember how to reach their local views."""
+        """List the parameters (once each) and remember how to reach their local shards."""
 
     @abstractmethod
     def _param_views(self) -> list[torch.Tensor]:
-        """The parameters' current local views, in ``_scan_params`` order (see ``local_views``)."""
+        """The parameters' current local shards, in ``_scan_params`` order (see ``local_shards``)."""
 
     def tensors(self) -> list[TensorInfo]:
         """Every parameter, then every persistent buffer (whole, unless a DTensor).
@@ -309,8 +309,8 @@ class ModuleStrategy(Strategy):
         infos += [held_info(names, buffer, "buffer") for names, _, _, buffer in buffers]
         return infos
 
-    def local_views(self) -> list[torch.Tensor]:
-        """The parameters' local views, then the buffers' (see ``Strategy.local_views``).
+    def local_shards(self) -> list[torch.Tensor]:
+        """The parameters' local shards, then the buffers' (see ``Strategy.local_shards``).
 
         Returns:
             One tensor per info of the latest ``tensors()``.
@@ -319,5 +319,5 @@ class ModuleStrategy(Strategy):
             RuntimeError: Called before ``tensors()``.
         """
         if self._buffer_slots is None:
-            raise RuntimeError(f"{type(self).__name__}.local_views() before tensors(): scan the model first")
-        return self._param_views() + [local_view(owner._buffers[name]) for owner, name in self._buffer_slots]
+            raise RuntimeError(f"{type(self).__name__}.local_shards() before tensors(): scan the model first")
+        return self._param_views() + [local_shard(owner._buffers[name]) for owner, name in self._buffer_slots]

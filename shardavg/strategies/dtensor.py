@@ -39,7 +39,7 @@ def is_dtensor(tensor: torch.Tensor) -> bool:
     return isinstance(tensor, DTensor)
 
 
-def local_view(tensor: torch.Tensor) -> torch.Tensor:
+def local_shard(tensor: torch.Tensor) -> torch.Tensor:
     """The local shard of a DTensor, or the tensor itself.
 
     The same object at every call, unlike ``to_local()``, which makes a new alias each time.
@@ -56,17 +56,17 @@ def local_view(tensor: torch.Tensor) -> torch.Tensor:
 _LOCAL = operator.attrgetter("_local_tensor")
 
 
-def local_views(tensors: list[torch.Tensor], all_dtensors: bool) -> list[torch.Tensor]:
-    """``local_view`` of each, at C speed when every one is a DTensor (read at every update).
+def local_shards(tensors: list[torch.Tensor], all_dtensors: bool) -> list[torch.Tensor]:
+    """``local_shard`` of each, at C speed when every one is a DTensor (read at every update).
 
     Args:
         tensors: Tensors, DTensors or not.
         all_dtensors: Whether every one is a DTensor (the caller knows it from its scan).
 
     Returns:
-        Their local views, in order.
+        Their local shards, in order.
     """
-    return list(map(_LOCAL, tensors)) if all_dtensors else [local_view(tensor) for tensor in tensors]
+    return list(map(_LOCAL, tensors)) if all_dtensors else [local_shard(tensor) for tensor in tensors]
 
 
 def dtensor_part(name: str, tensor: DTensor, kind: str) -> Part:

@@ -1,7 +1,7 @@
 """FSDP1 (``FullyShardedDataParallel``), with ``use_orig_params`` True or False.
 
 Each FSDP unit flattens its parameters into one flat parameter and gives every rank an equal
-flat range of it. An original parameter's local view is what of this rank's range falls
+flat range of it. An original parameter's local shard is what of this rank's range falls
 inside it (FSDP's own ``_shard_param_infos``), one flat range of that parameter. Every
 rank's range follows from the parameter's offset in the flat parameter and the ranges' length
 (a ``FlatLayout`` over the unit's process group, or its 2-d device mesh under hybrid
@@ -37,7 +37,7 @@ def _offsets(flat: torch.Tensor) -> list[int]:
 
 
 class FSDP1(ModuleStrategy):
-    """FSDP1 units: each parameter's local view is what it holds of this rank's flat-parameter range.
+    """FSDP1 units: each parameter's local shard is what it holds of this rank's flat-parameter range.
 
     Args:
         model: A model holding ``FullyShardedDataParallel`` units.
@@ -126,8 +126,8 @@ class FSDP1(ModuleStrategy):
     def _param_views(self) -> list[torch.Tensor]:
         try:  # (read at every update: at C speed, once FSDP's lazy init gave each its local shard)
             pointers = list(map(torch.Tensor.data_ptr, map(_LOCAL_SHARD, self._flat_params)))
-        except AttributeError:
-            pointers = [self._local_shard(flat).data_ptr() for flat in self._flat_params]
+        except AttributeError:  # (before the first forward: the flat parameters; no detach to read a pointer)
+            pointers = [getattr(flat, "_local_shard", flat).data_ptr() for flat in self._flat_params]
         key = [*map(id, self._flat_params), *pointers]
         if key != self._views_key:  # new flat parameters, or FSDP moved a local shard: slice again
             self._views = [view for flat in self._flat_params for view in self._views_of(flat)]

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from .base import ModuleStrategy, TensorInfo, grouped_by_identity, held_info
-from .dtensor import is_dtensor, local_views
+from .dtensor import is_dtensor, local_shards
 
 
 class FSDP2(ModuleStrategy):
@@ -48,7 +48,7 @@ class FSDP2(ModuleStrategy):
         # The local shard itself: to_local() makes a new alias at every call, which would look
         # like a new view each update. FSDP2 replaces it only when the storage really changes
         # (``model.to(...)`` swaps the parameter's contents).
-        return local_views(self._params, self._all_dtensors)
+        return local_shards(self._params, self._all_dtensors)
 
     def release_gathered(self) -> None:
         """Reshard every ``fully_shard`` module (the root keeps its unsharded parameters after a forward)."""

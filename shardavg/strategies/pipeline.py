@@ -2,10 +2,10 @@
 
 ``torch.distributed.pipelining`` trains a model cut into stages, each a copy of the full model
 with the other stages' layers deleted (torchtitan's way), so every stage keeps the full model's
-names. ``Pipeline`` wraps one adapter per model part this rank holds (its stage, or its stages
-under an interleaved schedule; each part sharded or replicated within the stage as any model
-is) and lists, besides the part's own tensors, every other stage's tensor as a *placeholder*:
-its name, shape, dtype and kind, an empty part and an empty local view. So every rank tracks
+names. ``Pipeline`` wraps one strategy per stage this rank holds (one, or several under an
+interleaved schedule; each sharded or replicated within the stage as any model is) and lists,
+besides its stages' own tensors, every other stage's tensor as a *placeholder*:
+its name, shape, dtype and kind, an empty part and an empty local shard. So every rank tracks
 the same tensors in the same order, and the layout, gathers, checkpoints, DCP and exports see
 the whole model with no special case: a tensor's parts come from the ranks of the stage that
 holds it. A tensor that two stages both hold (an embedding tied to the output head, kept in
@@ -15,7 +15,7 @@ own tensors only: no communication.
 
 The other stages' tensors are learnt once, when the averager is built (a collective over all
 ranks: each place's list is sent once, by the lowest rank there, with each tensor's layout,
-so every rank derives any rank's part); a later rescan looks at this rank's parts only. The
+so every rank derives any rank's part); a later rescan looks at this rank's stages only. The
 pipeline group (the ranks of one pipeline, as ``PipelineStage`` is given) tells which ranks
 must agree: ranks at the same place in their pipeline groups hold the same stages, so they
 must list the same tensors.
@@ -41,19 +41,19 @@ from .base import Strategy, TensorInfo
 
 
 class Pipeline(Strategy):
-    """The adapters of this rank's stages, listing every other stage's tensors as empty placeholders.
+    """The strategies of this rank's stages, listing every other stage's tensors as empty placeholders.
 
     Args:
-        parts: One adapter per model part this rank holds (its stage, or its stages under an
+        stages: One strategy per stage this rank holds (one, or several under an
             interleaved schedule).
         group: The pipeline's process group or device mesh, as ``PipelineStage`` gets it.
     """
 
-    def __init__(self, parts: Sequence[Strategy], group: Any) -> None:
-        self.parts = list(parts)
-        self.name = self.parts[0].name  # type: ignore[misc]
-        self.swap_gathers = any(part.swap_gathers for part in self.parts)  # type: ignore[misc]
-        self.model = nn.ModuleList(part.model for part in self.parts)  # what the structure watch follows
+    def __init__(self, stages: Sequence[Strategy], group: Any) -> None:
+        self.stages = list(stages)
+        self.name = self.stages[0].name  # type: ignore[misc]
+        self.swap_gathers = any(stage.swap_gathers for stage in self.stages)  # type: ignore[misc]
+        self.model = nn.ModuleList(stage.model for stage in self.stages)  # what the structure watch follows
         self.group = group.get_group() if hasattr(group, "get_group") else group
         self._order: list[tuple[str, TensorInfo]] | None = None  # (name, placeholder) of every stage's tensors
 
@@ -66,15 +66,15 @@ class Pipeline(Strategy):
             One info per tensor of the whole model.
 
         Raises:
-            LayoutError: This rank's parts list a tensor twice, or ranks disagree on the stages'
+            LayoutError: This rank's stages list a tensor twice, or ranks disagree on the stages'
                 tensors (first call).
             ModelChangedError: This rank holds a tensor no stage held when the averager was built.
         """
-        own = [info for part in self.parts for info in part.tensors()]
+        own = [info for stage in self.stages for info in stage.tensors()]
         counted = Counter(name for info in own for name in info.names)
         twice = sorted(name for name, count in counted.items() if count > 1)
         if twice:
-            raise LayoutError(f"the model parts of rank {dist.get_rank()} list {twice} more than once")
+            raise LayoutError(f"the stages of rank {dist.get_rank()} list {twice} more than once")
         if self._order is None:
             self._order = self._learn(own)
         mine = {info.name: k for k, info in enumerate(own)}
@@ -132,7 +132,7 @@ class Pipeline(Strategy):
         both = sorted(set(seen) & {alias for names in aliases.values() for alias in names})
         if both:
             raise LayoutError(f"{both} name a tensor of their own on some ranks and an alias on others")
-        device = next((view.device for part in self.parts for view in part.local_views()), torch.device("cpu"))
+        device = next((view.device for stage in self.stages for view in stage.local_shards()), torch.device("cpu"))
         order = []
         for name, (_, (kind, shape, dtype, requires_grad)) in seen.items():
             size = torch.Size(shape)
@@ -159,8 +159,8 @@ class Pipeline(Strategy):
                 )
         raise LayoutError("ranks at the same place of their pipelines shard their stage differently")
 
-    def local_views(self) -> list[torch.Tensor]:
-        """This rank's parts' local views in ``tensors()`` order, an empty tensor for each placeholder.
+    def local_shards(self) -> list[torch.Tensor]:
+        """This rank's stages' local shards in ``tensors()`` order, an empty tensor for each placeholder.
 
         Returns:
             One tensor per info of the latest ``tensors()``.
@@ -168,10 +168,10 @@ class Pipeline(Strategy):
         Raises:
             RuntimeError: Called before ``tensors()``.
         """
-        return self._arranged([view for part in self.parts for view in part.local_views()])
+        return self._arranged([view for stage in self.stages for view in stage.local_shards()])
 
     def swap_views(self) -> list[torch.Tensor]:
-        """This rank's parts' swap views in ``tensors()`` order, an empty tensor for each placeholder.
+        """This rank's stages' swap views in ``tensors()`` order, an empty tensor for each placeholder.
 
         Returns:
             One tensor per info of the latest ``tensors()``.
@@ -179,18 +179,18 @@ class Pipeline(Strategy):
         Raises:
             RuntimeError: Called before ``tensors()``.
         """
-        return self._arranged([view for part in self.parts for view in part.swap_views()])
+        return self._arranged([view for stage in self.stages for view in stage.swap_views()])
 
     def _arranged(self, own: list[torch.Tensor]) -> list[torch.Tensor]:
         """This rank's own views in the order of ``tensors()``, the placeholders' empty ones between."""
         if self._order is None:
-            raise RuntimeError("Pipeline.local_views() before tensors(): scan the model first")
+            raise RuntimeError("Pipeline.local_shards() before tensors(): scan the model first")
         return [self._empty[name] if slot is None else own[slot] for (name, _), slot in zip(self._order, self._slots)]
 
     def release_gathered(self) -> None:
-        """Release what each of this rank's parts keeps gathered."""
-        for part in self.parts:
-            part.release_gathered()
+        """Release what each of this rank's stages keeps gathered."""
+        for stage in self.stages:
+            stage.release_gathered()
 
 
 def _key(layout: TensorLayout | None) -> tuple | None:

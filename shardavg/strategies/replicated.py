@@ -1,6 +1,6 @@
 """Replicated weights: a single process, DDP, or DeepSpeed ZeRO stages 0-2.
 
-Every rank holds every tensor whole, so the local view is the tensor itself; rank 0 owns
+Every rank holds every tensor whole, so the local shard is the tensor itself; rank 0 owns
 the export.
 
 That is an assumption about the model, and a wrong one is silent: a module whose parameters
@@ -49,7 +49,7 @@ ADVICE = (
 
 
 class Replicated(ModuleStrategy):
-    """Every tensor whole on every rank; the local view is the tensor itself.
+    """Every tensor whole on every rank; the local shard is the tensor itself.
 
     Args:
         model: A plain module, a DDP module or a DeepSpeed ZeRO-0/1/2 engine.
@@ -60,7 +60,7 @@ class Replicated(ModuleStrategy):
 
     @staticmethod
     def fits(model: nn.Module) -> bool:
-        """Whether no sharded adapter (ZeRO-3, FSDP1, FSDP2) fits ``model``.
+        """Whether no sharded strategy (ZeRO-3, FSDP1, FSDP2) fits ``model``.
 
         Args:
             model: The model as the user passed it.
@@ -79,26 +79,26 @@ class Replicated(ModuleStrategy):
         return self._params
 
 
-def refuse_non_replicas(parts: Sequence[Strategy], compare_shapes: bool) -> None:
-    """Collective when the averager is built: refuse a model that replicated adapters would take
+def refuse_non_replicas(strategies: Sequence[Strategy], compare_shapes: bool) -> None:
+    """Collective when the averager is built: refuse a model that replicated strategies would take
     for copies of one model but whose tensors are slices.
 
-    For the replicated and ZeRO-1/2 adapters among ``parts`` (the others place their shards
-    themselves): no tensor carries Megatron's ``tensor_model_parallel`` mark (a slice the adapter
+    For the replicated and ZeRO-1/2 strategies among ``strategies`` (the others place their shards
+    themselves): no tensor carries Megatron's ``tensor_model_parallel`` mark (a slice the strategy
     cannot place; its own ``partition_dim`` and ``partition_stride`` say how it was cut); and, with
     ``compare_shapes`` (one replicated model over the world, as its layout says), every rank holds
     each tensor in the same shape. One all-reduce of 17 integers; a refusal is raised on every rank,
     the same message. Values are not compared: they may differ until DDP broadcasts rank 0's.
 
     Args:
-        parts: The adapters built for this rank's model (its pipeline stages: several).
+        strategies: The strategies built for this rank's model (its pipeline stages: several).
         compare_shapes: Compare the shapes across the world (not for pipeline stages, which
             compare their own ranks' tensors when they are scanned).
 
     Raises:
         StrategyError: A tensor is Megatron's slice, or the ranks hold a tensor in different shapes.
     """
-    checked = [part for part in parts if isinstance(part, (Replicated, Zero12Master))]
+    checked = [strategy for strategy in strategies if isinstance(strategy, (Replicated, Zero12Master))]
     if not checked or not distributed() or world_size() == 1:
         return
     error: BaseException | None = None
@@ -106,7 +106,7 @@ def refuse_non_replicas(parts: Sequence[Strategy], compare_shapes: bool) -> None
     try:
         _refuse_megatron_slices(checked)
         if compare_shapes:
-            infos = [info for part in checked for info in part.tensors()]
+            infos = [info for strategy in checked for info in strategy.tensors()]
     except Exception as caught:  # raised on every rank below, not here alone
         error = caught
     names = digest([info.names for info in infos])
@@ -120,12 +120,12 @@ def refuse_non_replicas(parts: Sequence[Strategy], compare_shapes: bool) -> None
         _raise_unlike_shapes(infos)
 
 
-def _refuse_megatron_slices(parts: Sequence[ModuleStrategy]) -> None:
+def _refuse_megatron_slices(strategies: Sequence[ModuleStrategy]) -> None:
     """Raise naming the first tensor Megatron marks as a tensor-parallel slice (and how many more)."""
     marked: list[tuple[str, torch.Tensor]] = []
-    for part in parts:
-        named = [(names[0], tensor) for names, tensor in grouped_by_identity(part.module.named_parameters())]
-        named += [(names[0], buffer) for names, _, _, buffer in persistent_buffers(part.module)]
+    for strategy in strategies:
+        named = [(names[0], tensor) for names, tensor in grouped_by_identity(strategy.module.named_parameters())]
+        named += [(names[0], buffer) for names, _, _, buffer in persistent_buffers(strategy.module)]
         marked += [(name, tensor) for name, tensor in named if getattr(tensor, TENSOR_PARALLEL_MARK, False) is True]
     if marked:
         name, tensor = marked[0]
@@ -134,9 +134,9 @@ def _refuse_megatron_slices(parts: Sequence[ModuleStrategy]) -> None:
             f"{name!r} is a tensor-parallel slice on rank {rank()} (Megatron's {TENSOR_PARALLEL_MARK} attribute, "
             f"partition_dim={getattr(tensor, 'partition_dim', None)}, "
             f"partition_stride={getattr(tensor, 'partition_stride', None)}{more}), not a replica: the "
-            f"{parts[0].name!r} strategy would export one rank's slice as the whole tensor, and shardavg has no "
-            "Megatron-Core adapter yet; average Megatron's own checkpoints with `shardavg merge` (it reads "
-            "torch_dist exactly)"
+            f"{strategies[0].name!r} strategy would export one rank's slice as the whole tensor; a Megatron-Core "
+            "model is averaged by strategy='auto' (the 'megatron' strategy places its slices from its "
+            "sharded_state_dict()); a module marked by hand: hold its slices as DTensors"
         )
 
 

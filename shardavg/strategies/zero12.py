@@ -5,7 +5,7 @@ master copy: each rank's flat fp32 partition holds a flat range of the flattened
 parameters, so a parameter's master may be split between ranks. DeepSpeed links each
 parameter to its part on this rank (``param._hp_mapping``: ``hp_fragment``, DeepSpeed's view of
 the flat partition, and where it starts in the flattened parameter), which is exactly this
-adapter's answer: the local view is that view, ``[start, end)`` its flat range, an empty range
+strategy's answer: the local shard is that view, ``[start, end)`` its flat range, an empty range
 where this rank holds none of it. Every rank's part follows from the parameter's offset in
 its group's flat buffer and the partition size (a ``FlatLayout``; where this DeepSpeed does not
 say the offsets, the parts are gathered). Frozen parameters have no master and are read whole.
@@ -106,4 +106,4 @@ class Zero12Master(ModuleStrategy):
         Returns:
             One tensor per info of the latest ``tensors()``.
         """
-        return [param.detach() for param in self._params] + self.local_views()[len(self._params) :]
+        return [param.detach() for param in self._params] + self.local_shards()[len(self._params) :]

@@ -2,7 +2,7 @@
 
 ZeRO-3 flattens a parameter, pads it to a multiple of the partition count and gives rank
 ``r`` elements ``[r * p, (r + 1) * p)`` of it (``p`` = the partition size): a ``FlatLayout`` over
-the parameter's process group. The local view is the real (unpadded) head of ``ds_tensor``:
+the parameter's process group. The local shard is the real (unpadded) head of ``ds_tensor``:
 the padding is uninitialised memory. Works for a
 ``DeepSpeedEngine`` and for a module partitioned by ``deepspeed.zero.Init``.
 
@@ -92,7 +92,7 @@ def _partition_info(names: list[str], param: torch.Tensor, master: bool) -> Tens
 
 
 class Zero3(ModuleStrategy):
-    """DeepSpeed ZeRO-3: each parameter's local view is the real head of its ``ds_tensor`` partition.
+    """DeepSpeed ZeRO-3: each parameter's local shard is the real head of its ``ds_tensor`` partition.
 
     Args:
         model: A ZeRO-3 ``DeepSpeedEngine``, or a module partitioned by ``deepspeed.zero.Init``.
@@ -175,7 +175,7 @@ class Zero3(ModuleStrategy):
         Returns:
             One tensor per info of the latest ``tensors()``.
         """
-        return self._live_views() + self.local_views()[len(self._params) :]
+        return self._live_views() + self.local_shards()[len(self._params) :]
 
     def _live_views(self) -> list[torch.Tensor]:
         key = [*map(torch.Tensor.data_ptr, map(_DS_TENSOR, self._params)), *self._lengths]  # (at C speed)

@@ -22,7 +22,7 @@ Any other writer (``model.load_state_dict``, a hand-written update, an optimizer
 did not (a tensor's version counter moved while the thread read it) it reports through
 ``start``'s ``verify``. An error the thread met (a non-finite value under ``"raise"``, out of
 memory, such a write) is raised at the next call, naming the step it came from; a warning it
-meant to give (an update skipped under ``"skip"``) is kept (``defer``) and given at that call, in
+meant to give (an update skipped under ``"skip"``) is kept (``base.deferred``) and given at that call, in
 the caller's thread: issued on its own thread it would land whenever the thread got there, past
 the ``warnings.catch_warnings`` block the loop had open, attributed to no line of the loop.
 
@@ -50,6 +50,8 @@ from collections.abc import Callable, Iterable
 import torch
 from torch import nn
 from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+from ..base.deferred import deferring
 
 _EVERY: weakref.WeakSet[Background] = weakref.WeakSet()  # every background of the process, for the writers
 
@@ -87,7 +89,7 @@ class Background:
         self._step = 0  # its step
         self._verify: Callable[[], None] | None = None  # its check at collection (CUDA), see ``start``
         self._failure: tuple[int, BaseException] | None = None
-        self._warnings: list[Warning] = []  # what the thread meant to warn, given at the next call (``defer``)
+        self._warnings: list[Warning] = []  # what the thread meant to warn, given at the next call (``deferring``)
         self._streams: dict[torch.device, torch.cuda.Stream] = {}
         self._done: dict[torch.device, torch.cuda.Event] = {}
         self._forward_hooks: list = []
@@ -166,7 +168,7 @@ class Background:
             streams = [self._side_stream(device) for device in ready]
             for stream, event in zip(streams, ready.values()):
                 stream.wait_event(event)
-            with contextlib.ExitStack() as on_side_streams:
+            with contextlib.ExitStack() as on_side_streams, deferring(self._warnings):
                 for stream in streams:
                     on_side_streams.enter_context(torch.cuda.stream(stream))
                 work()
@@ -177,23 +179,6 @@ class Background:
             self._failure = (step, error)
         finally:
             landed.set()
-
-    def running_here(self) -> bool:
-        """Whether the caller runs on the thread of the update in flight.
-
-        Returns:
-            True on that thread, where a warning must be deferred (``defer``), not issued.
-        """
-        return threading.current_thread() is self._thread
-
-    def defer(self, warning: Warning) -> None:
-        """Keep ``warning``, met by the update on its thread, for the call that collects the update
-        (``wait``), which issues it in the loop's thread, once.
-
-        Args:
-            warning: The warning, its message naming the step.
-        """
-        self._warnings.append(warning)
 
     def _side_stream(self, device: torch.device) -> torch.cuda.Stream:
         if device not in self._streams:
@@ -209,7 +194,7 @@ class Background:
         an exception marks the thread as ended while it still runs, bpo-45274.)
 
         Args:
-            raise_failure: Issue what the update meant to warn (``defer``) and raise what it
+            raise_failure: Issue what the update meant to warn (``base.deferred``) and raise what it
                 raised; False keeps both for the next call that does.
 
         Warns:

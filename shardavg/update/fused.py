@@ -1,20 +1,20 @@
-"""The update's kernels: shadows and live shards grouped so that an update reads each byte once.
+"""The update's kernels: shadows and local shards grouped so that an update reads each byte once.
 
 A group holds tensors that one call can update together: the same role (averaged or copied),
 shadow device and dtype, and live dtype and device. It holds one list of shadows per average
-kept (copied tensors have one, shared by all), so each live shard is read, screened and staged
+kept (copied tensors have one, shared by all), so each local shard is read, screened and staged
 once per update however many averages take it in. Within a group, neighbours that lie back to
 back in memory on both sides (FSDP1's flat shard, ZeRO-3's flattened partitions, against
 shadows carved from one pool) are fused into one flat view, so the kernels run over a few large
 tensors instead of one small tensor per parameter; the elementwise results are the same bits.
 
-The update walks each group's ``Batch``es. A batch either reads the live shards where they are
+The update walks each group's ``Batch``es. A batch either reads the local shards where they are
 (one ``_foreach_lerp_`` over the fused views: live and shadow of one dtype) or first copies
 them into a small reusable buffer and lerps from there while the copy is still in cache:
 
 - bf16 or fp16 weights into an fp32 average: ``lerp`` refuses mixed dtypes, and a ``mul_`` then
   an ``add_`` read and write the shadow twice; a cast of a 128K-element piece into the buffer
-  and a ``lerp_`` from it move the bytes of one pass (the live shard read once, the shadow read
+  and a ``lerp_`` from it move the bytes of one pass (the local shard read once, the shadow read
   and written once) and give the bits of ``lerp_(shadow, live.float(), weight)``;
 - small shards that lie apart (an FSDP2 bias, a LayerNorm weight: one tensor per parameter,
   where a kernel's launch costs more than its work) are gathered by one copy, and each sequence
@@ -25,7 +25,7 @@ instead (``UpdateGroup.kernel``), which also skips the update on a device-side f
 non-finite check stays on the device. The non-finite screen (``nonfinite``) reads each live
 byte once more: a sum per large piece and one ``_foreach_norm`` over the small shards, one flag
 per group on the host. Nothing here loops over parameters in Python except where a bounded
-staging copy is unavoidable (shadows on another device than the live shards, or a custom rule
+staging copy is unavoidable (shadows on another device than the local shards, or a custom rule
 that needs the shadow dtype).
 """
 
@@ -71,7 +71,7 @@ class Gathered:
     shadows lie back to back in every average (``AverageState`` carves them so)."""
 
     positions: list[int]  # in the group's lists
-    flat_live: list[torch.Tensor]  # each gathered live shard, flattened (a view of its data)
+    flat_live: list[torch.Tensor]  # each gathered local shard, flattened (a view of its data)
     staging: torch.Tensor  # flat, the live dtype
     shadows: list[torch.Tensor]  # per average: its shadows of these shards as one flat view
 
@@ -102,7 +102,7 @@ class Batch:
 
     def kernel_plan(self) -> kernels.Plan:
         """One launch's tables for every flat read of the batch (they hold addresses: the batch is
-        rebuilt, and its plan with it, whenever a live shard moves)."""
+        rebuilt, and its plan with it, whenever a local shard moves)."""
         if self.plan is None:
             flat = [p for p, read in enumerate(self.reads) if read.dim() == 1 and read.is_contiguous()]
             self.strided = [p for p in range(len(self.reads)) if p not in flat]
@@ -112,7 +112,7 @@ class Batch:
 
 @dataclass
 class Screen:
-    """What the non-finite screen reads of a group's live shards, planned once: the large pieces
+    """What the non-finite screen reads of a group's local shards, planned once: the large pieces
     where they are, the small ones in buckets copied into a scratch, the strided ones as they are."""
 
     large: list[torch.Tensor]
@@ -158,8 +158,8 @@ class UpdateGroup:
     # the same elements, neighbours in memory merged into one flat view (see ``fuse``)
     fused_shadows: list[list[torch.Tensor]] = field(default_factory=list)
     fused_live: list[torch.Tensor] = field(default_factory=list)
-    live_pointers: list[int] = field(default_factory=list)  # where each live shard's data was
-    # What the update walks when the shadows lie on the live shards' device (see ``Batch``): the
+    live_pointers: list[int] = field(default_factory=list)  # where each local shard's data was
+    # What the update walks when the shadows lie on the local shards' device (see ``Batch``): the
     # gathered small shards, the batches, and what the non-finite screen reads
     gathered: Gathered | None = None
     batches: list[Batch] = field(default_factory=list)
@@ -175,7 +175,7 @@ def group_tensors(
 ) -> list[UpdateGroup]:
     """Group the stored tensors; ``shadow_sets`` holds one list of shadows per average.
 
-    Groups of floating-point tensors whose live shards and shadows lie on a device type in
+    Groups of floating-point tensors whose local shards and shadows lie on a device type in
     ``kernel_devices`` are updated by the Triton kernel when it runs there (``kernels.usable``:
     its first call for a device checks the kernel's bits there, and ``SHARDAVG_KERNEL=0`` says no)."""
     groups: dict[tuple, UpdateGroup] = {}
@@ -209,7 +209,7 @@ def group_tensors(
 
 
 def _batches(group: UpdateGroup) -> list[Batch]:
-    """How the update walks ``group`` (its shadows on its live shards' device), see ``Batch``;
+    """How the update walks ``group`` (its shadows on its local shards' device), see ``Batch``;
     sets ``group.gathered`` and ``group.screen`` on the way."""
     live, shadow = group.live_tensors[0], group.shadows[0][0]
     group.gathered = _gather(group)
@@ -336,7 +336,7 @@ def fuse(
     live_tensors: Sequence[torch.Tensor],
     piece_numel: int = FUSED_PIECE,
 ) -> tuple[list, list]:
-    """Merge each sequence of tensors that are back to back in memory on every side (the live shards
+    """Merge each sequence of tensors that are back to back in memory on every side (the local shards
     and each average's shadows) into one flat view, cut into pieces of ``piece_numel`` elements (empty
     shards, which have no place in memory, are left out: there is nothing to update)."""
     kept = [position for position, live in enumerate(live_tensors) if live.numel()]
@@ -356,7 +356,7 @@ def fuse(
             fused_live.extend(_pieces(live_tensors[start:stop], piece_numel))
             for fused, shadows in zip(fused_sets, shadow_sets):
                 fused.extend(_pieces(shadows[start:stop], piece_numel))
-        else:  # a strided live shard (adjacency needs dense ones, so it is alone): as it is
+        else:  # a strided local shard (adjacency needs dense ones, so it is alone): as it is
             fused_live.append(live_tensors[start])
             for fused, shadows in zip(fused_sets, shadow_sets):
                 fused.append(shadows[start])
@@ -381,7 +381,7 @@ def _pieces(tensors: Sequence[torch.Tensor], piece_numel: int) -> list[torch.Ten
 
 
 def groups_current(groups: Sequence[UpdateGroup]) -> bool:
-    """Whether every live shard's data is still where its group (and its fused views) found it.
+    """Whether every local shard's data is still where its group (and its fused views) found it.
 
     A cast or a move (``model.to(...)``), or ``param.data = other``, gives a tensor new data
     while the object stays the same: its pointer tells, at C speed per tensor."""
@@ -389,7 +389,7 @@ def groups_current(groups: Sequence[UpdateGroup]) -> bool:
 
 
 def nonfinite(groups: Sequence[UpdateGroup]) -> list[int]:
-    """Indices of live shards holding NaN or infinity (the gathered ones read where
+    """Indices of local shards holding NaN or infinity (the gathered ones read where
     ``stage_gathered`` left them).
 
     A screen reads every live byte once (``Screen``); one flag per group is read on the host. A
@@ -411,13 +411,16 @@ def nonfinite(groups: Sequence[UpdateGroup]) -> list[int]:
 
 
 def _screened(piece: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """One read of ``piece``: the dot product of its two halves where it splits in two (two
-    streams: 10% faster than a sum on a 2-core EPYC; NaN and infinities propagate through both),
-    else its sum; fp16 takes its min and max, as its sums and products overflow."""
+    """One read of ``piece``: for fp32 and fp64 the dot product of its two halves where it splits
+    in two (two streams: 10% faster than a sum on a 2-core EPYC; NaN and infinities propagate
+    through both), else its sum; fp16 takes its min and max, as its sums and products overflow.
+    Never a bf16 dot: ATen's CPU kernel for it is scalar, 340x a bf16 sum's time (42 ms against
+    0.12 ms over 1M elements on a 2-core Xeon with AVX512-BF16 and AMX), and the screen was 4x the
+    unchecked update on the EPYC (AVX512-BF16) of docs/benchmarks.md."""
     if piece.dtype == torch.float16:
         return torch.aminmax(piece)
     half = piece.numel() // 2
-    if piece.dim() == 1 and piece.numel() % 2 == 0:
+    if piece.dtype in (torch.float32, torch.float64) and piece.dim() == 1 and piece.numel() % 2 == 0:
         return (torch.dot(piece[:half], piece[half:]),)
     return (piece.sum(),)
 
@@ -428,10 +431,10 @@ Step = float | None | tuple[MultiAvgFn, torch.Tensor]
 
 
 def apply(group: UpdateGroup, steps: Sequence[Step], stager: Stager, gathered_staged: bool = False) -> None:
-    """Apply each average's step to its shadows in ``group``, staging each live shard once for all
+    """Apply each average's step to its shadows in ``group``, staging each local shard once for all
     (the gathered ones already, with ``gathered_staged``, by ``stage_gathered``).
 
-    A custom rule sees live shards cast to the shadow dtype, one tensor per parameter shard as
+    A custom rule sees local shards cast to the shadow dtype, one tensor per parameter shard as
     AveragedModel would show them (never fused: the function may look at shapes)."""
     custom = any(isinstance(step, tuple) for step in steps)
     if not custom and group.batches and not needs_staging(group, None):
@@ -464,7 +467,7 @@ def apply(group: UpdateGroup, steps: Sequence[Step], stager: Stager, gathered_st
 
 def _lerp_cast(shadows: Sequence[torch.Tensor], live_tensors: Sequence[torch.Tensor], weight: float) -> None:
     """``lerp_(shadow, live.to(shadow.dtype), weight)`` for each pair, cast piece by piece through a
-    small scratch: the bits of the update beside the live shards, with no scratch their size."""
+    small scratch: the bits of the update beside the local shards, with no scratch their size."""
     scratch = torch.empty(CAST_PIECE, dtype=shadows[0].dtype, device=shadows[0].device)
     for shadow, live in zip(shadows, live_tensors):
         if not live.is_contiguous():
@@ -483,7 +486,7 @@ def _on(group: UpdateGroup, value: float | bool) -> torch.Tensor:
 
 
 class Verdict(NamedTuple):
-    """Which live shards held NaN or infinity, on the host once ``event`` (if any) has completed
+    """Which local shards held NaN or infinity, on the host once ``event`` (if any) has completed
     (the updater keeps the loop's own verdict the same way: no index, one flag, see ``to_host``)."""
 
     indices: list[int]
@@ -504,7 +507,7 @@ def to_host(bad: torch.Tensor, indices: list[int]) -> Verdict:
 
 def screen_on_device(groups: Sequence[UpdateGroup]) -> tuple[list[Verdict], dict[torch.device, torch.Tensor]]:
     """The non-finite screen with no host read: per device, a ``Verdict`` copied to the host behind
-    an event, and ``ok[device]``, a 0-d device flag that no live shard there is non-finite. An
+    an event, and ``ok[device]``, a 0-d device flag that no local shard there is non-finite. An
     infinity-norm per shard (its largest magnitude) never overflows: a finite shard is never flagged."""
     indices: dict[torch.device, list[int]] = {}
     flags: dict[torch.device, list[torch.Tensor]] = {}
@@ -532,7 +535,7 @@ def apply_masked(
     stager: Stager,
     gathered_staged: bool = False,
 ) -> None:
-    """The update made conditional on the device: each average lerps toward the live shards with
+    """The update made conditional on the device: each average lerps toward the local shards with
     its weight as a one-element device tensor (``None``: copies them) where the device flag
     ``ok`` is true, and no shadow changes where it is false.
 
@@ -555,7 +558,7 @@ def apply_masked(
             except kernels.KernelFailed as failure:
                 _finish_failed(planned, weights, ok, failure.done)
                 failed = True
-            for position in batch.strided:  # (a strided live shard, whole: rare)
+            for position in batch.strided:  # (a strided local shard, whole: rare)
                 _masked_lerp([shadows[position] for shadows in batch.shadows], batch.reads[position], weights, ok)
         if failed:
             group.kernel = False
@@ -593,7 +596,7 @@ def _masked_lerp(
     for every live and shadow dtype.
 
     Two things make that so. The live values are cast to the shadow's dtype first, as ``apply``
-    stages them (an fp32 live shard into a bf16 average is rounded to bf16, then lerped), never
+    stages them (an fp32 local shard into a bf16 average is rounded to bf16, then lerped), never
     promoted with it. And the weight (a device tensor in ``weights``' dtype, at least fp32: see
     ``Updater._weight``) is never rounded to a bf16 or fp16 shadow's dtype: ATen's lerp of such a
     shadow by the Python float ``apply`` passes runs in fp32 (its opmath: both ends widened
@@ -613,7 +616,7 @@ def _masked_lerp(
 
 
 def needs_staging(group: UpdateGroup, dtype: torch.dtype | None) -> bool:
-    """Whether the live shards must be copied before the update: to the shadows' device, or to ``dtype``."""
+    """Whether the local shards must be copied before the update: to the shadows' device, or to ``dtype``."""
     return group.live_tensors[0].device != group.shadows[0][0].device or dtype not in (
         None,
         group.live_tensors[0].dtype,

@@ -6,7 +6,7 @@ the way through ATen is ``lerp_(where(ok, live, shadow), w)``, a ``where`` scrat
 each shard written and read again, measured 2-4x slower than the lerp alone on an H200
 (docs/benchmarks.md, "On a GPU"). Here one launch reads each live element once, and reads and
 writes each shadow of it once (up to ``MAX_SHADOWS`` averages per launch), with the flag in every
-mask: where it is false no shadow byte is written and no live byte is read, so a live shard
+mask: where it is false no shadow byte is written and no live byte is read, so a local shard
 holding NaN or infinity leaves every average as it was.
 
 Exactness: each element is ATen's ``lerp`` in fp32 opmath, in the fused form both of ATen's
@@ -55,12 +55,13 @@ import importlib
 import math
 import os
 import sys
-import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
+
+from ..base import deferred
 
 MAX_SHADOWS = 4  # averages updated by one launch (one read of the live piece); more take another launch
 PROGRAM_NUMEL = 1024  # elements per program
@@ -183,12 +184,13 @@ def _disabled(device: torch.device, error: BaseException) -> bool:
             version = triton.__version__
         except Exception as import_error:  # (the reason the kernel failed, maybe)
             version = f"not importable ({import_error})"
-        warnings.warn(
-            f"shardavg: the Triton kernel of the update failed on {key} (Triton {version}): "
-            f"{type(error).__name__}: {error}. The update runs through ATen there from now on (its bits, a "
-            f"slower update); nothing was lost. Set {SWITCH}=0 in the environment to turn the kernel off by hand "
-            "(and skip this check); please report this error with the GPU and the Triton version.",
-            RuntimeWarning,
+        deferred.warn(
+            RuntimeWarning(
+                f"shardavg: the Triton kernel of the update failed on {key} (Triton {version}): "
+                f"{type(error).__name__}: {error}. The update runs through ATen there from now on (its bits, a "
+                f"slower update); nothing was lost. Set {SWITCH}=0 in the environment to turn the kernel off by hand "
+                "(and skip this check); please report this error with the GPU and the Triton version."
+            ),
             stacklevel=3,
         )
     _working[key] = False

@@ -134,7 +134,7 @@ class Options:
     integer ones copied) or ``"ignore"`` (not stored: exports carry the live value)."""
 
     device: torch.device | None = option(None, validate.device)
-    """Where the shadows live: ``None`` (default) next to each live shard, ``"cpu"`` (or a device of
+    """Where the shadows live: ``None`` (default) next to each local shard, ``"cpu"`` (or a device of
     this machine's accelerator, ``"cuda:1"``) offloaded there. A string is converted to a
     ``torch.device``; anything else (``"meta"``, a CUDA device the machine lacks, an int) is refused."""
 
@@ -145,7 +145,7 @@ class Options:
     on_nonfinite: NonfinitePolicy = option("raise", _policy(NonfinitePolicy))
     """What a NaN or infinity in a live weight does: ``"raise"`` (default) raises ``NonFiniteError``
     and ``"skip"`` warns, both leaving the average untouched; ``"off"`` skips the check (one read of
-    every live shard less per update) and averages whatever is there."""
+    every local shard less per update) and averages whatever is there."""
 
     screen_every: int = option(100, _count(1))
     """With the loop's verdict (``update(finite=...)``), the non-finite screen still runs at one
@@ -249,7 +249,7 @@ class Options:
         """What the averager does with one tensor under these options.
 
         Args:
-            info: The tensor, as the strategy adapter lists it.
+            info: The tensor, as the strategy lists it.
 
         Returns:
             ``"average"`` (averaged by the rule), ``"copy"`` (its live value copied at each

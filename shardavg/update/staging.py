@@ -1,8 +1,8 @@
-"""Staging: live shards copied to where their shadows are (offloaded shadows) or cast to the shadow
+"""Staging: local shards copied to where their shadows are (offloaded shadows) or cast to the shadow
 dtype (custom rules), in bounded buckets through two reusable buffers.
 
 From CUDA to the host the buffers are pinned and the copies run on a side stream that first
-waits for the compute stream (the optimizer step that wrote the live shards); an event per
+waits for the compute stream (the optimizer step that wrote the local shards); an event per
 bucket tells the host when it has landed, so the host averages bucket k while bucket k + 1 is
 still in flight. No scratch of the model's size is ever allocated, on the accelerator or on the
 host: a bucket holds at most ``STAGING_BYTES``, or one whole shard where a rule needs whole
