@@ -256,7 +256,7 @@ def check_training(engine: Engine, device: torch.device) -> WeightAverager:
 
 def local_view(averager: WeightAverager) -> tuple[torch.Tensor, str]:
     """A floating live shard this rank holds a part of, and its tensor's name."""
-    for view, info in zip(averager.strategy.local_views(), averager.tensors):
+    for view, info in zip(averager.strategy.local_shards(), averager.tensors):
         if view.is_floating_point() and view.numel() and info.requires_grad:
             return view, info.name
     raise AssertionError("no floating live shard on this rank")
