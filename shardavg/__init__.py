@@ -1,9 +1,10 @@
 """shardavg: shard-local weight averaging (EMA, SWA, power-function EMA) for distributed training.
 
-This module, ``averager``, ``posthoc``, ``cli`` and ``__main__`` are the face: what users call. The
-other packages are the folders and ``rules`` (docs/packages.md); this docstring says what the face stands on.
+This module, ``posthoc``, ``cli`` and ``__main__`` are the face: what users call, with the averager
+(``averager/``, whose ``WeightAverager`` this module exports). The other packages are the folders and
+``rules`` (docs/packages.md); this docstring says what the face stands on.
 
-It may import: base, rules, strategies, update, state, checkpoints, output, offline.
+It may import: base, rules, strategies, update, checkpoints, output, averager, offline.
 """
 
 from .averager import WeightAverager
@@ -33,7 +34,7 @@ from .rules import (
 from .strategies import detect
 from .update.options import Options
 
-__version__ = "0.12.0"
+__version__ = "0.12.1"
 
 __all__ = [
     "EMA",

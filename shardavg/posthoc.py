@@ -32,6 +32,7 @@ from .base.dtypes import dtype_name
 from .base.errors import CheckpointError
 from .base.logs import internal
 from .base.progress import Progress
+from .checkpoints.description import Description, TensorEntry
 from .checkpoints.format import MANIFEST, SNAPSHOT_DIR, snapshot_folder
 from .checkpoints.reading import read_manifest
 from .output.model_writer import write_model
@@ -40,7 +41,6 @@ from .output.record import FolderRecord
 from .output.target import check_out
 from .output.write_options import DEFAULTS, WriteOptions
 from .rules import PowerEMA, gamma_to_sigma_rel, rule_from_config, shown, sigma_rel_to_gamma
-from .state.description import Description, TensorEntry
 
 FIT_TOLERANCE = 0.05  # the largest relative least-squares residual a synthesis may have
 MAX_T = 2**53  # updates a snapshot may record: exact in the float64 the coefficients are solved in

@@ -16,7 +16,7 @@ from harness import TiedNet
 from safetensors.torch import save_file
 
 from shardavg import EMA, WeightAverager
-from shardavg.state.description import with_checksum
+from shardavg.checkpoints.description import with_checksum
 
 
 def trained(trainer, steps: int = 5, **kwargs) -> WeightAverager:

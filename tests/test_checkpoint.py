@@ -19,10 +19,10 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-import shardavg.checkpoints.checkpoint
+import shardavg.averager.checkpoint
 import shardavg.checkpoints.storage
 from shardavg import EMA, SWA, CheckpointError, WeightAverager
-from shardavg.output.export import parse_size
+from shardavg.output.model_writer import parse_size
 
 MARKER_NAME = "pwned"
 
@@ -81,7 +81,7 @@ def test_a_failed_save_keeps_the_previous_checkpoint(trainer, tmp_path, monkeypa
     trainer.step()
     averager.update()
 
-    real_write = shardavg.checkpoints.checkpoint.write_safetensors
+    real_write = shardavg.averager.checkpoint.write_safetensors
 
     def write_then_fail(path, entries, tensors, metadata=None):
         def first_then_fail():
@@ -90,7 +90,7 @@ def test_a_failed_save_keeps_the_previous_checkpoint(trainer, tmp_path, monkeypa
 
         real_write(path, entries, first_then_fail(), metadata)
 
-    monkeypatch.setattr(shardavg.checkpoints.checkpoint, "write_safetensors", write_then_fail)
+    monkeypatch.setattr(shardavg.averager.checkpoint, "write_safetensors", write_then_fail)
     with pytest.raises(
         CheckpointError, match=r"writing shards to .*ckpt.incomplete failed: rank 0: OSError: disk full"
     ):

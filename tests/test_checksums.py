@@ -14,8 +14,8 @@ from helpers import as_flat_ranges, assert_same_average, fresh, trained
 from safetensors import safe_open
 
 from shardavg import CheckpointError
+from shardavg.checkpoints.description import with_checksum
 from shardavg.cli import main as cli_main
-from shardavg.state.description import with_checksum
 
 SHARD = "rank-00000-of-00001.safetensors"
 

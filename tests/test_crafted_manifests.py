@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 from helpers import trained
 
-from shardavg.state.description import with_checksum
+from shardavg.checkpoints.description import with_checksum
 
 ADDRESS_SPACE = 2 * 2**30  # bytes the child may map: torch and the test model need about 1 GiB
 DEADLINE = 5  # seconds each call may take in the child

@@ -16,10 +16,10 @@ from helpers import trained
 
 from shardavg import CheckpointError
 from shardavg.base.errors import ProvenanceError
+from shardavg.checkpoints.description import with_checksum
 from shardavg.checkpoints.format import PROVENANCE_DEPTH
 from shardavg.cli import main as cli_main
 from shardavg.output.provenance import load, of_input, read
-from shardavg.state.description import with_checksum
 
 DEEP = "[" * 100_000 + "]" * 100_000  # json.loads raises RecursionError on it
 

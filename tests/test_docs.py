@@ -15,7 +15,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = [
-    "shardavg.averager",
+    "shardavg.averager.weight_averager",
     "shardavg.rules",
     "shardavg.strategies",
     "shardavg.posthoc",

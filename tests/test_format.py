@@ -11,11 +11,11 @@ import pytest
 from helpers import trained
 
 from shardavg import EMA, CheckpointError, PostHocEMA
+from shardavg.checkpoints.description import TensorEntry, with_checksum
 from shardavg.checkpoints.format import MANIFEST, check_description, parse_manifest
 from shardavg.cli import main as cli_main
 from shardavg.layouts.tensor_layout import MeshLayout
 from shardavg.output.provenance import read as read_provenance
-from shardavg.state.description import TensorEntry, with_checksum
 
 
 def test_a_description_parses_back_to_itself(trainer) -> None:
@@ -23,6 +23,9 @@ def test_a_description_parses_back_to_itself(trainer) -> None:
     described = averager._state.describe()
     parsed = check_description(json.loads(json.dumps(described.to_json())), "test")
     assert replace(parsed, checksum=None) == described
+    edited = {**described.to_json(), "step": described.step + 1}
+    with pytest.raises(CheckpointError, match="^edited.json: the checksum does not match"):
+        check_description(edited, "edited.json")
     assert parsed.average_names == ["fast", "slow"] and parsed.rule("slow") == EMA(decay=0.99).to_config()
     by_name = parsed.by_name()
     tied = next(entry for entry in parsed.tensors if entry.aliases)

@@ -26,8 +26,8 @@ from helpers import deadline, fresh, trained
 from safetensors.torch import load_file
 
 from shardavg import CheckpointError
+from shardavg.checkpoints.description import with_checksum
 from shardavg.cli import main as cli_main
-from shardavg.state.description import with_checksum
 
 CASES = 200  # per family: damaged manifest bytes, crafted manifest values, damaged shard headers
 SHARD = "rank-00000-of-00001.safetensors"

@@ -19,9 +19,9 @@ from harness import TiedNet
 from helpers import deadline
 
 from shardavg import EMA, CheckpointError, InverseGammaWarmup, PostHocEMA, PowerEMA, rule_from_config
+from shardavg.checkpoints.description import with_checksum
 from shardavg.cli import main as cli_main
 from shardavg.posthoc import profile_dot, snapshots, synthesize, target_gamma
-from shardavg.state.description import with_checksum
 
 BOUNDS = (0.0, 1.0, -1.0, -0.5, 0.3003, 0.2981, 1e-6, 1e6, 1e16, 1.25e16)
 EDGES = [

@@ -18,8 +18,8 @@ from helpers import fresh, trained
 from safetensors import safe_open
 
 from shardavg import EMA, SWA, CheckpointError, PowerEMA, Rule, WeightAverager
+from shardavg.checkpoints.description import with_checksum
 from shardavg.checkpoints.format import MANIFEST, check_description, decode_description, parse_manifest
-from shardavg.state.description import with_checksum
 from shardavg.update.options import Options, option
 
 # The options dict every checkpoint since format version 2 holds, key for key (avg.save, DCP).

@@ -22,8 +22,8 @@ from helpers import as_chunk_tables, as_flat_ranges, deadline, fresh, replace_sh
 from safetensors.torch import load_file
 
 from shardavg import CheckpointError, WeightAverager
+from shardavg.checkpoints.description import with_checksum
 from shardavg.cli import main as cli_main
-from shardavg.state.description import with_checksum
 
 SHARD = "rank-00000-of-00001.safetensors"
 HUGE = 10**24  # elements: no allocator could serve it

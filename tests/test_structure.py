@@ -70,7 +70,7 @@ ENGINE_INTERNALS = {
         "_StorageInfo": "DCP's record of where an item lies (file, offset, length) in .metadata; torch has no "
         "public constructor",
     },
-    "checkpoints.stateful": {
+    "averager.stateful": {
         "torch.distributed.tensor._shards_wrapper": "LocalShardsWrapper, the DTensor payload DCP reads for "
         "arbitrary shards (torchrec's way); no public path"
     },
@@ -256,6 +256,28 @@ def test_every_declared_import_is_used() -> None:
     assert not stale, "\n".join(stale)
 
 
+def reachable(package: str) -> set[str]:
+    """The packages ``package`` may reach through the declarations, directly or through others."""
+    seen, todo = set(), [package]
+    while todo:
+        for below in declared()[todo.pop()] - seen:
+            seen.add(below)
+            todo.append(below)
+    return seen
+
+
+@pytest.mark.parametrize("package", ["checkpoints", "output", "offline"])
+def test_the_file_formats_reach_no_live_state(package: str) -> None:
+    """Only the averager's own I/O (``averager/``) takes an ``AverageState``: the packages that read
+    and write files know a saved averager by its ``Description``, so that a file is read, checked
+    or merged without a live one. No declaration under them reaches ``averager`` (and the checks
+    above hold every import to the declarations)."""
+    assert "averager" not in reachable(package), (
+        f"{shown(package)}: {package} reaches averager/ through its declared imports {sorted(declared()[package])}; "
+        "it must know the averager by its Description (checkpoints/description.py), not its live state"
+    )
+
+
 def test_no_modules_import_one_another_in_a_circle() -> None:
     """Within a package as across them (an import inside a function too): each module stands on the ones it imports."""
     cycle = a_cycle({name: set(imports) for name, imports in imports_by_module().items()})
@@ -387,11 +409,11 @@ def test_a_planted_private_access_is_found(source: str) -> None:
 @pytest.mark.parametrize(
     ("name", "source", "target"),
     [
-        ("state.average_state", "from ..averager import WeightAverager", "averager"),
+        ("checkpoints.format", "from ..averager.average_state import AverageState", "averager.average_state"),
         ("base.newcomer", "def f():\n    from shardavg.layouts.parts import Part", "layouts.parts"),
         ("layouts.newcomer", "import shardavg.strategies.base", "strategies.base"),
         ("strategies.newcomer", "from .. import WeightAverager", "__init__"),
-        ("update.newcomer", "if TYPE_CHECKING:\n    from ..state import swap", "state.swap"),
+        ("output.newcomer", "if TYPE_CHECKING:\n    from ..averager import swap", "averager.swap"),
     ],
 )
 def test_a_planted_import_outside_the_declaration_is_found(name: str, source: str, target: str) -> None:

@@ -6,11 +6,11 @@ from __future__ import annotations
 import pytest
 import torch
 
+from shardavg.averager.export import work_of
 from shardavg.base.dist import digest
 from shardavg.checkpoints.storage import Entry
 from shardavg.offline.merge import Planned, _work
 from shardavg.offline.sources import Spec
-from shardavg.output.export import work_of
 from shardavg.output.record import FolderRecord
 from shardavg.output.weight_files import WeightPlan
 from shardavg.output.work import Work, Writers, assign, pieces

@@ -445,9 +445,9 @@ def die_while_writing_shards(rank: int) -> None:
         return
     import signal
 
-    import shardavg.checkpoints.checkpoint
+    import shardavg.averager.checkpoint
 
-    real_write = shardavg.checkpoints.checkpoint.write_safetensors
+    real_write = shardavg.averager.checkpoint.write_safetensors
 
     def write_then_die(path, entries, tensors, metadata=None):
         def first_tensor_then_sigkill():
@@ -456,7 +456,7 @@ def die_while_writing_shards(rank: int) -> None:
 
         real_write(path, entries, first_tensor_then_sigkill(), metadata)
 
-    shardavg.checkpoints.checkpoint.write_safetensors = write_then_die
+    shardavg.averager.checkpoint.write_safetensors = write_then_die
 
 
 def check_derived_layout(averager, gathered: Callable[[str], bool] = lambda name: False) -> None:

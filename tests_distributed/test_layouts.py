@@ -17,7 +17,7 @@ from launcher import torchrun
 from safetensors.torch import load_file
 
 import shardavg.cli
-from shardavg.state.description import with_checksum
+from shardavg.checkpoints.description import with_checksum
 
 pytestmark = pytest.mark.slow  # a torchrun launch: python -m pytest -m "not slow" leaves it out
 

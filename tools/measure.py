@@ -32,12 +32,15 @@ def interleaved_ms(
     """Milliseconds per call of each of ``runs`` on the slowest rank. After each ``before()``
     (untimed) every run is called once in turn, each timed alone with the ranks aligned by a
     barrier: all runs see the same inputs, and a drift in the machine's speed falls on all of
-    them alike. The first ``warmup`` rounds are not kept. ``synchronize`` waits for the device
-    (``torch.cuda.synchronize``) before the clock starts and before it stops."""
+    them alike. The order turns by one each round, so no run always follows the same one (a run
+    that reads the live weights leaves them in cache for the next: in a fixed order that gift
+    went to one run every round). The first ``warmup`` rounds are not kept. ``synchronize`` waits
+    for the device (``torch.cuda.synchronize``) before the clock starts and before it stops."""
     kept: list[list[float]] = [[] for _ in runs]
     for index in range(warmup + repeats):
         before()
-        for run, times in zip(runs, kept):
+        turn = index % len(runs)
+        for run, times in zip(runs[turn:] + runs[:turn], kept[turn:] + kept[:turn]):
             synchronize()
             dist.barrier()
             start = time.perf_counter()

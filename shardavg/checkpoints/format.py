@@ -56,7 +56,9 @@ from ..layouts.tensor_layout import (
     most_boxes,
 )
 from ..rules import Rule
-from ..state.description import (
+from ..strategies import SAVED_STRATEGIES
+from ..update.options import Options, Role
+from .description import (
     CHECKSUM,
     FORMAT,
     VERSION,
@@ -67,8 +69,6 @@ from ..state.description import (
     checksum,
     with_checksum,
 )
-from ..strategies import SAVED_STRATEGIES
-from ..update.options import Options, Role
 from .storage import read_bounded
 
 MANIFEST = "shardavg.json"  # a checkpoint's description, chunk tables and files; written last

@@ -30,7 +30,7 @@ from pathlib import Path
 from ..base.errors import CheckpointError
 from ..base.links import confined
 from ..base.validate import is_count
-from ..state.description import Description
+from .description import Description
 from .format import MANIFEST, SAVE_ID_KEY, STEP_DIR, parse_manifest, read_manifest_bytes
 from .ownership import is_own_checkpoint
 from .storage import SafetensorsFile, replaced_path

@@ -33,7 +33,7 @@ from ..base.dtypes import CODE_DTYPES, DTYPE_CODES, DTYPES
 from ..base.errors import CheckpointError
 from ..base.validate import is_count
 from ..layouts.parts import box_range, contiguous_strides
-from ..state.description import FileDigest
+from .description import FileDigest
 
 HEADER_LIMIT = 2**27  # bytes of JSON header a reader accepts (the safetensors library's own bound is 100 MB)
 READ_PIECE = 16 * 2**20  # bytes read at a time when a range must be converted on its way in

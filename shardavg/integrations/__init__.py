@@ -2,12 +2,12 @@
 ``load_state`` hooks), ``deepspeed`` (an engine's ``save_checkpoint``/``load_checkpoint`` with the
 average inside the tag), ``transformers`` (a Trainer callback) and ``lightning`` (a callback for
 sharded strategies). Each imports its framework only when used; the rest of shardavg never does.
-The face is the averager (``shardavg.WeightAverager``).
+Each holds the averager (``shardavg.WeightAverager``, from ``averager/``).
 
 Each also hands ``update(finite=...)`` the verdict its engine already has on the step just taken
 (a skipped optimizer step, the total gradient norm), as ``Verdict``.
 
-It may import: base, rules, checkpoints, output, face.
+It may import: base, rules, checkpoints, output, averager.
 """
 
 from __future__ import annotations

@@ -3,5 +3,5 @@ entry tensor by tensor (``saved_average``), the kinds of checkpoint a merge read
 the merge itself: its methods, each input's share (``methods``), the tensors and the names it writes
 (``merge_names``), and its plan and writers (``merge``).
 
-It may import: base, rules, layouts, update, state, checkpoints, output.
+It may import: base, rules, layouts, update, checkpoints, output.
 """

@@ -41,7 +41,8 @@ from ..base.errors import CheckpointError, ProvenanceError
 from ..base.links import confined
 from ..base.logs import log
 from ..base.progress import Progress
-from ..checkpoints.checkpoint import save_whole
+from ..checkpoints.description import DescribedAverage, Description, TensorEntry
+from ..checkpoints.saving import save_whole
 from ..checkpoints.storage import Entry, atomic_file, open_regular
 from ..output import dcp_checkpoint, megatron_run
 from ..output.model_folder import (
@@ -60,7 +61,6 @@ from ..output.weight_files import Slots, WeightPlan
 from ..output.work import Rows, Work, Writers, assign, pieces
 from ..output.write_options import DEFAULTS, Output, WriteOptions
 from ..rules import SWA
-from ..state.description import DescribedAverage, Description, TensorEntry
 from ..update.options import Options
 from . import megatron, methods
 from .merge_names import Planned, output_spec, patterns, plan_names, selected, tie_saved_once

@@ -30,6 +30,7 @@ from ..base.links import own_file
 from ..base.progress import Progress
 from ..base.untrusted import check_pickle
 from ..base.validate import is_count
+from ..checkpoints.description import Description, TensorEntry, tensor_key
 from ..checkpoints.format import DCP_METADATA, MANIFEST, MANIFEST_LIMIT, STEP_DIR, decode_description
 from ..checkpoints.reading import open_checkpoint
 from ..checkpoints.storage import read_bounded
@@ -39,7 +40,6 @@ from ..output.provenance import made_by, of_input, shown
 from ..output.record import FolderRecord
 from ..output.target import check_out
 from ..output.write_options import DEFAULTS, WriteOptions
-from ..state.description import Description, TensorEntry, tensor_key
 
 StoredChunk = tuple[list[Box], Callable[[torch.Tensor, int], None]]  # a chunk on disk: its boxes, fill(out, first row)
 Rows = tuple[int, int] | None  # rows [start, stop) of a tensor; None: all of it

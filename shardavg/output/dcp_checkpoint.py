@@ -20,6 +20,20 @@ before writing there, ``joined``; then the record); every part, the carried file
 go there, and ``swap`` moves it into place in one exchange once ``.metadata`` is written. Until
 then OUT is the earlier merge, whole, or nothing; a merge that fails removes its staging folder,
 and one a killed merge left is recognised by its marker (``is_own_staging``) and removed by the next.
+
+A merge (``offline/merge.py``) calls these in this sequence; a failure at a step is every
+writer's there (``Writers.agree``):
+
+0) (the merge, before: one process) ``check_replaceable``: OUT is nothing, or a DCP folder an
+   earlier merge wrote.
+1) (first writer) ``staged``: the lock beside OUT, the staging folder with this merge's token in
+   its marker; with a Megatron-Core input, what its newest input carries (objects and files).
+2) (every writer) receive the token; ``joined``: the staging folder, checked to be this merge's;
+   ``write_part``: its merged chunks (and the first writer the carried objects) into its own file.
+3) (every writer) send what it wrote (``Written``, plain data) to the first writer.
+4) (first writer) ``carry`` the input's files; ``commit``: ``.metadata`` through DCP's own
+   ``FileSystemWriter.finish``, checked to cover every tensor; ``swap``: the staging folder into
+   place as OUT. (every writer) agree on the commit.
 """
 
 from __future__ import annotations

@@ -26,9 +26,9 @@ from ..base import validate
 from ..base.dist import comm_device
 from ..base.dtypes import dtype_name
 from ..base.errors import ExportError
+from ..checkpoints.description import TensorEntry
 from ..checkpoints.ownership import TargetLock
 from ..checkpoints.storage import Entry
-from ..state.description import TensorEntry
 from .record import FolderRecord
 from .target import check_out, out_path
 from .weight_files import Slots, WeightPlan, commit, create_staged, discard

@@ -27,7 +27,7 @@ from typing import Any, Literal
 from ..base.errors import CheckpointError
 from ..base.untrusted import parse_json
 from ..base.validate import is_count
-from ..state.description import Description
+from ..checkpoints.description import Description
 from .provenance import FILE as PROVENANCE
 
 EXPORT_ID = "export_id"  # the metadata key of an export's id, in every weight file and the index

@@ -11,6 +11,26 @@ offsets into files rank 0 created (each rank first proves, through the descripto
 that the file is this export's: see ``weight_files``); rank 0 commits once every writer has
 finished (``model_writer.write_spread``, the driver every model folder is written through). So
 W ranks write about 1/W of the model each; the work is split as a merge's is (``work``).
+
+``export`` runs this sequence, every step on every rank unless named (the lead is rank 0; a
+writer one of ``writers`` ranks spread over the world: ``_writer_ranks``); a failure at a step is
+every rank's there (``Writers.agree``), and leaves the previous export whole:
+
+1) (all ranks) plan the files (``WeightPlan``, the same everywhere) and check that every rank
+   planned the same folder and files (``same_everywhere``: one all-reduce of a digest);
+   ``refuse_unlike_replicas`` (replicated strategy only).
+2) (all ranks) split the work: the parts written where they lie (every rank writing), the rest
+   assigned to writers by bytes and cut into rounds of at most a bucket each.
+3) (all ranks) ``write_spread`` draws the export's id (one all-reduce); (lead) prepares the
+   folder (``staged_export``: checked, locked, the plan's files created under temporary names).
+4) (all ranks) write the parts held where they lie (``_write_held``), and take part in every
+   round of the gather (``state.gathered_to``); (writers) write what they receive at its offsets
+   (``_write_received``), each file proved to be this export's through the descriptor written with.
+5) (lead) once every writer has finished, ``weight_files.commit``: renames only, every weight
+   file into place, then the index, then the record. (all ranks) agree on the commit.
+
+``full_state_dict`` and ``copy_to`` gather the same way (``state.gathered_to``), to rank 0 or to
+every rank, and write no file.
 """
 
 from __future__ import annotations
@@ -25,16 +45,16 @@ from torch import nn
 from ..base.dist import digest, rank, same_everywhere, world_size
 from ..base.dtypes import dtype_name
 from ..base.errors import ExportError
-from ..checkpoints.checkpoint import refuse_unlike_replicas
-from ..state.average_state import AverageState
-from ..state.description import Description
-from .model_writer import cast, export_entries, parse_size, write_spread
-from .provenance import made_by
-from .record import FolderRecord
-from .target import out_path
-from .weight_files import Slot, Slots, WeightPlan
-from .work import Work, Writers, assign, pieces
-from .write_options import WriteOptions
+from ..checkpoints.description import Description
+from ..output.model_writer import cast, export_entries, parse_size, write_spread
+from ..output.provenance import made_by
+from ..output.record import FolderRecord
+from ..output.target import out_path
+from ..output.weight_files import Slot, Slots, WeightPlan
+from ..output.work import Work, Writers, assign, pieces
+from ..output.write_options import WriteOptions
+from .average_state import AverageState
+from .checkpoint import refuse_unlike_replicas
 
 
 def export(

@@ -1,72 +1,85 @@
-"""Sharded checkpoints of a ``WeightAverager``: ``save``/``load`` and DCP's Stateful protocol.
+"""Sharded checkpoints of a ``WeightAverager``: ``save``, ``load`` and ``check`` (DCP's Stateful
+protocol is ``stateful.py``; the folder's own steps, which know no live state, are
+``checkpoints/saving.py``).
 
-Both forms store every tensor as the parts the ranks own (see ``layouts/shard_layout.py``): boxes of the
-global tensor, with a JSON description of the averager (``AverageState.describe``). Because a
-chunk is a box of the tensor itself, a checkpoint loads under any layout, world size and
-strategy: each rank reads the parts of the saved boxes that overlap its own.
+``save`` runs this sequence, every step on every rank unless named; a failure on any rank at a step
+is raised on all of them there (``gather_or_raise``, ``agree_or_raise``), never left to hang:
+
+0) (all ranks) ``state.check_current()``; under the replicated strategy, ``refuse_unlike_replicas``
+   (one all-reduce of a digest per parameter).
+1) (rank 0) ``check_outside_checkpoints``; take the ``TargetLock``; ``saving.prepare`` (refuse a
+   target that is not shardavg's, clear crashed saves, make the staging folder); draw the save id.
+2) (all ranks) receive the save's sequence number and id from rank 0 (``gather_or_raise``).
+3) (all ranks) write the parts this rank owns into its own shard file in the staging folder
+   (``write_safetensors``, hashed as written); every file's digest goes to rank 0.
+4) (rank 0) ``state.describe()``; ``saving.commit``: the manifest written last, the folder swapped
+   into place. (all ranks) agree on the commit.
+5) (rank 0, with ``keep_last``) ``saving.prune``; a failure there is a warning: the save is committed.
+
+``load`` and ``check`` run ``_open_for_load``: (all ranks) open the newest committed save
+(``reading.open_checkpoint``: the manifest parsed whole), check it against the averager
+(``check_compatible``, ``loadable``), open the files shared out over the ranks, plan every read,
+and with ``verify`` hash their share of the files; then (all ranks) exchange reports
+(``all_gathered``): one rank's failure is every rank's, and a save committed meanwhile makes
+every rank open again. ``check`` stops there; ``load`` then (all ranks) reads its boxes into the
+shadows and restores the counters (``state.resume``), with no collective.
+
+Both forms (``save`` and DCP's Stateful) store every tensor as the parts the ranks own (see
+``layouts/shard_layout.py``): boxes of the global tensor, with a JSON description of the averager
+(``AverageState.describe``). Because a chunk is a box of the tensor itself, a checkpoint loads
+under any layout, world size and strategy: each rank reads the parts of the saved boxes that
+overlap its own.
 
 ``save(directory)`` writes one safetensors file per rank and a checksummed ``shardavg.json``
 manifest into a staging folder; the manifest is written last and the folder swapped
 into place, so a crash at any point leaves the previous checkpoint intact and an uncommitted
 folder that ``load`` refuses. Every shard carries the save's id, and the manifest the id and
 every file's size and SHA-256, hashed as the file was written. It replaces only a checkpoint of
-its own (``ownership.py``), holds a lock on the target while writing, and with ``keep_last``
-removes only its own older ``step-*`` checkpoints. ``load`` reads one save whole even while
-another process saves into the same place (``reading.py``). Nothing is ever unpickled: JSON
+its own (``checkpoints/ownership.py``), holds a lock on the target while writing, and with
+``keep_last`` removes only its own older ``step-*`` checkpoints. ``load`` reads one save whole even
+while another process saves into the same place (``checkpoints/reading.py``). Nothing is ever unpickled: JSON
 and safetensors only.
 """
 
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import secrets
-import shutil
 import warnings
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 import torch
 
 from ..base import validate
 from ..base.dist import agree_or_raise, all_gathered, gather_or_raise, rank, world_size
 from ..base.errors import CheckpointError
-from ..layouts.parts import Part, box_slices, intersect
-from ..layouts.tensor_layout import MeshLayout, world_grid
-from ..state.average_state import AverageState
-from ..state.description import Description, TensorEntry, tensor_key
-from ..strategies import refuse_unlike_values
-from .format import MANIFEST, SAVE_ID_KEY, STEP_DIR, manifest_json, saved_length, shard_file, step_folder
-from .ownership import (
-    STAGING_MARKER,
+from ..checkpoints.description import Description, TensorEntry, tensor_key
+from ..checkpoints.format import SAVE_ID_KEY, manifest_json, saved_length, shard_file, step_folder
+from ..checkpoints.ownership import (
     TargetLock,
-    enclosing_checkpoint,
-    foreign_in_checkpoint,
-    is_own_checkpoint,
-    is_own_staging,
     target_path,
 )
-from .reading import (
+from ..checkpoints.reading import (
     ATTEMPTS,
     CheckpointReplaced,
     OpenCheckpoint,
     busy_error,
-    committed_steps,
     open_checkpoint,
     reserve_descriptors,
 )
-from .storage import (
-    INCOMPLETE,
+from ..checkpoints.saving import check_outside_checkpoints, commit, make_folder, prepare, prune
+from ..checkpoints.storage import (
     Entry,
     SafetensorsFile,
-    atomic_file,
-    commit_folder,
-    replaced_path,
     staging_path,
     write_safetensors,
 )
+from ..layouts.parts import Part, box_slices, intersect
+from ..strategies import refuse_unlike_values
+from .average_state import AverageState
 
 
 def check_compatible(state: AverageState, saved_state: Description, where: str, strict: bool) -> dict[str, TensorEntry]:
@@ -167,92 +180,6 @@ def loadable(state: AverageState, saved: dict[str, TensorEntry], saved_state: De
 # ------------------------------------------------------------------------- save / load
 
 
-def _check_not_a_file(path: Path) -> None:
-    if path.is_symlink() or (path.exists() and not path.is_dir()):
-        raise CheckpointError(f"{path} exists and is not a folder: shardavg will not replace it")
-
-
-def _check_outside_checkpoints(directory: Path, target: Path) -> None:
-    """A checkpoint holds only its own files: nothing is saved inside one (a single checkpoint at
-    ``directory`` itself is refused by ``_prepare``, with what to do instead)."""
-    enclosing = enclosing_checkpoint(directory.parent)
-    if enclosing is not None:
-        raise CheckpointError(
-            f"{target} would be inside the checkpoint {enclosing}, which holds only its own files: save elsewhere"
-        )
-
-
-def _make_folder(directory: Path) -> None:
-    _check_not_a_file(directory)
-    directory.mkdir(parents=True, exist_ok=True)
-
-
-def _prepare(directory: Path, target: Path, keep_last: int | None) -> int:
-    """Rank 0, under the lock: refuse a target that is not ours, clear what earlier crashed saves
-    left (only when it is provably ours), and create the staging folder. Returns the save's
-    sequence number in ``directory``."""
-    _check_not_a_file(directory)
-    if keep_last and (directory / MANIFEST).exists():
-        raise CheckpointError(
-            f"{directory} is a single checkpoint; keep_last=K writes step-* checkpoints into a folder "
-            "of their own: save without keep_last, or into another folder"
-        )
-    sequence = 0
-    if keep_last:
-        committed = committed_steps(directory, readable_only=True)
-        sequence = 1 + max((number for number, _, _ in committed), default=-1)
-        step = int(STEP_DIR.match(target.name).group(1))  # type: ignore[union-attr]
-        later = [path.name for _, saved_step, path in committed if saved_step > step]
-        if later:
-            warnings.warn(
-                f"saving step {step} into {directory}, which holds later steps {later} (a run restarted from an "
-                "earlier checkpoint?): they are kept, but this save is now the newest, the one load() returns",
-                stacklevel=4,
-            )
-        for stale in directory.glob(f".step-*{INCOMPLETE}"):  # left by saves that crashed
-            if is_own_staging(stale):
-                shutil.rmtree(stale)
-    _check_not_a_file(target)
-    foreign = foreign_in_checkpoint(target)
-    if foreign:
-        raise CheckpointError(
-            f"{target} holds files shardavg did not write ({', '.join(foreign[:8])}"
-            f"{', ...' if len(foreign) > 8 else ''}): it replaces only its own checkpoints; save into a new "
-            "or empty folder (keep_last=K keeps step-* checkpoints beside other files)"
-        )
-    replaced = replaced_path(target)
-    if target.exists() and is_own_checkpoint(replaced):  # an interrupted replacement of a complete target
-        shutil.rmtree(replaced)
-    staging = staging_path(target)
-    if staging.exists() or staging.is_symlink():
-        if not is_own_staging(staging):
-            raise CheckpointError(f"{staging} is in the way and was not written by shardavg: move it")
-        shutil.rmtree(staging)
-    staging.mkdir(parents=True)
-    (staging / STAGING_MARKER).touch()
-    return sequence
-
-
-def _commit(manifest: dict[str, Any], target: Path) -> None:
-    """Rank 0: write the manifest last, then swap the checkpoint into place."""
-    staging = staging_path(target)
-    with atomic_file(staging / MANIFEST) as handle:
-        handle.write(json.dumps(manifest, separators=(",", ":")).encode())
-    (staging / STAGING_MARKER).unlink()
-    if foreign_in_checkpoint(target):  # written by someone else since _prepare looked
-        raise CheckpointError(f"{target} changed during the save and is no longer shardavg's own: left alone")
-    commit_folder(staging, target)
-    replaced = replaced_path(target)
-    if is_own_checkpoint(replaced):  # the previous checkpoint, kept by a save interrupted long ago
-        shutil.rmtree(replaced)
-
-
-def _prune(directory: Path, keep_last: int) -> None:
-    """Remove all but the ``keep_last`` most recently saved of shardavg's own step checkpoints."""
-    for _, _, old in committed_steps(directory, own_only=True, readable_only=True)[:-keep_last]:
-        shutil.rmtree(old)
-
-
 def refuse_unlike_replicas(
     state: AverageState, what: str, averages: Sequence[str | None] = (None,), live: bool = False
 ) -> None:
@@ -326,11 +253,11 @@ def save(
         identity = None  # the save's sequence number in its folder and its id, decided by rank 0
         if me == 0:
             try:
-                _check_outside_checkpoints(directory, target)
+                check_outside_checkpoints(directory, target)
                 if keep_last:
-                    _make_folder(directory)
+                    make_folder(directory)
                 held.enter_context(TargetLock.inside(directory) if keep_last else TargetLock.beside(directory))
-                identity = (_prepare(directory, target, keep_last), secrets.token_hex(16))
+                identity = (prepare(directory, target, keep_last), secrets.token_hex(16))
             except Exception as caught:
                 error = caught
         sequence, save_id = gather_or_raise(error, identity, f"preparing {target}")[0]
@@ -352,42 +279,16 @@ def save(
         if me == 0:
             try:
                 description = state.describe(stored_dtype=dtype)
-                _commit(manifest_json(description, state.layout.layouts, digests, sequence, save_id), target)
+                commit(manifest_json(description, state.layout.layouts, digests, sequence, save_id), target)
             except Exception as caught:
                 error = caught
         agree_or_raise(error, f"committing {target}")
         if me == 0 and keep_last:
             try:
-                _prune(directory, keep_last)
+                prune(directory, keep_last)
             except Exception as caught:  # the checkpoint is committed: pruning is housekeeping
                 warnings.warn(f"{target} is saved, but removing older checkpoints failed: {caught}", stacklevel=2)
     return target
-
-
-def save_whole(directory: str | os.PathLike, description: Description, tensors: Iterable[torch.Tensor]) -> Path:
-    """One process, no process group: save ``tensors`` (whole, one per entry of ``description``,
-    in order, produced lazily) as the checkpoint a one-rank ``save`` writes, under the same rules
-    (its own target only, locked, staged and committed atomically). ``avg.load`` reads it at any
-    world size. Returns ``directory``."""
-    directory = target_path(directory, "save", replaced_whole=True)
-    _check_outside_checkpoints(directory, directory)
-    entries = description.tensors
-    with TargetLock.beside(directory):
-        sequence, save_id = _prepare(directory, directory, None), secrets.token_hex(16)
-        files = [shard_file(0, 1)]
-        planned = [Entry(e.name, e.torch_dtype, (e.numel,)) for e in entries]
-        flat = (tensor.reshape(-1) for tensor in tensors)
-        digest = write_safetensors(staging_path(directory) / files[0], planned, flat, {SAVE_ID_KEY: save_id})
-        whole = [MeshLayout(e.shape, world_grid(1), (("replicate",),)) for e in entries]
-        _commit(manifest_json(description, whole, [digest], sequence, save_id), directory)
-    return directory
-
-
-def packed(part: Part, local: torch.Tensor) -> torch.Tensor:
-    """A local part ``local`` as it is saved: its boxes back to back (itself when they are)."""
-    if part.dense:
-        return local
-    return torch.cat([block.view(local).reshape(-1) for block in part.blocks])
 
 
 class _Read(NamedTuple):
@@ -486,3 +387,10 @@ def load(state: AverageState, directory: str | os.PathLike, strict: bool = True,
             read.file.read_box(read.target, read.key, read.at, read.sizes, read.offsets)
     state.resume(opened.description, {slot.key for slot in slots})
     return opened.path
+
+
+def packed(part: Part, local: torch.Tensor) -> torch.Tensor:
+    """A local part ``local`` as it is saved: its boxes back to back (itself when they are)."""
+    if part.dense:
+        return local
+    return torch.cat([block.view(local).reshape(-1) for block in part.blocks])

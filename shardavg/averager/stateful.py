@@ -17,10 +17,10 @@ import torch.distributed as dist
 
 from ..base.dist import agree_or_raise, distributed, rank
 from ..base.errors import CheckpointError
-from ..state.average_state import AverageState
-from ..state.description import Description
+from ..checkpoints.description import Description
+from ..checkpoints.format import decode_description, encode_description
+from .average_state import AverageState
 from .checkpoint import ToLoad, check_compatible, loadable
-from .format import decode_description, encode_description
 
 
 def dcp_shape(shape: torch.Size) -> torch.Size:

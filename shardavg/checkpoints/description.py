@@ -1,10 +1,11 @@
 """What a saved averager is, everything but its tensors' values, as typed values: the counters,
 the averages and their rules, the options, and one entry per tensor.
 
-The state describes itself with these (``AverageState.describe``); the on-disk format
-(``checkpoints/format.py``) checks and parses what a file holds into them, and writes them back
-through ``to_json``. They sit below the format because the format describes the state, not the
-reverse."""
+The live state describes itself with these (``AverageState.describe``, in ``averager/``); the
+on-disk format beside it (``format.py``: ``check_description``, ``parse_manifest``) checks and
+parses what a file holds into them, and writes them back through ``to_json``. They are plain data,
+with no live state behind them: every reader and writer of files (``checkpoints``, ``output``,
+``offline``) knows a saved averager by its description alone."""
 
 from __future__ import annotations
 
@@ -97,8 +98,11 @@ class DescribedAverage:
 class Description:
     """What a saved averager is, everything but the tensors' values: counters, averages, options
     and one entry per tensor. A manifest (``avg.save``) adds its files, their digests, its save's
-    id and sequence number, and each entry's layout. ``from_json`` checks it whole; ``to_json``
-    writes it in this version's format, checksummed."""
+    id and sequence number, and each entry's layout. ``format.check_description`` (one parser
+    for every reader: a manifest, DCP's entry, an export's metadata) checks it whole and builds it;
+    ``to_json`` writes it in this version's format, checksummed. (The parser is not a
+    ``from_json`` here: it needs the layouts and rules the format knows, and this module is what
+    the format imports.)"""
 
     step: int
     num_updates: int

@@ -1,8 +1,9 @@
 """``AverageState``: the averager's tensors and counters, and the one interface the I/O modules use.
 
-``WeightAverager`` (``averager.py``) builds an ``AverageState`` and drives it (``update``,
-``swapped``); checkpoints (``checkpoints/checkpoint.py``), DCP (``checkpoints/stateful.py``) and
-export (``output/export.py``) read and restore it through the attributes and methods documented here, and nothing else:
+``WeightAverager`` (``weight_averager.py``) builds an ``AverageState`` and drives it (``update``,
+``swapped``); checkpoints (``checkpoint.py``), DCP (``stateful.py``) and export (``export.py``),
+all in ``averager/``, read and restore it through the attributes and methods documented here, and
+nothing else:
 
 - ``infos``, ``roles``, ``layout``: what each tensor is, whether it is averaged, copied or not
   stored, and which rank holds which part of it;
@@ -27,6 +28,7 @@ import torch
 from ..base.dist import all_gathered, same_everywhere, world_size
 from ..base.dtypes import dtype_name
 from ..base.errors import ModelChangedError
+from ..checkpoints.description import DescribedAverage, Description, TensorEntry, tensor_key
 from ..layouts.shard_layout import DEFAULT_BUCKET_BYTES, ShardLayout, Wanted, gather_rounds, iter_gathered
 from ..layouts.tensor_info import TensorInfo
 from ..rules import Rule
@@ -35,7 +37,6 @@ from ..update.fused import gatherable
 from ..update.options import Options, Role
 from ..update.updater import Updater
 from ..update.watch import StructureWatch
-from .description import DescribedAverage, Description, TensorEntry, tensor_key
 
 
 @dataclass
@@ -60,7 +61,7 @@ class AverageState:
         self.num_skipped = 0  # updates skipped for non-finite live weights or the loop's false verdict
         self.run_id: str | None = None  # which run wrote a checkpoint, when the user says (PostHocEMA does)
         self.gather_bucket_bytes = DEFAULT_BUCKET_BYTES
-        self.swapped = False  # whether the live model holds an average now (``state/swap.py``)
+        self.swapped = False  # whether the live model holds an average now (``swap.py``)
 
         self.infos: list[TensorInfo] = strategy.tensors()
         self.live: list[torch.Tensor] = strategy.local_shards()

@@ -5,8 +5,8 @@ where this rank's shard of each is (its *local shard*); the averager keeps a sha
 local shard and updates it in place with a few fused ``torch._foreach_*`` calls, with no
 communication. Full tensors are gathered only on request (``full_state_dict``, ``copy_to``,
 ``export``), one bounded bucket at a time. This class is the front: the state lives in
-``state/average_state.py``, the update in ``update/updater.py``, swapping in ``state/swap.py``, gathers and exports in
-``output/export.py``, checkpoints in ``checkpoints/checkpoint.py`` and ``checkpoints/stateful.py``.
+``average_state.py``, the update in ``update/updater.py``, swapping in ``swap.py``, gathers and exports in
+``export.py``, checkpoints in ``checkpoint.py`` and ``stateful.py`` (all but the update in ``averager/``).
 """
 
 from __future__ import annotations
@@ -24,18 +24,16 @@ from typing import Any, TypeVar
 import torch
 from torch import nn
 
-from .base import validate
-from .base.dist import agree_or_raise
-from .base.logs import built_by_user, log
-from .checkpoints import checkpoint, stateful
-from .output import export
-from .output.write_options import DEFAULTS
-from .rules import EMA, MultiAvgFn, Rule, named_rules
-from .state import swap
-from .state.average_state import AverageState
-from .strategies import make_strategy, megatron
-from .update.background import wait_for_every_update
-from .update.options import Options
+from ..base import validate
+from ..base.dist import agree_or_raise
+from ..base.logs import built_by_user, log
+from ..output.write_options import DEFAULTS
+from ..rules import EMA, MultiAvgFn, Rule, named_rules
+from ..strategies import make_strategy, megatron
+from ..update.background import wait_for_every_update
+from ..update.options import Options
+from . import checkpoint, export, stateful, swap
+from .average_state import AverageState
 
 DEFAULT_RULE = EMA(decay=0.999)
 
