@@ -297,6 +297,24 @@ def check_a_cast_is_followed(engine: Engine, averager: WeightAverager) -> None:
             torch.testing.assert_close(got[name], want, msg=lambda m, name=name: f"{engine.name}: cast, {name}: {m}")
 
 
+def check_fsdp1_hands_back_its_list(averager: WeightAverager) -> None:
+    """FSDP1 hands back the very list of local shards while nothing in it moved, so the update
+    reads no view's pointer; once a buffer's data moves, a new list, and the update follows it."""
+    strategy, updater = averager.strategy, averager._state.updater
+    handed = strategy.local_shards()
+    assert strategy.local_shards() is handed and updater.followed is handed, "FSDP1: a new list with nothing moved"
+    (owner, name), *_ = strategy._buffer_slots
+    index = len(handed) - len(strategy._buffer_slots)
+    was = handed[index].data_ptr()
+    owner._buffers[name].data = owner._buffers[name].data.clone()  # the same object, its data elsewhere
+    moved = strategy.local_shards()
+    assert moved is not handed and moved[index] is handed[index] and moved[index].data_ptr() != was, "FSDP1: unseen"
+    updates = averager.num_updates
+    averager.update()
+    assert averager.num_updates == updates + 1 and updater.followed is moved, "FSDP1: the update did not follow"
+    assert all(t.data_ptr() == p for g in updater.groups for t, p in zip(g.live_tensors, g.live_pointers))
+
+
 def check_logging_is_rank_zero_only(engine: Engine) -> None:
     """The construction message reaches handlers on rank 0 only, unless SHARDAVG_LOG_ALL_RANKS=1."""
     records: list[logging.LogRecord] = []
@@ -436,6 +454,8 @@ def check_engine(engine_kind: str) -> None:
             check_nonfinite_on_one_rank(engine)
         if engine_kind in ("replicated", "fsdp2") and engine.dtype == torch.float32:
             check_a_cast_is_followed(engine, ema)
+        if engine_kind == "fsdp1":
+            check_fsdp1_hands_back_its_list(ema)
         dist.barrier()
     harness.report("DONE", {"engine": engine_kind, "world_size": world, "configurations": number + 1})
 

@@ -242,6 +242,8 @@ class Strategy(ABC):
 
         Called every update: keep it cheap, and return the same tensor objects while the engine
         keeps its storage (the averager regroups its fused updates whenever a view is a new object).
+        Return the very list of the last call only where every tensor in it is the same object with
+        its data where it was: the averager then skips reading each one's pointer (FSDP1's views).
 
         Returns:
             One tensor per info, of ``info.local_numel`` elements.
@@ -318,6 +320,11 @@ class ModuleStrategy(Strategy):
         Raises:
             RuntimeError: Called before ``tensors()``.
         """
+        buffers = self._buffer_shards()  # (first: it refuses a call before the scan)
+        return self._param_views() + buffers
+
+    def _buffer_shards(self) -> list[torch.Tensor]:
+        """The persistent buffers' local shards, in ``tensors()``'s order."""
         if self._buffer_slots is None:
             raise RuntimeError(f"{type(self).__name__}.local_shards() before tensors(): scan the model first")
-        return self._param_views() + [local_shard(owner._buffers[name]) for owner, name in self._buffer_slots]
+        return [local_shard(owner._buffers[name]) for owner, name in self._buffer_slots]

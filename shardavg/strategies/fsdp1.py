@@ -45,6 +45,7 @@ class FSDP1(ModuleStrategy):
 
     name = "fsdp1"
     _views_key: list | None = None  # what the cached views were sliced from
+    _handed: tuple | None = None  # the last local_shards(): (views, buffers, their pointers, the list)
 
     @staticmethod
     def fits(model: nn.Module) -> bool:
@@ -133,6 +134,32 @@ class FSDP1(ModuleStrategy):
             self._views = [view for flat in self._flat_params for view in self._views_of(flat)]
             self._views_key = key
         return self._views
+
+    def local_shards(self) -> list[torch.Tensor]:
+        """The views of the flat parameters, then the buffers (see ``Strategy.local_shards``): the
+        very list of the last call while nothing in it moved, so the update does not read the
+        pointer of each of a model's many views. The views are this strategy's own, sliced again
+        whenever a flat parameter's local shard moves (``_param_views``); each buffer is compared
+        by object and pointer.
+
+        Returns:
+            One tensor per info of the latest ``tensors()``.
+        """
+        buffers = self._buffer_shards()  # (first: it refuses a call before the scan)
+        views = self._param_views()
+        pointers = list(map(torch.Tensor.data_ptr, buffers))
+        handed = self._handed
+        if (
+            handed is not None
+            and views is handed[0]
+            and len(buffers) == len(handed[1])
+            and all(map(operator.is_, buffers, handed[1]))
+            and pointers == handed[2]
+        ):
+            return handed[3]
+        shards = views + buffers
+        self._handed = (views, buffers, pointers, shards)
+        return shards
 
     def release_gathered(self) -> None:
         """Free the unsharded flat parameters the root and ``SHARD_GRAD_OP`` units keep after a forward."""

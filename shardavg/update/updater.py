@@ -172,6 +172,7 @@ class Updater:
         self.background = Background() if state.options.background else None
         self.buffer_copies: dict[int, torch.Tensor] = {}  # in the background: the buffers as update() found them
         self.copied_pointers: list[int] = []  # where the buffers copied into them were
+        self.followed: list[torch.Tensor] | None = None  # the local shards' list last checked by follow()
         self.watched: list[torch.Tensor] = []  # in the background: what the thread reads, by version counter
         self.watched_names: list[str] = []  # the tensor each belongs to
         self.torn: str | None = None
@@ -523,7 +524,11 @@ class Updater:
     # ------------------------------------------------------------------ grouping
 
     def follow(self, live: list[torch.Tensor]) -> None:
-        """Regroup only when a view is a new object or its data moved (a cast, ``model.to``)."""
+        """Regroup only when a view is a new object or its data moved (a cast, ``model.to``). The very
+        list followed last time needs no look: a strategy hands it back only when nothing in it
+        moved (``Strategy.local_shards``)."""
+        if live is self.followed:
+            return
         if (
             not all(map(operator.is_, live, self.state.live))
             or not groups_current(self.groups)
@@ -532,6 +537,7 @@ class Updater:
             self.state.adopt(live)
             self.groups = self._group()
             self.distrust()  # (new live tensors: new values, perhaps, that no verdict has seen)
+        self.followed = live
 
     def _group(self) -> list[UpdateGroup]:
         """The fused groups; in the background the stored buffers are read from their copies."""
