@@ -137,7 +137,7 @@ QUOTED = {
     ("adapter", "docs/merge.md"): (4, "a PEFT adapter, refused as a merge input or left beside a model"),
     ("adapter", "docs/testing.md"): (1, "a PEFT adapter among the files a merge does not carry"),
     ("worker", "shardavg/cli.py"): (6, "torchrun's word for the processes it starts (TORCHELASTIC_RUN_ID)"),
-    ("worker", "docs/testing.md"): (3, "torchrun's and pytest-xdist's processes"),
+    ("worker", "docs/testing.md"): (2, "torchrun's and pytest-xdist's processes"),
     ("directory", "shardavg/integrations/accelerate.py"): (1, "names the directory= keyword in its refusal"),
 }  # fmt: skip
 CODE = re.compile(r"``[^`]*``|`[^`\n]*`|\{[^{}]*\}|\b\w+=|^ +\w+:", re.MULTILINE)

@@ -29,21 +29,45 @@ class Launch:
         return found
 
 
-def torchrun(script: str, nproc: int, *args: str, timeout: float = 300, env: dict | None = None) -> Launch:
+def one_build_of_deepspeeds_op(env: dict) -> dict[str, str]:
+    """What makes every process of both test tiers, in-process tests and launched ranks alike,
+    find the one build of DeepSpeed's CPU op (compiled on its first use, ~1 minute of a core
+    per source file) instead of building it again.
+
+    The build goes inside this environment, where no other environment's build (and its lock
+    file) can stall a launch; and ``ninja`` is this environment's, whether it is activated or
+    not: ninja records each build's command and rebuilds when another ninja (another version)
+    finds a command it hashes differently, so a tier run with another ``ninja`` on ``PATH``
+    compiled the op again."""
+    bin_dir = str(Path(sys.executable).parent)
+    path = env.get("PATH", "")
+    return {
+        "TORCH_EXTENSIONS_DIR": env.get("TORCH_EXTENSIONS_DIR") or str(Path(sys.prefix) / "torch_extensions"),
+        "PATH": path if path.split(os.pathsep)[:1] == [bin_dir] else os.pathsep.join(filter(None, [bin_dir, path])),
+    }
+
+
+def torchrun(
+    script: str, nproc: int, *args: str, timeout: float = 300, env: dict | None = None, forked: bool = True
+) -> Launch:
     """Launch ``script`` (a name in this folder, a path, or a module as ``"-m launch.train"``) on
-    ``nproc`` ranks; on timeout kill the whole process group and fail."""
+    ``nproc`` ranks through torchrun's launcher; on timeout kill the whole process group and fail.
+
+    ``forked=False`` runs the ``torchrun`` command itself, whose report names every rank that
+    failed: a test that kills a rank and looks for the signal in the report needs it (with forked
+    ranks the agent reports the first failure it sees, which may be the peer the kill cut off)."""
     target = ["-m", script.removeprefix("-m ")] if script.startswith("-m ") else [str(HERE / script)]
-    command = [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", *target, *args,
-    ]  # fmt: skip
+    if not forked or os.environ.get("SHARDAVG_TEST_LAUNCHER") == "torchrun":  # every rank imports for itself
+        command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
+    else:  # torchrun's launcher with ranks forked after the script's imports (forked_launch.py says why)
+        command = [sys.executable, str(HERE / "forked_launch.py"), str(nproc)]
+    command += [*target, *args]
     # (a rank that crashes in C++ prints where it was, Python frames included)
     quiet = {"OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu", "PYTHONUNBUFFERED": "1", "PYTHONFAULTHANDLER": "1"}
     env = os.environ | quiet | (env or {})
     # (scenarios elsewhere, tests_gpu/'s, import the harness here; the main job and the tools, their packages)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(HERE), str(ROOT), env.get("PYTHONPATH")]))
-    # DeepSpeed compiles a small op on first use; build it inside this environment, where no
-    # other environment's half-finished build (and its lock file) can stall the launch.
-    env.setdefault("TORCH_EXTENSIONS_DIR", str(Path(sys.prefix) / "torch_extensions"))
+    env |= one_build_of_deepspeeds_op(env)
     process = subprocess.Popen(
         command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, start_new_session=True
     )

@@ -1,12 +1,14 @@
 """torchrun scenarios for ``shardavg.integrations.lightning`` (Lightning on CPU, 2 processes).
 
-    torchrun --standalone --nproc_per_node 2 tests_distributed/scenario_lightning.py MODE STRATEGY ROOT
+    torchrun --standalone --nproc_per_node 2 tests_distributed/scenario_lightning.py PLAN ROOT
 
+PLAN is ``STRATEGY:MODE[+MODE...]`` items joined by ",", run in turn in one launch, each strategy
+in its own folder under ROOT (a launch, mostly its imports of Lightning, costs more than a part;
+the tests make two launches: every strategy's ``first``, then every strategy's ``second``).
 STRATEGY is ``ddp``, ``fsdp`` (FSDPStrategy, sharded checkpoints), ``model_parallel``
 (ModelParallelStrategy: FSDP2 through ``fully_shard`` in ``configure_model``) or ``deepspeed``
-(DeepSpeedStrategy, ZeRO-3). The CPU-only adjustments live here, not in the library.
-MODE is one of these, or several joined by "+" and run in turn in one launch (a launch costs
-more than a part; ``first+theirs`` and ``second+extras`` are how the tests run them):
+(DeepSpeedStrategy, ZeRO-3); the Trainers of one launch share its process group, as a script
+that fits twice does. The CPU-only adjustments live here, not in the library. MODE is one of:
   first    fit 8 steps (2 epochs), a checkpoint after each epoch; each update is checked bitwise
            against an EMA of the live weights gathered by the engine's own API, and validation
            inside the swap against the reference average's loss
@@ -329,14 +331,18 @@ def theirs(kind: str) -> None:
 
 
 def main() -> None:
-    modes, kind, root = sys.argv[1].split("+"), sys.argv[2], Path(sys.argv[3])
-    for mode in modes:
-        if mode == "theirs":
-            theirs(kind)
-        elif mode == "extras":
-            extras(root)
-        else:
-            run(mode, kind, root)
+    plan, root = sys.argv[1], Path(sys.argv[2])
+    for item in plan.split(","):
+        kind, modes = item.split(":")
+        folder = root / kind
+        folder.mkdir(parents=True, exist_ok=True)
+        for mode in modes.split("+"):
+            if mode == "theirs":
+                theirs(kind)
+            elif mode == "extras":
+                extras(folder)
+            else:
+                run(mode, kind, folder)
     if dist.is_initialized():  # (Lightning's own EMA may raise before it makes the process group)
         harness.finish()
 

@@ -124,7 +124,7 @@ def test_a_rank_killed_during_save_leaves_the_previous_checkpoint(tmp_path: Path
 
     from shardavg import EMA, SWA, CheckpointError, WeightAverager
 
-    launch = torchrun(SCRIPT, 2, "kill", "fsdp2", str(tmp_path), timeout=180)
+    launch = torchrun(SCRIPT, 2, "kill", "fsdp2", str(tmp_path), timeout=180, forked=False)
     assert launch.returncode != 0
     assert f"Signal {int(signal.SIGKILL)} (SIGKILL)" in launch.output, launch.output[-5000:]
     parent = tmp_path / "killed"
@@ -148,7 +148,7 @@ def test_a_rank_killed_during_export_leaves_the_previous_export(tmp_path: Path) 
     one: the folder still holds the first export, byte for byte (its files and index; rank 0, its
     collective broken, removes the temporary files), and the next export into it succeeds and
     leaves nothing temporary."""
-    launch = torchrun(SCRIPT, 2, "kill-export", "fsdp2", str(tmp_path), timeout=180)
+    launch = torchrun(SCRIPT, 2, "kill-export", "fsdp2", str(tmp_path), timeout=180, forked=False)
     assert launch.returncode != 0
     assert f"Signal {int(signal.SIGKILL)} (SIGKILL)" in launch.output, launch.output[-5000:]
     folder = tmp_path / "export"

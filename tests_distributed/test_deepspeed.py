@@ -18,7 +18,7 @@ def launches(tmp_path_factory) -> tuple[dict, Launch, Launch]:
     """A launch whose rank 1 is killed in the middle of a save; then one launch that recovers from
     it and goes on with the resume, master and offload checks (a launch costs more than a mode)."""
     root = tmp_path_factory.mktemp("deepspeed")
-    killed = torchrun(SCRIPT, 2, "kill", str(root), timeout=300)
+    killed = torchrun(SCRIPT, 2, "kill", str(root), timeout=300, forked=False)  # (launcher.torchrun: why)
     left = {"latest": (root / "killed" / "latest").read_text() if (root / "killed" / "latest").exists() else None,
             "B": (root / "killed" / "B").is_dir(),
             "B committed": (root / "killed" / "B" / "shardavg" / "shardavg.json").exists()}  # fmt: skip

@@ -209,7 +209,7 @@ def test_async_checkpoints_change_nothing_and_a_kill_in_flight_leaves_the_previo
     out = tmp_path / "run"
     args = job_args("fsdp2", out, "--set", "checkpoint.async=true")
     killed = torchrun("kill_in_flight.py", 2, *args, timeout=300,
-                      env={"SHARDAVG_TEST_KILL_IN_FLIGHT": "8"})  # fmt: skip
+                      env={"SHARDAVG_TEST_KILL_IN_FLIGHT": "8"}, forked=False)  # fmt: skip
     assert killed.returncode != 0 and "Signal 9 (SIGKILL) received" in killed.output, killed.output[-5000:]
     assert (out / "metrics.jsonl").read_text() == (runs["fsdp2"] / "metrics.jsonl").read_text()
     checkpoints = out / "checkpoints"
