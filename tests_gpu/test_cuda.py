@@ -7,12 +7,16 @@ import json
 from pathlib import Path
 
 import pytest
-from conftest import GPUS
 from launcher import torchrun
+
+from conftest import GPUS
 
 ROOT = Path(__file__).resolve().parents[1]
 SCENARIO = str(Path(__file__).resolve().parent / "scenario_cuda.py")
 ON_CUDA = {"DS_ACCELERATOR": "cuda", "OMP_NUM_THREADS": "4"}
+# Launches here run the torchrun command (forked=False), not ranks forked after the imports: an
+# import that asks CUDA for its devices (DeepSpeed's accelerator does) initializes the driver in
+# the forking process, which forked children cannot use.
 
 
 TORCH_ENGINES = ["ddp", "fsdp2", "fsdp1"]
@@ -29,7 +33,9 @@ def test_every_engine_on_cuda_matches_the_references(world_size: int, kinds: lis
         pytest.skip(f"{world_size} ranks need {world_size} GPUs (one per rank under NCCL); {GPUS} here")
     if "zero3" in kinds:
         pytest.importorskip("deepspeed", reason=NO_DEEPSPEED)
-    launch = torchrun(SCENARIO, world_size, "cuda", ",".join(kinds), str(tmp_path), timeout=900, env=ON_CUDA)
+    launch = torchrun(
+        SCENARIO, world_size, "cuda", ",".join(kinds), str(tmp_path), timeout=900, env=ON_CUDA, forked=False
+    )
     assert launch.returncode == 0, launch.output[-20000:]
     done = launch.reports("DONE")
     configurations = {"ddp": 2, "fsdp2": 2, "fsdp1": 3, "zero3": 2}
@@ -46,7 +52,7 @@ def test_the_bench_on_cuda(tmp_path: Path) -> None:
     out = tmp_path / "bench.json"
     args = ["--config", str(ROOT / "configs" / "bench.yaml"), "--json", str(out), "--set", "device=cuda",
             "--set", f"engines={TORCH_ENGINES}", "--set", "warmup=2", "--set", "repeats=5"]  # fmt: skip
-    launch = torchrun("-m tools.bench", world_size, *args, timeout=900, env=ON_CUDA)
+    launch = torchrun("-m tools.bench", world_size, *args, timeout=900, env=ON_CUDA, forked=False)
     assert launch.returncode == 0, launch.output[-20000:]
     print(launch.output)  # (the tables, for docs/benchmarks.md)
     rows = json.loads(out.read_text())["rows"]
@@ -63,7 +69,9 @@ def test_accelerate_fsdp2_save_state_and_load_state(tmp_path: Path) -> None:
     against the reference, ``save_state``, and ``load_state`` in a new launch."""
     world_size = min(GPUS, 2)
     for mode in ("first", "second"):
-        launch = torchrun("scenario_accelerate.py", world_size, mode, "fsdp2", str(tmp_path), timeout=600, env=ON_CUDA)
+        launch = torchrun(
+            "scenario_accelerate.py", world_size, mode, "fsdp2", str(tmp_path), timeout=600, env=ON_CUDA, forked=False
+        )
         assert launch.returncode == 0, launch.output[-20000:]
         (done,) = [r for r in launch.reports("DONE") if r["mode"] == mode]
         assert done == {"mode": mode, "kind": "fsdp2", "world_size": world_size}, done
