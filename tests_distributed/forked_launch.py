@@ -1,13 +1,14 @@
 """Launch a scenario's ranks through torchrun's own launcher, forked from one process that has
 imported what the scenario imports, so that a launch pays for its imports once, not once per rank.
 
-    python tests_distributed/forked_launch.py NPROC SCRIPT [ARGS...]
-    python tests_distributed/forked_launch.py NPROC -m MODULE [ARGS...]
+    python tests_distributed/forked_launch.py NPROC [--preload=MODULE,...] SCRIPT [ARGS...]
+    python tests_distributed/forked_launch.py NPROC [--preload=MODULE,...] -m MODULE [ARGS...]
 
 Why: the suite's ~110 launches are mostly imports (torch, DeepSpeed and the ``torch.compile``
 its ``initialize`` pulls in, Lightning, transformers), paid by every rank of every launch; on a
 2-core machine that was about a third of the torchrun tier. Here the imports at the top of the
-script (or module) run once, and the ranks are forked after them.
+script (or module) run once, and the ranks are forked after them; ``--preload`` names modules
+the ranks will import later, inside functions (DeepSpeed's, for a launch that builds ZeRO engines).
 
 What stays torchrun's: the elastic agent, the c10d rendezvous of ``--standalone``, the ranks'
 environment (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``...), how a failing rank ends the launch
@@ -90,6 +91,7 @@ def rank(target: str, is_module: bool, argv: list[str]) -> None:
 @record
 def main() -> None:
     nproc, rest = int(sys.argv[1]), sys.argv[2:]
+    preload = rest.pop(0).removeprefix("--preload=").split(",") if rest[0].startswith("--preload=") else []
     if rest[0] == "-m":
         target, is_module, argv = rest[1], True, rest[2:]
         sys.path[0] = os.getcwd()  # as for `python -m MODULE`
@@ -102,6 +104,11 @@ def main() -> None:
         is_module, argv = False, rest[1:]
         sys.path[0] = os.path.dirname(target)  # as for `python SCRIPT`: the script's folder first
     import_what_it_imports(path)
+    for module in preload:
+        try:
+            importlib.import_module(module)
+        except ImportError:  # (another DeepSpeed: the ranks import what theirs needs)
+            pass
     config = LaunchConfig(
         min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=str(uuid.uuid4()), rdzv_backend="c10d",
         rdzv_endpoint="localhost:0", max_restarts=0, start_method="fork",

@@ -47,20 +47,34 @@ def one_build_of_deepspeeds_op(env: dict) -> dict[str, str]:
     }
 
 
+# What a rank that builds a ZeRO engine imports inside ``deepspeed.initialize``: DeepSpeed 0.19's
+# check for its Muon optimizer imports a module that compiles at import (2.5 s a process). A
+# launch that builds ZeRO engines names it as ``preload``, and its ranks are forked after it.
+ZERO = ("deepspeed", "deepspeed.runtime.zero.muon.muon_optimizer")
+
+
 def torchrun(
-    script: str, nproc: int, *args: str, timeout: float = 300, env: dict | None = None, forked: bool = True
+    script: str,
+    nproc: int,
+    *args: str,
+    timeout: float = 300,
+    env: dict | None = None,
+    forked: bool = True,
+    preload: tuple[str, ...] = (),
 ) -> Launch:
     """Launch ``script`` (a name in this folder, a path, or a module as ``"-m launch.train"``) on
     ``nproc`` ranks through torchrun's launcher; on timeout kill the whole process group and fail.
 
     ``forked=False`` runs the ``torchrun`` command itself, whose report names every rank that
     failed: a test that kills a rank and looks for the signal in the report needs it (with forked
-    ranks the agent reports the first failure it sees, which may be the peer the kill cut off)."""
+    ranks the agent reports the first failure it sees, which may be the peer the kill cut off).
+    ``preload``: modules the ranks import later, imported before they are forked (``ZERO``)."""
     target = ["-m", script.removeprefix("-m ")] if script.startswith("-m ") else [str(HERE / script)]
     if not forked or os.environ.get("SHARDAVG_TEST_LAUNCHER") == "torchrun":  # every rank imports for itself
         command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
     else:  # torchrun's launcher with ranks forked after the script's imports (forked_launch.py says why)
         command = [sys.executable, str(HERE / "forked_launch.py"), str(nproc)]
+        command += [f"--preload={','.join(preload)}"] if preload else []
     command += [*target, *args]
     # (a rank that crashes in C++ prints where it was, Python frames included)
     quiet = {"OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu", "PYTHONUNBUFFERED": "1", "PYTHONFAULTHANDLER": "1"}

@@ -7,7 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from launcher import torchrun
+from launcher import ZERO, torchrun
 
 pytestmark = pytest.mark.slow  # a torchrun launch: python -m pytest -m "not slow" leaves it out
 
@@ -16,7 +16,8 @@ ON_CPU = {"ACCELERATE_USE_CPU": "true"}  # under torchrun accelerate sees one pr
 
 
 def launch(mode: str, kind: str, root: Path, world_size: int, env: dict) -> None:
-    result = torchrun(SCRIPT, world_size, mode, kind, str(root), timeout=300, env=env)
+    zero = ZERO if kind == "deepspeed" else ()
+    result = torchrun(SCRIPT, world_size, mode, kind, str(root), timeout=300, env=env, preload=zero)
     assert result.returncode == 0, result.output[-20000:]
     (done,) = [r for r in result.reports("DONE") if r["mode"] == mode][:1]
     assert done == {"mode": mode, "kind": kind, "world_size": world_size}, done

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from launcher import HERE, Launch, torchrun
+from launcher import HERE, ZERO, Launch, torchrun
 from safetensors.torch import load_file
 
 pytestmark = pytest.mark.slow  # a torchrun launch: python -m pytest -m "not slow" leaves it out
@@ -26,7 +26,8 @@ SCRIPT = "scenario_checkpoint.py"
 
 def run_ok(mode: str, world_size: int, root: Path, engines: str = "all", timeout: float = 420):
     """Launch MODE (several modes joined by "+" run in turn in the launch) for ENGINES; every one done."""
-    launch = torchrun(SCRIPT, world_size, mode, engines, str(root), timeout=timeout)
+    zero = engines == "all" or "zero3" in engines.split(",")
+    launch = torchrun(SCRIPT, world_size, mode, engines, str(root), timeout=timeout, preload=ZERO if zero else ())
     assert launch.returncode == 0, launch.output[-20000:]
     done = {(r["mode"], r["engine"]) for r in launch.reports("DONE")}
     expected = ENGINES if engines == "all" else engines.split(",")

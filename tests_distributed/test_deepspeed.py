@@ -6,7 +6,7 @@ from __future__ import annotations
 import signal
 
 import pytest
-from launcher import Launch, torchrun
+from launcher import ZERO, Launch, torchrun
 
 pytestmark = pytest.mark.slow  # a torchrun launch: python -m pytest -m "not slow" leaves it out
 
@@ -22,7 +22,7 @@ def launches(tmp_path_factory) -> tuple[dict, Launch, Launch]:
     left = {"latest": (root / "killed" / "latest").read_text() if (root / "killed" / "latest").exists() else None,
             "B": (root / "killed" / "B").is_dir(),
             "B committed": (root / "killed" / "B" / "shardavg" / "shardavg.json").exists()}  # fmt: skip
-    after = torchrun(SCRIPT, 2, "after-kill+resume+master+offload", str(root), timeout=600)
+    after = torchrun(SCRIPT, 2, "after-kill+resume+master+offload", str(root), timeout=600, preload=ZERO)
     return left, killed, after
 
 

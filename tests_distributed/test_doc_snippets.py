@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from launcher import torchrun
+from launcher import ZERO, torchrun
 
 pytestmark = pytest.mark.slow  # a torchrun launch: python -m pytest -m "not slow" leaves it out
 
@@ -21,6 +21,7 @@ ENVIRONMENTS = {
 
 @pytest.mark.parametrize("name", sorted(ENVIRONMENTS))
 def test_the_documented_snippet_runs(name: str, tmp_path: Path) -> None:
-    launch = torchrun("scenario_snippets.py", 2, name, str(tmp_path), timeout=300, env=ENVIRONMENTS[name])
+    zero = ZERO if name == "deepspeed" else ()
+    launch = torchrun("scenario_snippets.py", 2, name, str(tmp_path), timeout=300, env=ENVIRONMENTS[name], preload=zero)
     assert launch.returncode == 0, launch.output[-20000:]
     assert {"name": name, "world_size": 2} in launch.reports("SNIPPET"), launch.output[-5000:]

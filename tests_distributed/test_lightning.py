@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from launcher import Launch, torchrun
+from launcher import ZERO, Launch, torchrun
 
 pytestmark = pytest.mark.slow  # a torchrun launch: python -m pytest -m "not slow" leaves it out
 
@@ -29,7 +29,7 @@ def launches(tmp_path_factory) -> dict[str, Launch]:
         "first": ",".join(f"{s}:first+theirs" if s in THEIRS else f"{s}:first" for s in STRATEGIES),
         "second": ",".join("ddp:second+extras" if s == "ddp" else f"{s}:second" for s in STRATEGIES),
     }
-    return {phase: torchrun(SCRIPT, 2, plan, str(root), timeout=600) for phase, plan in plans.items()}
+    return {phase: torchrun(SCRIPT, 2, plan, str(root), timeout=600, preload=ZERO) for phase, plan in plans.items()}
 
 
 @pytest.mark.parametrize("strategy", STRATEGIES)

@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from launcher import Launch, torchrun
+from launcher import ZERO, Launch, torchrun
 
 pytestmark = pytest.mark.slow  # a torchrun launch: python -m pytest -m "not slow" leaves it out
 
@@ -20,7 +20,7 @@ def written(tmp_path_factory) -> tuple[Path, Launch]:
     costs more than a mode), and that launch is returned for the test at 4."""
     root = tmp_path_factory.mktemp("snapshots")
     for world_size, modes in ((2, "write"), (4, "write+read")):
-        launch = torchrun(SCRIPT, world_size, modes, str(root), timeout=420)
+        launch = torchrun(SCRIPT, world_size, modes, str(root), timeout=420, preload=ZERO)
         assert launch.returncode == 0, launch.output[-20000:]
         assert {r["engine"] for r in launch.reports("WROTE")} == ENGINES
     return root, launch
@@ -29,7 +29,9 @@ def written(tmp_path_factory) -> tuple[Path, Launch]:
 @pytest.mark.parametrize("world_size", [1, 2, 4])
 def test_every_engine_synthesizes_from_every_engines_snapshots(written, world_size: int) -> None:
     root, read_at_four = written
-    launch = read_at_four if world_size == 4 else torchrun(SCRIPT, world_size, "read", str(root), timeout=420)
+    launch = (
+        read_at_four if world_size == 4 else torchrun(SCRIPT, world_size, "read", str(root), timeout=420, preload=ZERO)
+    )
     assert launch.returncode == 0, launch.output[-20000:]
     read = launch.reports("READ")
     assert {r["engine"] for r in read} == ENGINES and all(r["sources"] == 2 * len(ENGINES) for r in read), read

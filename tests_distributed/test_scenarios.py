@@ -8,7 +8,7 @@ import time
 from pathlib import Path
 
 import pytest
-from launcher import Launch, torchrun
+from launcher import ZERO, Launch, torchrun
 
 pytestmark = pytest.mark.slow  # a torchrun launch: python -m pytest -m "not slow" leaves it out
 
@@ -56,7 +56,7 @@ def test_the_shadow_table_has_every_row() -> None:
 def every_engine(world_size: int) -> Launch:
     """One launch per world size runs every engine's checks in turn (a launch costs more than an
     engine's checks); each engine's test reads its part."""
-    return torchrun("scenario_averager.py", world_size, ",".join(ENGINES), timeout=900)
+    return torchrun("scenario_averager.py", world_size, ",".join(ENGINES), timeout=900, preload=ZERO)
 
 
 @pytest.mark.parametrize("world_size", [1, 2, 4])

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from launcher import ROOT, torchrun
+from launcher import ROOT, ZERO, torchrun
 from safetensors.torch import load_file
 
 from launch.model import GPT, GPTConfig
@@ -50,7 +50,9 @@ def job_args(engine: str, out: Path, *extra: str) -> list[str]:
 
 def train(engine: str, out: Path, *extra: str, nproc: int | None = None) -> dict:
     nproc = nproc or PROCESSES.get(engine, 2)
-    launch = torchrun(MAIN_JOB, nproc, *job_args(engine, out, *extra), timeout=300)
+    launch = torchrun(
+        MAIN_JOB, nproc, *job_args(engine, out, *extra), timeout=300, preload=ZERO if engine == "zero3" else ()
+    )
     assert launch.returncode == 0, launch.output[-20000:]
     assert "held-out loss at step" in launch.output, launch.output[-5000:]
     assert "\r" not in launch.output and f"{engine}: step " in launch.output, launch.output[-3000:]  # plain lines
