@@ -8,7 +8,9 @@ loop updates at the boundaries only, as docs/integrations/deepspeed.md says.
 
 Every dtype is explicit in the config (bf16 under ZeRO-3, fp32 under ZeRO-2), and no ``zero.Init``
 runs without one: DeepSpeed's dtype then does not depend on the CPU's oneDNN fp16 support
-(DESIGN.md). One engine per test; DeepSpeed's first import takes a few seconds."""
+(DESIGN.md). One engine per test; DeepSpeed's first import takes a few seconds, and its first engine
+in an environment compiles DeepSpeed's CPU shm op (two C++ files, about a minute of a core each): so
+these tests run with the torchrun tier (``slow``), whose ZeRO launches need that build anyway."""
 
 from __future__ import annotations
 
@@ -24,6 +26,7 @@ from torch.optim.swa_utils import get_ema_multi_avg_fn
 
 os.environ.setdefault("DS_ACCELERATOR", "cpu")  # (before DeepSpeed is imported: its CPU accelerator)
 deepspeed = pytest.importorskip("deepspeed")
+pytestmark = pytest.mark.slow  # (DeepSpeed's op build, above: python -m pytest -m "not slow" leaves it out)
 
 from shardavg import EMA, WeightAverager  # noqa: E402
 from shardavg.integrations.deepspeed import verdict  # noqa: E402
@@ -35,13 +38,15 @@ POISONED = 3  # the optimizer step whose loss (so every gradient) is NaN
 @pytest.fixture
 def world() -> Iterator[None]:
     """A world of one process (gloo), torn down after the test, the environment as it was, and
-    DeepSpeed's cached groups of it forgotten (``forget_groups``)."""
+    DeepSpeed's cached groups forgotten (``forget_groups``) before and after: the docstring example
+    tests/test_docs.py runs in the same process may have left its own."""
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = str(probe.getsockname()[1])
     names = dict(MASTER_ADDR="127.0.0.1", MASTER_PORT=port, RANK="0", LOCAL_RANK="0", WORLD_SIZE="1")
     saved = {key: os.environ.get(key) for key in names}
     os.environ.update(names)
+    forget_groups()
     try:
         deepspeed.init_distributed(dist_backend="gloo", verbose=False)
         yield
@@ -58,8 +63,8 @@ def world() -> Iterator[None]:
 
 def forget_groups() -> None:
     """Drop the process groups ``deepspeed.utils.groups`` keeps of a world now destroyed (its
-    clone of the world group, the data-parallel ones): the next engine in this process, or the
-    docstring example tests/test_docs.py runs, would otherwise ask the new world about them."""
+    clone of the world group, the data-parallel ones): the next engine in this process would
+    otherwise ask the new world about them."""
     from deepspeed.utils import groups
 
     for name, value in list(vars(groups).items()):

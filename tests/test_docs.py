@@ -22,7 +22,8 @@ EXAMPLES = [
     "shardavg.integrations.accelerate",
     "shardavg.integrations.transformers",
     "shardavg.integrations.lightning",
-    "shardavg.integrations.deepspeed",
+    # (its example builds an engine: DeepSpeed's first in an environment compiles its CPU op, ~1 minute)
+    pytest.param("shardavg.integrations.deepspeed", marks=pytest.mark.slow),
 ]
 
 

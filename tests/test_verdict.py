@@ -75,8 +75,8 @@ def test_a_false_verdict_skips_the_update_warns_and_is_counted(model, trainer, p
     routine); silent under "off". The averages are those of a loop that did not call update()."""
     reference = WeightAverager(model, RULES, on_nonfinite=policy)
     averager = WeightAverager(model, RULES, on_nonfinite=policy, screen_every=3)
-    false = {4: False, 6: torch.tensor(False), 7: torch.tensor([1.0, float("inf")])}
-    shown = {4: "False", 6: "tensor(False)", 7: "a torch.float32 tensor holding NaN or infinity"}
+    false = {4: False, 6: torch.tensor(False), 7: torch.tensor([1.0, float("inf")]), 8: torch.tensor(float("nan"))}
+    shown = {4: "False", 6: "tensor(False)", **dict.fromkeys((7, 8), "a torch.float32 tensor holding NaN or infinity")}
     for step in range(1, 10):
         trainer.step()
         if step not in false:
@@ -98,7 +98,7 @@ def test_a_false_verdict_skips_the_update_warns_and_is_counted(model, trainer, p
         if step == 7:
             with torch.no_grad():
                 model.block.up.weight[0, 0] = 0.5
-    assert (averager.num_updates, averager.num_skipped, averager.step) == (6, 3, 9)
+    assert (averager.num_updates, averager.num_skipped, averager.step) == (5, 4, 9)
     assert_same(reference, averager)
 
 
@@ -227,6 +227,35 @@ def test_in_the_background_the_verdict_is_taken_when_update_is_called(model, tra
     assert_same_average(reference, averager)
 
 
+def test_a_norm_on_the_cpu_costs_the_update_one_aten_call(model, trainer) -> None:
+    """Where the update reads its verdict on the host, a 0-d norm is read by ``item()`` alone: a
+    trusted update with it runs the unchecked update's ATen calls and that one, and gives the same
+    bits. (What else it costs is Python's: attribute reads, cold after the weights streamed through
+    the caches; tools/bench.py times it against the unchecked update.)"""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Ops(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.seen: list[str] = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.seen.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    unchecked = WeightAverager(model, EMA(decay=0.9), on_nonfinite="off")
+    with_verdict = WeightAverager(model, EMA(decay=0.9))
+    for step in range(1, 4):
+        trainer.step()
+        norm = grad_norm(model)
+        with Ops() as off:
+            unchecked.update(step)
+        with Ops() as given:
+            with_verdict.update(step, finite=norm)
+    assert off.seen and given.seen == ["aten._local_scalar_dense.default", *off.seen], (off.seen, given.seen)
+    assert_same_average(unchecked, with_verdict)
+
+
 @pytest.mark.parametrize(
     ("finite", "error", "message"),
     [
@@ -234,7 +263,9 @@ def test_in_the_background_the_verdict_is_taken_when_update_is_called(model, tra
         (0.5, TypeError, r"takes a bool, .* got float \(a Python number: pass math.isfinite\(x\)\)$"),
         ("yes", TypeError, r"takes a bool, .* got str$"),
         (torch.tensor(3), TypeError, r"takes a bool, .* got a torch.int64 tensor$"),
+        (torch.tensor(1 + 2j), TypeError, r"takes a bool, .* got a torch.complex64 tensor$"),
         (torch.tensor([True, False]), ValueError, r"got a torch.bool tensor of shape \(2,\): a verdict is a 0-d"),
+        (torch.tensor([True]), ValueError, r"got a torch.bool tensor of shape \(1,\): a verdict is a 0-d"),
         (torch.empty(0), ValueError, r"got a torch.float32 tensor of shape \(0,\)"),
     ],
 )

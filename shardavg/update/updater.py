@@ -85,8 +85,12 @@ def taken(finite: object, on_host: bool = False) -> Given | None:
     elements are all finite (a total gradient norm); None: no verdict. No host read: a tensor's
     verdict is a new 0-d bool tensor on its device (a copy: the loop may overwrite its own), except
     with ``on_host`` for a tensor on the CPU, read at once as a Python bool (where the update reads
-    its verdict on the host anyway: a 0-d ``isfinite`` costs 10 us, and on a CPU its side effects
-    cost the update that follows another 0.1-0.2 ms, measured on 1,200 small tensors; ``item()``, 1 us).
+    its verdict on the host anyway). The usual one, a 0-d or one-element floating CPU tensor, is
+    read by one ATen call (``item()``) and the fewest attribute reads: an update runs just after
+    the optimizer (or another update) streamed the weights through the caches, so each distinct
+    call here costs 10-30 us instead of 0.1-1 (measured on a 2-core Xeon: this way 53 us cold, the
+    general checks below 113, no verdict 11; they had made ``update(finite=norm)`` 1.04-1.07x the
+    unchecked update of 1,200 small tensors under DDP).
 
     Raises:
         TypeError: Anything else (an int, a float, an integer tensor).
@@ -95,6 +99,10 @@ def taken(finite: object, on_host: bool = False) -> Given | None:
     """
     if finite is None or isinstance(finite, bool):
         return None if finite is None else Given(finite, repr(finite))
+    if on_host and type(finite) is torch.Tensor and finite.is_cpu and finite.numel() == 1:  # (a plain tensor)
+        value = finite.item()  # (a bool or an int falls through to the checks below)
+        if type(value) is float:
+            return Given(True, "") if math.isfinite(value) else Given(False, _nonfinite_shown(finite))
     if not isinstance(finite, torch.Tensor) or not (finite.dtype == torch.bool or finite.dtype.is_floating_point):
         kind = f"a {finite.dtype} tensor" if isinstance(finite, torch.Tensor) else type(finite).__name__
         raise TypeError(
@@ -113,7 +121,7 @@ def taken(finite: object, on_host: bool = False) -> Given | None:
             f"update(finite=...) got a {finite.dtype} tensor of shape {tuple(finite.shape)}: a verdict is a 0-d "
             "bool tensor, or a non-empty floating tensor whose elements are all finite"
         )
-    shown = "tensor(False)" if finite.dtype == torch.bool else f"a {finite.dtype} tensor holding NaN or infinity"
+    shown = "tensor(False)" if finite.dtype == torch.bool else _nonfinite_shown(finite)
     if on_host and finite.device.type == "cpu":
         if finite.numel() == 1:
             value = finite.item()
@@ -123,6 +131,10 @@ def taken(finite: object, on_host: bool = False) -> Given | None:
         if finite.dtype == torch.bool:
             return Given(finite.clone(), shown)
         return Given(torch.isfinite(finite).all(), shown)
+
+
+def _nonfinite_shown(finite: torch.Tensor) -> str:
+    return f"a {finite.dtype} tensor holding NaN or infinity"
 
 
 class Issued(NamedTuple):
@@ -420,6 +432,8 @@ class Updater:
         state = self.state
         on_device_verdict = given is not None and isinstance(given.ok, torch.Tensor)
         if (state.options.on_nonfinite == "off" and not on_device_verdict) or state.num_updates == 0:
+            return False
+        if not self.may_mask():  # (the host's check, without a look at the rules and groups: see taken)
             return False
         if not all(isinstance(average.rule, LerpRule) for average in state.averages.values()):
             return False
