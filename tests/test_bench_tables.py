@@ -5,6 +5,7 @@ rows (counts and exact values, never wall time)."""
 from __future__ import annotations
 
 import functools
+import math
 import os
 import statistics
 
@@ -181,6 +182,8 @@ def test_the_verdict_rows_against_the_unchecked_update_and_the_fp32_peers() -> N
                   floor_bytes=shards.update_bytes(False), screened=[1], timed=(4, 18)),
         bench.Row("fsdp2", "transformer", "bfloat16", "ours, verdict, screen_every=1", "verdict", 3.0, 3.0, 0, 0,
                   "bitwise", floor_bytes=shards.update_bytes(True), screened=list(range(1, 20)), timed=(4, 18)),
+        bench.Row("fsdp2", "transformer", "bfloat16", "ours, check off again", "again", 1.03, 1.03, 0, 0, "bitwise",
+                  floor_bytes=shards.update_bytes(False)),
     ]  # fmt: skip
     bench.against_memory(rows)
     assert bench.amortized_ms(1.02, 3.0) == pytest.approx(1.02 + (3.0 - 1.02) / 100)
@@ -194,10 +197,11 @@ def test_the_verdict_rows_against_the_unchecked_update_and_the_fp32_peers() -> N
         "verdict amortized / fastest fp32 peer": (1.0398, "PASS"),
     }
     text = bench.verdict_table(rows)
-    assert "| 0.50 (bf16 avg) | 1.00 | 1.020 PASS | 1.020 PASS | 1.040 MISS | 1.040 PASS | 0 of 15 | bitwise |" in text
+    assert figures["A/A"] == pytest.approx(1.03)  # (the second unchecked averager against the first)
+    assert "| 0.50 (bf16 avg) | 1.00 | 1.020 PASS | 1.020 PASS | 1.040 MISS | 1.040 PASS | 1.030 | 0 of 15 |" in text
     assert bench.verdict_table(rows_of_a_case("transformer", ms, {})) == ""  # (no verdict rows: no table)
     fp32 = [bench.Row("ddp", "s", "float32", "torchtitan-style", "peer", 1.0, 1.0, 0, 0, "peer")]
-    assert bench.keeps_fp32(fp32[0]) and not bench.keeps_fp32(rows[-4])
+    assert bench.keeps_fp32(fp32[0]) and not bench.keeps_fp32(rows[-5])
 
 
 def test_the_verdict_ratios_pair_the_runs_of_each_round() -> None:
@@ -215,6 +219,9 @@ def test_the_verdict_ratios_pair_the_runs_of_each_round() -> None:
         row("torchtitan-style", "peer", 1.0, 2.0, 0, 0, "peer", rounds_ms=[1.0, 1.0, 2.0, 2.0, 2.0]),
     ]
     figures = bench.verdict_figures(bench.cases(rows)[("fsdp1", "many_small", "float32")])
+    assert math.isnan(figures["A/A"]) and bench.aa_shown(figures["A/A"]) == "-"  # (a run before the A/A row)
+    rows.append(row("ours, check off again", "again", 1.0, 2.0, 0, 0, "bitwise", rounds_ms=[1.05, 0.98, 1.0, 2.1, 2.0]))
+    assert bench.verdict_figures(bench.cases(rows)[("fsdp1", "many_small", "float32")])["A/A"] == pytest.approx(1.0)
     assert figures["verdict"] / figures["check off"] == pytest.approx(2.02)  # (the ratio of medians)
     assert figures["verdict / check off"] == pytest.approx(1.01)  # rounds: 1.01, 1.01, 2.02, 1.01, 1.01
     assert figures["verdict / fastest fp32 peer"] == pytest.approx(1.01)

@@ -8,7 +8,8 @@ For each engine, model shape and live dtype it times, on the slowest rank after 
 ``ours`` (``WeightAverager.update()``, with the non-finite check and with ``on_nonfinite="off"``;
 with the loop's verdict, ``update(finite=norm)`` with a finite 0-d norm as ``clip_grad_norm_``
 returns, trusted at ``screen_every=100`` and screened at every update with ``screen_every=1``;
-three averages in one averager and in three), the shard-local peers (``torchtitan-style``: a
+the unchecked update again by a second, identical averager, the A/A pair a verdict ratio is read
+against; three averages in one averager and in three), the shard-local peers (``torchtitan-style``: a
 ``torch._foreach_lerp_`` over EMA states cloned from the engine's own parameters, DTensors
 under FSDP2, in their dtype, as torchtitan's ``components/ema.py`` does; for bf16 weights
 ``hand-written fp32``: ``_foreach_mul_`` + ``_foreach_add_`` of the local shards into fp32
@@ -29,7 +30,8 @@ ms`` (its bytes at that speed), ``x bytes floor`` (ms / that), the GB/s achieved
 fraction of the memory's. A targets table (issues 38 and 47) sets ours against
 the bytes floor and the fastest shard-local peer, and the update with a verdict against the
 unchecked update and the fastest peer that keeps an fp32 average; a verdict table shows those
-rows side by side, the steady (trusted) update and its cost amortized over ``screen_every``.
+rows side by side, the steady (trusted) update and its cost amortized over ``screen_every``,
+and the A/A ratio of the two unchecked averagers.
 ``device: cuda`` runs it on each rank's GPU over NCCL (one GPU per rank), the clock stopped after a device sync.
 
 The methods take turns on each new set of live weights, so every one sees the same sequence
@@ -47,6 +49,7 @@ import contextlib
 import importlib.util
 import json
 import logging
+import math
 import os
 import shutil
 import socket
@@ -55,7 +58,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -164,6 +167,14 @@ def ours(wrapped: engines.Wrapped, decay: float, check: bool, shards: Shards) ->
     name = "ours" if check else "ours, check off"
     return Method(name, "ours", average.update, average.full_state_dict, average.shadow_bytes,
                   shards.update_bytes(check))  # fmt: skip
+
+
+def again(wrapped: engines.Wrapped, decay: float, shards: Shards) -> Method:
+    """The unchecked update a second time, by an identical averager built after the verdict's: its
+    ratio to ``ours, check off`` in the same rounds (A/A) is how far apart two identical updates land
+    with where their buffers fall and what ran before them, the floor a verdict ratio is read
+    against (two identical averagers measured 0.933-0.978 of each other on DDP's small tensors)."""
+    return replace(ours(wrapped, decay, False, shards), name="ours, check off again", role="again")
 
 
 SCREEN_EVERY = 100  # the default of Options.screen_every: the steady verdict row's cadence
@@ -414,6 +425,7 @@ def methods(wrapped: engines.Wrapped, decay: float, shards: Shards, device: torc
         lambda: ours(wrapped, decay, False, shards),
         lambda: with_verdict(wrapped, decay, shards, SCREEN_EVERY),
         lambda: with_verdict(wrapped, decay, shards, 1),
+        lambda: again(wrapped, decay, shards),
         lambda: several_in_one(wrapped, shards),
         lambda: several_apart(wrapped, shards),
         *(lambda peer=peer: peer(wrapped, decay, shards) for peer in local_peers),
@@ -486,7 +498,7 @@ def run_case(kind: str, shape_name: str, shape: dict, dtype: torch.dtype, cfg: d
     # makes our next update re-verify the model): they take their turns apart from ours, on the
     # same sequence of live weights from the same start.
     phases = [
-        [m for m in built if m.role in ("ours", "verdict", "floor", "copy", "several", "peer")],
+        [m for m in built if m.role in ("ours", "verdict", "again", "floor", "copy", "several", "peer")],
         [m for m in built if m.role in ("reference", "replica")],
     ]
     measured = {}
@@ -519,7 +531,7 @@ def run_case(kind: str, shape_name: str, shape: dict, dtype: torch.dtype, cfg: d
         )  # fmt: skip
     against_memory(rows)
     # (AveragedModel's bf16 copy loses the average: "differs")
-    checks = {"ours": "FAIL", "verdict": "FAIL", "several": "FAIL", "replica": "differs"}
+    checks = {"ours": "FAIL", "verdict": "FAIL", "again": "FAIL", "several": "FAIL", "replica": "differs"}
     for row, (role, result) in zip(rows, results):
         row.check = compare(result, reference, dtype, checks[role]) if role in checks else role.replace("floor", "-")
         row.check = "-" if role == "copy" else row.check
@@ -784,6 +796,7 @@ def verdict_figures(by_role: dict[str, list[Row]]) -> dict[str, float] | None:
     if steady is None or every_one is None:
         return None
     on, off = by_role["ours"]
+    again = next(iter(by_role.get("again", [])), None)  # (runs before 0.12.2 have none)
     peers = [r for r in by_role.get("peer", []) if keeps_fp32(r)]
     fastest = min(peers, key=lambda r: r.ms_median, default=None)
     rounds = {
@@ -804,6 +817,7 @@ def verdict_figures(by_role: dict[str, list[Row]]) -> dict[str, float] | None:
         "verdict / fastest fp32 peer": paired(rounds["verdict"], rounds["peer"]),
         "verdict amortized / check off": paired(rounds["amortized"], rounds["check off"]),
         "verdict amortized / fastest fp32 peer": paired(rounds["amortized"], rounds["peer"]),
+        "A/A": paired(again.rounds_ms or [again.ms_median], rounds["check off"]) if again else float("nan"),
     }
 
 
@@ -864,17 +878,23 @@ def judged(metric: str, value: float) -> str:
     return f"{value:.3f} {'PASS' if value <= dict(VERDICT_TARGETS)[metric] else 'MISS'}"
 
 
+def aa_shown(value: float) -> str:
+    """The A/A ratio (``again``), ``-`` for a run without the second unchecked averager."""
+    return "-" if math.isnan(value) else f"{value:.3f}"
+
+
 def verdict_table(rows: list[Row]) -> str:
     """Markdown, one line per case: ours with the loop's verdict (the steady update, trusted; one
     screened at every update; amortized over ``SCREEN_EVERY``), the unchecked and checked updates
     and the shard-local peers (ms medians), the ratios of issue 47's targets with PASS or MISS,
-    and how many timed updates of the steady row ran the screen."""
+    the A/A ratio of two identical unchecked averagers (``again``: what the same update measures
+    against itself in those rounds), and how many timed updates of the steady row ran the screen."""
     lines = [
         "| engine | shape | live | verdict | verdict, screen_every=1 | verdict amortized (1 in "
         f"{SCREEN_EVERY}) | check off | check on (screen) | torchtitan-style | hand-written fp32 "
         "| verdict / check off | verdict / fastest fp32 peer | amortized / check off | amortized / fastest fp32 peer "
-        "| screens timed | check |",
-        "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---|---|---|---|---|---|",
+        "| A/A: check off again / check off | screens timed | check |",
+        "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---|---|---|---|---|---|---|",
     ]
     for case, by_role in cases(rows).items():
         figures = verdict_figures(by_role)
@@ -887,7 +907,7 @@ def verdict_table(rows: list[Row]) -> str:
         cells = [f"{figures[k]:.2f}" for k in ("verdict", "screened", "amortized", "check off", "check on")]
         cells += [peer_ms(peers.get(name)) for name in ("torchtitan-style", "hand-written fp32")]
         cells += [judged(metric, figures[metric]) for metric, _ in VERDICT_TARGETS]
-        cells += [f"{timed} of {last - first + 1}", steady.check]
+        cells += [aa_shown(figures["A/A"]), f"{timed} of {last - first + 1}", steady.check]
         lines.append(f"| {' | '.join(case)} | " + " | ".join(cells) + " |")
     return "\n".join(lines) if len(lines) > 2 else ""
 

@@ -5,8 +5,9 @@
 
 Prints the verdict table of each run (``bench.verdict_table``: the update with a verdict, the
 unchecked and checked updates and the peers, ms medians) and one table of the four target ratios
-per case across the runs (each run's value, in order, and how many runs met the limit), so that a
-miss can be told from the noise of a shared machine. Nothing is measured here.
+per case across the runs (each run's value, in order, and how many runs met the limit), beside
+the A/A ratio of two identical unchecked averagers in each run, so that a miss can be told from
+the noise of a shared machine and of where an averager's buffers fall. Nothing is measured here.
 """
 
 from __future__ import annotations
@@ -25,11 +26,15 @@ def rows_of(path: Path) -> list[bench.Row]:
 
 
 def across(runs: list[list[bench.Row]]) -> str:
-    """Markdown, one line per case: each target ratio in every run (in order) and the runs that met it."""
+    """Markdown, one line per case: each target ratio in every run (in order) and the runs that met
+    it, then each run's A/A ratio (``-`` for a run without it)."""
     metrics = [metric for metric, _ in bench.VERDICT_TARGETS]
     limits = dict(bench.VERDICT_TARGETS)
     header = " | ".join(f"{metric} (<= {limits[metric]:.2f})" for metric in metrics)
-    lines = [f"| engine | shape | live | {header} |", "|---|---|---|" + "---|" * len(metrics)]
+    lines = [
+        f"| engine | shape | live | {header} | A/A: check off again / check off |",
+        "|---|---|---|" + "---|" * (len(metrics) + 1),
+    ]
     figures_by_run = [
         {case: bench.verdict_figures(by_role) for case, by_role in bench.cases(rows).items()} for rows in runs
     ]
@@ -39,6 +44,7 @@ def across(runs: list[list[bench.Row]]) -> str:
             values = [figures[case][metric] for figures in figures_by_run if figures.get(case)]
             met = sum(value <= limits[metric] for value in values)
             cells.append(", ".join(f"{value:.3f}" for value in values) + f" ({met} of {len(values)} met)")
+        cells.append(", ".join(bench.aa_shown(figures[case]["A/A"]) for figures in figures_by_run if figures.get(case)))
         lines.append(f"| {' | '.join(case)} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
