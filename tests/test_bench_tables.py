@@ -198,7 +198,8 @@ def test_the_verdict_rows_against_the_unchecked_update_and_the_fp32_peers() -> N
     }
     text = bench.verdict_table(rows)
     assert figures["A/A"] == pytest.approx(1.03)  # (the second unchecked averager against the first)
-    assert "| 0.50 (bf16 avg) | 1.00 | 1.020 PASS | 1.020 PASS | 1.040 MISS | 1.040 PASS | 1.030 | 0 of 15 |" in text
+    shown = "| 0.50 (bf16 avg) | 1.00 | 1.020 PASS | 1.020 PASS | 1.040 MISS | 1.040 PASS | 1.020 | 1.030 | 0 of 15 |"
+    assert shown in text, text  # (a run without the twin: check off is the check-off averager's)
     assert bench.verdict_table(rows_of_a_case("transformer", ms, {})) == ""  # (no verdict rows: no table)
     fp32 = [bench.Row("ddp", "s", "float32", "torchtitan-style", "peer", 1.0, 1.0, 0, 0, "peer")]
     assert bench.keeps_fp32(fp32[0]) and not bench.keeps_fp32(rows[-5])
@@ -228,3 +229,65 @@ def test_the_verdict_ratios_pair_the_runs_of_each_round() -> None:
     amortized = [bench.amortized_ms(v, 3.0) for v in verdict_rounds]
     assert figures["verdict amortized / check off"] == pytest.approx(statistics.median(
         a / o for a, o in zip(amortized, off_rounds)))  # fmt: skip
+
+
+def test_the_verdict_ratios_come_from_the_verdicts_own_rounds() -> None:
+    """Where the verdict's phase ran, its rounds (more of them, fewer rows) make issue 47's ratios
+    and the verdict table's ms, and its window counts the screens timed; the checked update and a
+    peer that was not in it (a bf16 average) keep the main rounds' medians."""
+    row = functools.partial(bench.Row, "ddp", "many_small", "bfloat16")
+    main, phase = [2.0, 2.0, 2.0], [1.0, 1.0, 1.0, 1.0]  # (main rounds that a bias put at 2x)
+    rows = [
+        row("ours", "ours", 3.0, 3.0, 0, 0, "bitwise", rounds_ms=[3.0] * 3),
+        row("ours, check off", "ours", 1.0, 1.0, 0, 0, "bitwise", rounds_ms=[1.0] * 3, verdict_rounds_ms=phase),
+        row("ours, verdict", "verdict", 2.0, 2.0, 0, 0, "bitwise", rounds_ms=main, screened=[1, 100],
+            timed=(4, 6), verdict_rounds_ms=[1.01, 1.02, 1.0, 1.01], verdict_timed=(22, 101)),
+        row("ours, verdict, screen_every=1", "verdict", 3.0, 3.0, 0, 0, "bitwise", rounds_ms=[3.0] * 3,
+            verdict_rounds_ms=[2.0] * 4, verdict_timed=(22, 101)),
+        row("ours, check off again", "again", 1.0, 1.0, 0, 0, "bitwise", rounds_ms=main,
+            verdict_rounds_ms=[0.99, 1.0, 1.01, 1.0]),
+        row("torchtitan-style", "peer", 0.5, 0.5, 0, 0, "peer", rounds_ms=[0.5] * 3),
+        row("hand-written fp32", "peer", 9.0, 9.0, 0, 0, "peer", rounds_ms=[9.0] * 3, verdict_rounds_ms=[1.1] * 4),
+    ]  # fmt: skip
+    figures = bench.verdict_figures(bench.cases(rows)[("ddp", "many_small", "bfloat16")])
+    assert figures["verdict / check off"] == pytest.approx(1.01) and figures["A/A"] == pytest.approx(1.0)
+    assert figures["verdict / another averager"] == pytest.approx(1.01)
+    twin = [1.01, 1.02, 0.98, 1.0]  # (the verdict's own averager with the check off: what the targets divide by)
+    rows.append(row(bench.TWIN, "twin", 1.0, 1.0, 0, 0, "-", verdict_rounds_ms=twin, verdict_timed=(22, 101)))
+    with_twin = bench.verdict_figures(bench.cases(rows)[("ddp", "many_small", "bfloat16")])
+    assert with_twin["verdict / check off"] == pytest.approx(statistics.median([1.0, 1.0, 1.0 / 0.98, 1.01]))
+    assert with_twin["check off"] == pytest.approx(1.005) and with_twin["verdict / another averager"] == figures[
+        "verdict / another averager"]  # fmt: skip
+    rows.pop()
+    assert figures["verdict / fastest fp32 peer"] == pytest.approx(1.01 / 1.1)
+    assert figures["verdict amortized / check off"] == pytest.approx(1.01 + 0.99 / 100)
+    assert (figures["verdict"], figures["check on"], figures["fastest fp32 peer"]) == (1.01, 3.0, 1.1)
+    assert bench.verdict_window(rows[2]) == (22, 101) and bench.verdict_window(rows[0]) == (0, 0)
+    text = bench.verdict_table(rows)
+    assert "| 1.01 | 2.00 | 1.02 | 1.00 | 3.00 | 0.50 (bf16 avg) | 1.10 | 1.010 PASS |" in text, text
+    assert "| 1.000 | 1 of 80 | bitwise |" in text, text  # (update 100 screened: in the phase's window)
+
+
+def test_each_round_shuffles_the_order_alike_on_every_rank(tmp_path) -> None:
+    """Every run once a round, in an order drawn from the round's number (the same on every rank,
+    whose runs may communicate), so a run does not always follow the same one: an order that only
+    turned kept each run behind one neighbour every round, a bias no number of rounds removes."""
+    import torch.distributed as dist
+
+    from tools.measure import interleaved_ms
+
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
+    try:
+        calls: list[str] = []
+        runs = [functools.partial(calls.append, name) for name in "abcde"]
+        timings = interleaved_ms(runs, 2, 10, before=lambda: calls.append("|"))
+        again: list[str] = []
+        interleaved_ms([functools.partial(again.append, name) for name in "abcde"], 2, 10, lambda: again.append("|"))
+    finally:
+        dist.destroy_process_group()
+    rounds = "".join(calls).split("|")[1:]
+    assert len(rounds) == 12 and all(sorted(r) == list("abcde") for r in rounds), rounds
+    assert "".join(again) == "".join(calls)  # (seeded by the round: every rank runs the same order)
+    behind = {name: {r[r.index(name) - 1] for r in rounds if r.index(name)} for name in "abcde"}
+    assert all(len(before) >= 3 for before in behind.values()), behind
+    assert [len(t.rounds_ms) for t in timings] == [10] * 5  # (the warm-up rounds not kept)

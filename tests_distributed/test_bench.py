@@ -16,14 +16,15 @@ pytestmark = pytest.mark.slow  # a torchrun launch: python -m pytest -m "not slo
 ROOT = Path(__file__).resolve().parents[1]
 TINY = [
     "shapes.transformer.layers=2", "shapes.transformer.dim=32", "shapes.many_small.blocks=6",
-    "shapes.many_small.width=16", "warmup=1", "repeats=2", "work_ms=2",
+    "shapes.many_small.width=16", "warmup=1", "repeats=2", "verdict_repeats=2", "work_ms=2",
     "loop.layers=1", "loop.dim=16", "loop.batch=8", "loop.steps=2", "loop.warmup=1", "loop.rounds=1",
 ]  # fmt: skip
 METRICS = {"check off / bytes floor", "check off / fastest peer", "check on / check-off bytes floor",
            "check on / fastest peer", "check on / check off", "verdict / check off", "verdict / fastest fp32 peer",
            "verdict amortized / check off", "verdict amortized / fastest fp32 peer"}  # fmt: skip
 VERDICTS = ("ours, verdict", "ours, verdict, screen_every=1")
-CALLS = 1 + 2 + 1  # warmup, repeats and the update that counts the bytes received
+CALLS = 1 + 2 + 1 + 1 + 2  # warmup, repeats, the update that counts the bytes received, the verdict phase's 1 + 2
+IN_VERDICT_PHASE = {"ours, check off", "ours, check off again", *VERDICTS, "ours, verdict's averager, check off"}
 
 
 def test_a_tiny_bench_has_every_row_and_every_check_passes(tmp_path: Path) -> None:
@@ -55,6 +56,10 @@ def test_a_tiny_bench_has_every_row_and_every_check_passes(tmp_path: Path) -> No
             assert 0 < ours["extra_bytes_per_rank"] < peer["extra_bytes_per_rank"] or case[0] == "ddp" or not single
         steady, every_one = (methods[name] for name in VERDICTS)
         assert steady["screened"] == [1] and steady["timed"] == [2, 3], (case, steady)  # (the first update only)
+        assert steady["verdict_timed"] == [6, 7], (case, steady)  # (after the main rounds and one untimed)
+        fp32_peer = "torchtitan-style" if case[2] == "float32" else "hand-written fp32"
+        timed_again = {name for name, r in methods.items() if len(r["verdict_rounds_ms"]) == 2}
+        assert timed_again == IN_VERDICT_PHASE | {fp32_peer}, (case, sorted(timed_again))
         assert every_one["screened"] == list(range(1, CALLS + 1)), (case, every_one)
         assert steady["ms_median"] > 0 and every_one["ms_median"] > 0, (case, steady, every_one)
         blocked = {name: r for name, r in methods.items() if r["role"] == "blocked"}

@@ -6,8 +6,9 @@
 Prints the verdict table of each run (``bench.verdict_table``: the update with a verdict, the
 unchecked and checked updates and the peers, ms medians) and one table of the four target ratios
 per case across the runs (each run's value, in order, and how many runs met the limit), beside
-the A/A ratio of two identical unchecked averagers in each run, so that a miss can be told from
-the noise of a shared machine and of where an averager's buffers fall. Nothing is measured here.
+the verdict against a separate check-off averager and the A/A ratio of two identical unchecked
+averagers in each run, so that a miss can be told from the noise of a shared machine and of where
+an averager's buffers fall. Nothing is measured here.
 """
 
 from __future__ import annotations
@@ -27,13 +28,15 @@ def rows_of(path: Path) -> list[bench.Row]:
 
 def across(runs: list[list[bench.Row]]) -> str:
     """Markdown, one line per case: each target ratio in every run (in order) and the runs that met
-    it, then each run's A/A ratio (``-`` for a run without it)."""
+    it, then each run's verdict against the separate check-off averager and its A/A ratio (``-`` for
+    a run without it)."""
     metrics = [metric for metric, _ in bench.VERDICT_TARGETS]
     limits = dict(bench.VERDICT_TARGETS)
     header = " | ".join(f"{metric} (<= {limits[metric]:.2f})" for metric in metrics)
     lines = [
-        f"| engine | shape | live | {header} | A/A: check off again / check off |",
-        "|---|---|---|" + "---|" * (len(metrics) + 1),
+        f"| engine | shape | live | {header} | verdict / another averager's check off "
+        "| A/A: check off again / check off |",
+        "|---|---|---|" + "---|" * (len(metrics) + 2),
     ]
     figures_by_run = [
         {case: bench.verdict_figures(by_role) for case, by_role in bench.cases(rows).items()} for rows in runs
@@ -44,7 +47,9 @@ def across(runs: list[list[bench.Row]]) -> str:
             values = [figures[case][metric] for figures in figures_by_run if figures.get(case)]
             met = sum(value <= limits[metric] for value in values)
             cells.append(", ".join(f"{value:.3f}" for value in values) + f" ({met} of {len(values)} met)")
-        cells.append(", ".join(bench.aa_shown(figures[case]["A/A"]) for figures in figures_by_run if figures.get(case)))
+        shown = [figures[case] for figures in figures_by_run if figures.get(case)]
+        cells.append(", ".join(f"{figure['verdict / another averager']:.3f}" for figure in shown))
+        cells.append(", ".join(bench.aa_shown(figure["A/A"]) for figure in shown))
         lines.append(f"| {' | '.join(case)} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
