@@ -291,3 +291,13 @@ def test_each_round_shuffles_the_order_alike_on_every_rank(tmp_path) -> None:
     behind = {name: {r[r.index(name) - 1] for r in rounds if r.index(name)} for name in "abcde"}
     assert all(len(before) >= 3 for before in behind.values()), behind
     assert [len(t.rounds_ms) for t in timings] == [10] * 5  # (the warm-up rounds not kept)
+
+
+@pytest.mark.parametrize(
+    ("key", "value"), [("repeats", 0), ("verdict_repeats", -1), ("warmup", 1.5), ("verdict_repeats", None)]
+)
+def test_a_bad_count_of_rounds_is_refused_naming_its_key(key: str, value: object) -> None:
+    cfg = {"warmup": 3, "repeats": 15, "verdict_repeats": 80}
+    bench.check_rounds(cfg)  # (the shipped values pass)
+    with pytest.raises(ValueError, match=rf"^{key}: {value!r} is not a count of rounds; expected an int >= "):
+        bench.check_rounds(cfg | {key: value})

@@ -1031,6 +1031,15 @@ def training_loop(cfg: dict, device: torch.device) -> tuple[list, str]:
     return [asdict(r) for r in rows], loop.table(rows, config)
 
 
+def check_rounds(cfg: dict) -> None:
+    """``warmup``, ``repeats`` and ``verdict_repeats`` are counts (``repeats`` at least 1: a median
+    needs a round), refused in one line naming the key before any engine starts."""
+    for key, least in (("warmup", 0), ("repeats", 1), ("verdict_repeats", 0)):
+        value = cfg.get(key)
+        if type(value) is not int or value < least:
+            raise configs.ConfigError(f"{key}: {value!r} is not a count of rounds; expected an int >= {least}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--config", default="configs/bench.yaml")
@@ -1038,6 +1047,7 @@ def main() -> None:
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config key")
     args = parser.parse_args()
     cfg = configs.load(args.config, args.set)
+    check_rounds(cfg)
     known = ("ddp", "fsdp1", "fsdp2", "zero3", "fsdp2_tp")
     unknown = [e for e in cfg["engines"] if e not in known]
     if unknown:
