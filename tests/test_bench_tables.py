@@ -7,11 +7,14 @@ from __future__ import annotations
 import functools
 import math
 import os
+import re
 import statistics
+from pathlib import Path
 
 import pytest
 import torch
 
+from launch import config as configs
 from tools import bench, loop
 
 
@@ -294,10 +297,26 @@ def test_each_round_shuffles_the_order_alike_on_every_rank(tmp_path) -> None:
 
 
 @pytest.mark.parametrize(
-    ("key", "value"), [("repeats", 0), ("verdict_repeats", -1), ("warmup", 1.5), ("verdict_repeats", None)]
+    ("key", "value"),
+    [("repeats", 0), ("verdict_repeats.many_small", -1), ("warmup", 1.5), ("verdict_repeats.transformer", None)],
 )
 def test_a_bad_count_of_rounds_is_refused_naming_its_key(key: str, value: object) -> None:
-    cfg = {"warmup": 3, "repeats": 15, "verdict_repeats": 80}
+    cfg = bench_config()
     bench.check_rounds(cfg)  # (the shipped values pass)
-    with pytest.raises(ValueError, match=rf"^{key}: {value!r} is not a count of rounds; expected an int >= "):
-        bench.check_rounds(cfg | {key: value})
+    *parents, last = key.split(".")
+    (cfg[parents[0]] if parents else cfg)[last] = value
+    refused = rf"^{re.escape(key)}: {value!r} is not a count of rounds; expected an int >= "
+    with pytest.raises(ValueError, match=refused):
+        bench.check_rounds(cfg)
+
+
+@pytest.mark.parametrize("verdicts", [80, {"transformer": 80}, {"transformer": 80, "many_small": 320, "other": 5}])
+def test_the_verdicts_rounds_are_counted_for_each_shape(verdicts: object) -> None:
+    cfg = bench_config() | {"verdict_repeats": verdicts}
+    with pytest.raises(ValueError, match=r"^verdict_repeats: .*; expected a count of rounds for each shape of "):
+        bench.check_rounds(cfg)
+
+
+def bench_config() -> dict:
+    """configs/bench.yaml, as the bench reads it."""
+    return configs.load(Path(__file__).resolve().parents[1] / "configs" / "bench.yaml")

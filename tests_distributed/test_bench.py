@@ -16,7 +16,8 @@ pytestmark = pytest.mark.slow  # a torchrun launch: python -m pytest -m "not slo
 ROOT = Path(__file__).resolve().parents[1]
 TINY = [
     "shapes.transformer.layers=2", "shapes.transformer.dim=32", "shapes.many_small.blocks=6",
-    "shapes.many_small.width=16", "warmup=1", "repeats=2", "verdict_repeats=2", "work_ms=2",
+    "shapes.many_small.width=16", "warmup=1", "repeats=2", "verdict_repeats.transformer=2",
+    "verdict_repeats.many_small=2", "work_ms=2",
     "loop.layers=1", "loop.dim=16", "loop.batch=8", "loop.steps=2", "loop.warmup=1", "loop.rounds=1",
 ]  # fmt: skip
 METRICS = {"check off / bytes floor", "check off / fastest peer", "check on / check-off bytes floor",

@@ -590,25 +590,27 @@ def unchecked_twin(verdict: Method) -> Method:
 def verdict_phase(built: list[Method], rows: list[Row], cfg: dict, next_weights, synchronize) -> list[Row]:
     """Issue 47's ratios timed again in rounds of their own, once the averages are checked: the
     unchecked update (by its averager and by the verdict's, ``unchecked_twin``), the verdict's two
-    rows, the A/A averager and the peers that keep an fp32 average, ``verdict_repeats`` rounds
-    after one untimed, into each row's ``verdict_rounds_ms``; returns the twin's row. On a shared
-    CPU one round's ratio of two updates spreads by 5-20% (small tensors; 3-10% large), which leaves
-    the median of the main rounds (15) up to ~3% from the ratio it estimates, the size of the 1.03
-    target; these rows are a third of the round, so more rounds cost less here than there."""
+    rows, the A/A averager and the peers that keep an fp32 average, the shape's ``verdict_repeats``
+    rounds after one untimed, into each row's ``verdict_rounds_ms``; returns the twin's row. On a
+    shared CPU one round's ratio of two updates spreads by 5-20% on small tensors (3-10% large),
+    which leaves the median of the main rounds (15) up to ~3% from the ratio it estimates, the size
+    of the 1.03 target, and the median of 80 up to 3% on the noisiest small rows (bootstrapped from
+    three runs); these rows are a third of the round, so more rounds cost less here than there."""
     steady = next((m for m in built if m.name == "ours, verdict"), None)
-    if not cfg["verdict_repeats"] or steady is None:
+    repeats = cfg["verdict_repeats"][rows[0].shape]
+    if not repeats or steady is None:
         return []
     timed = [(m, r) for m, r in zip(built, rows) if r.method in VERDICT_PHASE or keeps_fp32(r)]
     like = next(r for r in rows if r.method == steady.name)
     twin_row = Row(like.engine, like.shape, like.dtype, TWIN, "twin", 0.0, 0.0, 0, like.extra_bytes_per_rank, "-",
                    floor_bytes=like.floor_bytes)  # fmt: skip
     timed.append((unchecked_twin(steady), twin_row))
-    timings = interleaved_ms([method.update for method, _ in timed], 1, cfg["verdict_repeats"], before=next_weights,
+    timings = interleaved_ms([method.update for method, _ in timed], 1, repeats, before=next_weights,
                              synchronize=synchronize)  # fmt: skip
     before = cfg["warmup"] + cfg["repeats"] + 1  # the calls so far: the main rounds and the one that counts bytes
     for (method, row), timing in zip(timed, timings, strict=True):
         row.verdict_rounds_ms = timing.rounds_ms
-        row.verdict_timed = (before + 2, before + 1 + cfg["verdict_repeats"])
+        row.verdict_timed = (before + 2, before + 1 + repeats)
         row.screened = method.screened() if method.screened else None
     twin_row.ms_median, twin_row.ms_p90 = timings[-1].median_ms, timings[-1].p90_ms
     return [twin_row]
@@ -1032,10 +1034,15 @@ def training_loop(cfg: dict, device: torch.device) -> tuple[list, str]:
 
 
 def check_rounds(cfg: dict) -> None:
-    """``warmup``, ``repeats`` and ``verdict_repeats`` are counts (``repeats`` at least 1: a median
-    needs a round), refused in one line naming the key before any engine starts."""
-    for key, least in (("warmup", 0), ("repeats", 1), ("verdict_repeats", 0)):
-        value = cfg.get(key)
+    """``warmup``, ``repeats`` and each shape's ``verdict_repeats`` are counts (``repeats`` at least
+    1: a median needs a round), refused in one line naming the key before any engine starts."""
+    verdicts, shapes = cfg.get("verdict_repeats"), sorted(cfg.get("shapes") or {})
+    if not isinstance(verdicts, dict) or sorted(verdicts) != shapes:
+        raise configs.ConfigError(
+            f"verdict_repeats: {verdicts!r}; expected a count of rounds for each shape of {shapes}"
+        )
+    counts = [("warmup", cfg.get("warmup"), 0), ("repeats", cfg.get("repeats"), 1)]
+    for key, value, least in counts + [(f"verdict_repeats.{shape}", verdicts[shape], 0) for shape in shapes]:
         if type(value) is not int or value < least:
             raise configs.ConfigError(f"{key}: {value!r} is not a count of rounds; expected an int >= {least}")
 

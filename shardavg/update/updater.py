@@ -4,7 +4,7 @@ An ``Updater`` keeps the state's live views grouped for the fused kernels (``fus
 regroups them only when the engine really changed them; it stages local shards for offloaded
 shadows and casts (``staging.py``); it screens them for NaN and infinity, on the host, or on an
 accelerator without a host read (the verdicts read later, ``settle``), or takes the loop's own
-verdict instead where it can be trusted (``Given``, ``trusted``); it looks up each rule's weight;
+verdict instead where it can be trusted (``Given``, ``_screening``); it looks up each rule's weight;
 and it is the one place that counts an update, applied or skipped. No collective runs here.
 
 The loop's verdict (``update(finite=...)``: a skipped optimizer step, or the total gradient norm)
@@ -80,28 +80,33 @@ class Given(NamedTuple):
         return None
 
 
+TRUE = Given(True, "True")  # a true verdict read on the host (its name is shown only when false)
+FALSE = Given(False, "False")
+
+
 def taken(finite: object, on_host: bool = False) -> Given | None:
     """``update(finite=...)`` checked and taken: a bool, a 0-d bool tensor, or a floating tensor whose
     elements are all finite (a total gradient norm); None: no verdict. No host read: a tensor's
     verdict is a new 0-d bool tensor on its device (a copy: the loop may overwrite its own), except
     with ``on_host`` for a tensor on the CPU, read at once as a Python bool (where the update reads
-    its verdict on the host anyway). The usual one, a 0-d or one-element floating CPU tensor, is
-    read by one ATen call (``item()``) and the fewest attribute reads: an update runs just after
-    the optimizer (or another update) streamed the weights through the caches, so each distinct
-    call here costs 10-30 us instead of 0.1-1 (measured on a 2-core Xeon: this way 53 us cold, the
-    general checks below 113, no verdict 11).
+    its verdict on the host anyway). The usual ones, a bool and a 0-d or one-element floating CPU
+    tensor, are read by the fewest calls (a tensor: one ATen call, ``item()``) into a verdict made
+    once (``TRUE``): an update runs just after the optimizer (or another update) streamed the
+    weights through the caches, so each distinct call here costs 2-30 us instead of 0.1-1
+    (measured on a 2-core Xeon: ``item()`` 27 us cold, a call that does nothing 5, the general
+    checks below 113).
 
     Raises:
         TypeError: Anything else (an int, a float, an integer tensor).
         ValueError: A bool tensor of more than one element, an empty tensor, or a DTensor that is
             not replicated (FSDP2's ``clip_grad_norm_`` returns a partial one).
     """
-    if finite is None or isinstance(finite, bool):
-        return None if finite is None else Given(finite, repr(finite))
+    if finite is None or finite is True or finite is False:
+        return None if finite is None else TRUE if finite else FALSE
     if on_host and type(finite) is torch.Tensor and finite.is_cpu and finite.numel() == 1:  # (a plain tensor)
         value = finite.item()  # (a bool or an int falls through to the checks below)
         if type(value) is float:
-            return Given(True, "") if math.isfinite(value) else Given(False, _nonfinite_shown(finite))
+            return TRUE if math.isfinite(value) else Given(False, _nonfinite_shown(finite))
     if not isinstance(finite, torch.Tensor) or not (finite.dtype == torch.bool or finite.dtype.is_floating_point):
         kind = f"a {finite.dtype} tensor" if isinstance(finite, torch.Tensor) else type(finite).__name__
         raise TypeError(
@@ -174,7 +179,7 @@ class Updater:
     types whose groups run the Triton kernel where it is available) and
     ``torn`` (in the background: why the average cannot be trusted, once a write it did not wait
     for was seen; None while it can), ``ordinal`` (due updates taken so far) and ``trusted_until``
-    (the last of them that may take the loop's verdict instead of the screen, see ``trusted``)."""
+    (the last of them that may take the loop's verdict instead of the screen, see ``_screening``)."""
 
     kernel_devices: frozenset[str] = frozenset({"cuda"})
 
@@ -187,7 +192,9 @@ class Updater:
         self.watched: list[torch.Tensor] = []  # in the background: what the thread reads, by version counter
         self.watched_names: list[str] = []  # the tensor each belongs to
         self.torn: str | None = None
-        self.groups: list[UpdateGroup] = self._group()
+        self.groups: list[UpdateGroup] = []
+        self.kernel_grouped = False  # whether a group ran the Triton kernel when grouped (``may_mask``)
+        self._regroup()
         self.guard_forwards()
         self.stager = Stager()  # staging buffers for offloaded shadows and casts, kept between updates
         self.on_device: bool | None = None
@@ -196,7 +203,7 @@ class Updater:
         self.pending: deque[Issued] = deque()
         self.weight_tables: dict[tuple, torch.Tensor] = {}
         self.device_counters: dict[torch.device, torch.Tensor] = {}
-        # Where the loop's verdict stands in for the screen (``trusted``): due updates so far, the
+        # Where the loop's verdict stands in for the screen (``_screening``): due updates so far, the
         # last one trusted, and the first whose clean screen may extend that (``distrust``).
         self.ordinal = self.trusted_until = self.trust_from = 0
         self.distrust()
@@ -274,9 +281,10 @@ class Updater:
         """The update of a due step, its groups current: checked (by the screen, the loop's
         verdict ``given``, or both), applied and counted."""
         with torch.no_grad():  # (per thread: this may run on the background's)
-            given = self._read_where_free(given)
+            if given is not None and type(given.ok) is not bool:  # (a bool, the usual case: nothing to read)
+                given = self._read_where_free(given)
             on_device = self.check_on_device(given)
-            if given is not None and not on_device:  # (read on the host, as the screen's verdict is here)
+            if given is not None and type(given.ok) is not bool and not on_device:  # (read here, as the screen's is)
                 given = Given(bool(given.ok), given.shown)
             if given is not None and given.ok is False:  # (nothing to read or write, nor to wait for)
                 self._refused(given.shown, self.state.step, "skipping")
@@ -295,10 +303,10 @@ class Updater:
         self._counted()
         return True
 
-    def _read_where_free(self, given: Given | None) -> Given | None:
-        """``given`` read on the host where that is free: a verdict on the CPU for an update that runs
-        elsewhere (moving it to the device would wait for the device instead)."""
-        if given is None or isinstance(given.ok, bool) or given.ok.device.type != "cpu":
+    def _read_where_free(self, given: Given) -> Given:
+        """A tensor verdict ``given`` read on the host where that is free: on the CPU, for an update
+        that runs elsewhere (moving it to the device would wait for the device instead)."""
+        if given.ok.device.type != "cpu":  # type: ignore[union-attr]
             return given
         if all(group.live_tensors[0].device.type == "cpu" for group in self.groups):
             return given  # (the CPU standing in for a device: the verdict stays a tensor, as on CUDA)
@@ -360,17 +368,13 @@ class Updater:
 
     # ------------------------------------------------------------------ the non-finite check
 
-    def trusted(self) -> bool:
-        """Whether the update being taken (``ordinal``) may take the loop's verdict instead of the
-        screen: within ``screen_every`` updates of one whose screen found every local shard finite
-        (the weights were finite then; with finite gradients, a torch optimizer moves each weight
-        by a finite amount), and nothing since made that screen's word stale (``distrust``)."""
-        return self.ordinal <= self.trusted_until
-
     def _screening(self, given: Given | None) -> bool:
         """Whether this update runs the non-finite screen: with the check on, unless the loop's
-        verdict can stand in for it (``trusted``)."""
-        return self.state.options.on_nonfinite != "off" and (given is None or not self.trusted())
+        verdict can stand in for it, as it can for the update being taken (``ordinal``) within
+        ``screen_every`` updates of one whose screen found every local shard finite (the weights
+        were finite then; with finite gradients, a torch optimizer moves each weight by a finite
+        amount), nothing since having made that screen's word stale (``distrust``)."""
+        return self.state.options.on_nonfinite != "off" and (given is None or self.ordinal > self.trusted_until)
 
     def _trust(self, ordinal: int) -> None:
         """The screen of update ``ordinal`` found every local shard finite: the next ``screen_every
@@ -415,8 +419,11 @@ class Updater:
 
     def may_mask(self) -> bool:
         """Whether an update may be masked on the device by a verdict left there (``check_on_device``):
-        where a group runs the Triton kernel, or the masked ATen path is chosen (``on_device``)."""
-        return self.on_device is True or any(group.kernel for group in self.groups)
+        where a group ran the Triton kernel when grouped (``kernel_grouped``; a kernel that failed
+        since leaves this true, and ``check_on_device`` then finds no group runs it), or the masked
+        ATen path is chosen (``on_device``). Read at every update that takes a verdict, so it reads
+        no group: with the caches cold each call costs microseconds (see ``taken``)."""
+        return self.on_device is True or self.kernel_grouped
 
     def check_on_device(self, given: Given | None = None) -> bool:
         """Whether the non-finite check (the screen, or the loop's verdict ``given``) stays on the
@@ -428,11 +435,11 @@ class Updater:
         update costs a scratch and a second kernel per piece: measured on an H200
         (docs/benchmarks.md), more than the host's one wait per update, so the host reads one flag
         per group there."""
+        if not self.may_mask():  # (the host's check, the CPU's: decided by the fewest calls, see taken)
+            return False
         state = self.state
         on_device_verdict = given is not None and isinstance(given.ok, torch.Tensor)
         if (state.options.on_nonfinite == "off" and not on_device_verdict) or state.num_updates == 0:
-            return False
-        if not self.may_mask():  # (the host's check, without a look at the rules and groups: see taken)
             return False
         if not all(isinstance(average.rule, LerpRule) for average in state.averages.values()):
             return False
@@ -548,9 +555,14 @@ class Updater:
             or [data_ptr(live[index]) for index in self.buffer_copies] != self.copied_pointers
         ):
             self.state.adopt(live)
-            self.groups = self._group()
+            self._regroup()
             self.distrust()  # (new live tensors: new values, perhaps, that no verdict has seen)
         self.followed = live
+
+    def _regroup(self) -> None:
+        """The fused groups made anew (``groups``), and whether one runs the Triton kernel."""
+        self.groups = self._group()
+        self.kernel_grouped = any(group.kernel for group in self.groups)
 
     def _group(self) -> list[UpdateGroup]:
         """The fused groups; in the background the stored buffers are read from their copies."""
