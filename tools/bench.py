@@ -210,16 +210,17 @@ def count_screens(average: WeightAverager, update: Callable[[], object]) -> tupl
     them (``unchecked_twin``)."""
     updater = average._state.updater
     decide = getattr(updater, "_screening", None)
-    calls, screens = [0], []
+    calls, screens = 0, []
 
     def counted() -> None:
-        calls[0] += 1
+        nonlocal calls
+        calls += 1
         update()
 
     def screening(given: object) -> bool:
         screen = decide(given)
         if screen:
-            screens.append(calls[0])
+            screens.append(calls)
         return screen
 
     if decide is not None:
@@ -543,14 +544,13 @@ def run_case(kind: str, shape_name: str, shape: dict, dtype: torch.dtype, cfg: d
                 int(extra), "", floor_bytes=method.floor_bytes, screened=screened, timed=window,
                 rounds_ms=timing.rounds_ms)
         )  # fmt: skip
-    against_memory(rows)
     # (AveragedModel's bf16 copy loses the average: "differs")
     checks = {"ours": "FAIL", "verdict": "FAIL", "again": "FAIL", "several": "FAIL", "replica": "differs"}
     for row, (role, result) in zip(rows, results):
         row.check = compare(result, reference, dtype, checks[role]) if role in checks else role.replace("floor", "-")
         row.check = "-" if role == "copy" else row.check
     rows.extend(verdict_phase(built, rows, cfg, next_weights, synchronize))
-    against_memory(rows)  # (the twin's columns)
+    against_memory(rows)  # (every update row's, the verdict's twin's too)
     rows.extend(
         blocked_rows(wrapped, kind, shape_name, dtype, cfg, next_weights, synchronize) if cfg["work_ms"] else []
     )
