@@ -34,7 +34,7 @@ from .rules import (
 from .strategies import detect
 from .update.options import Options
 
-__version__ = "0.12.4"
+__version__ = "0.12.5"
 
 __all__ = [
     "EMA",

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from shardavg.update.fused import FUSED_PIECE, SUMMED_NUMEL, apply, fuse, group_tensors, nonfinite
+from shardavg.update.fused import FUSED_PIECE, LERP_PIECE, SUMMED_NUMEL, apply, fuse, group_tensors, nonfinite
 from shardavg.update.staging import Stager
 
 SHAPES = [(3, 4), (0,), (5,), (2, 2), (7,)]
@@ -80,6 +80,36 @@ def test_several_averages_take_the_bits_each_would_alone_in_cache_sized_batches(
             apply(single, [weight], Stager())
     for shadows, single in zip(group.shadows, alone):
         assert all(torch.equal(a, b) for a, b in zip(shadows, single.shadows[0]))
+
+
+def test_one_average_lerps_in_long_pieces_while_the_screen_and_several_averages_keep_short_ones() -> None:
+    """A lone average lerps each fused view in pieces of up to ``LERP_PIECE`` (fewer calls), with
+    the bits of one lerp per tensor; two averages take ``FUSED_PIECE`` pieces (each read by both
+    while in cache), and the screen reads ``FUSED_PIECE`` pieces either way (a bf16 sum needs them)."""
+    torch.manual_seed(0)
+    shapes = [(FUSED_PIECE + 3,), (5,), (FUSED_PIECE,)]
+    total = sum(torch.Size(s).numel() for s in shapes)
+    lives = carved(torch.randn(total), shapes)
+    (lone,) = group_tensors(["average"] * 3, [carved(torch.zeros(total), shapes)], lives)
+    assert [[read.numel() for read in batch.reads] for batch in lone.batches] == [[total]]
+    assert [piece.numel() for piece in lone.screen.large] == [FUSED_PIECE, FUSED_PIECE]
+    assert [scratch.numel() for _, scratch in lone.screen.buckets] == [8]  # the tail, read in the scratch
+    pool = torch.zeros(2 * total)
+    (pair,) = group_tensors(["average"] * 3, [carved(pool[:total], shapes), carved(pool[total:], shapes)], lives)
+    assert [read.numel() for batch in pair.batches for read in batch.reads] == [FUSED_PIECE, FUSED_PIECE, 8]
+    plain = [torch.zeros(s) for s in shapes]
+    for weight in (None, 0.1, 0.003):
+        with torch.no_grad():
+            torch._foreach_add_(lives, 0.25)
+        apply(lone, [weight], Stager())
+        if weight is None:
+            torch._foreach_copy_(plain, lives)
+        else:
+            torch._foreach_lerp_(plain, lives, weight)
+    assert all(torch.equal(a, b) for a, b in zip(lone.shadows[0], plain))
+    longest = torch.zeros(LERP_PIECE + 1)  # longer than a lone average's piece: cut there
+    (long,) = group_tensors(["average"], [[torch.zeros_like(longest)]], [longest])
+    assert [read.numel() for batch in long.batches for read in batch.reads] == [LERP_PIECE, 1]
 
 
 def test_a_nonfinite_value_in_a_fused_run_is_named_by_its_own_tensor() -> None:
