@@ -4,7 +4,9 @@ rows (counts and exact values, never wall time)."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+import json
 import math
 import os
 import re
@@ -15,7 +17,7 @@ import pytest
 import torch
 
 from launch import config as configs
-from tools import bench, loop
+from tools import bench, bench_verdicts, loop
 
 
 class Stub:
@@ -206,6 +208,31 @@ def test_the_verdict_rows_against_the_unchecked_update_and_the_fp32_peers() -> N
     assert bench.verdict_table(rows_of_a_case("transformer", ms, {})) == ""  # (no verdict rows: no table)
     fp32 = [bench.Row("ddp", "s", "float32", "torchtitan-style", "peer", 1.0, 1.0, 0, 0, "peer")]
     assert bench.keeps_fp32(fp32[0]) and not bench.keeps_fp32(rows[-5])
+
+
+def test_the_runs_verdicts_are_read_back_from_their_json_and_a_stranger_file_is_refused(tmp_path, capsys) -> None:
+    """``tools.bench_verdicts`` reads the rows each run wrote with ``--json`` and counts, per case and
+    target, the runs that met it; a file that is not such a record is refused in one line naming it."""
+    ms = {"ours": 2.0, "ours, check off": 1.0, "floor": 1.0, "copy floor": 1.5, "stream add floor": 1.0}
+    shards = bench.Shards(1_000_000, 2)
+    paths = []
+    for run, verdict_ms in enumerate((1.02, 1.04)):
+        rows = rows_of_a_case("transformer", ms, {"torchtitan-style": 1.0})
+        rows += [
+            bench.Row("fsdp2", "transformer", "bfloat16", "ours, verdict", "verdict", verdict_ms, verdict_ms, 0, 0,
+                      "bitwise", floor_bytes=shards.update_bytes(False), screened=[1], timed=(4, 18)),
+            bench.Row("fsdp2", "transformer", "bfloat16", "ours, verdict, screen_every=1", "verdict", 3.0, 3.0, 0, 0,
+                      "bitwise", floor_bytes=shards.update_bytes(True), timed=(4, 18)),
+        ]  # fmt: skip
+        paths.append(tmp_path / f"run{run}.json")
+        paths[-1].write_text(json.dumps({"rows": [dataclasses.asdict(row) for row in rows]}))
+    bench_verdicts.main([str(path) for path in paths])
+    across = capsys.readouterr().out.split("| engine | shape | live | verdict / check off (<= 1.03)")[-1]
+    assert "| fsdp2 | transformer | bfloat16 | 1.020, 1.040 (1 of 2 met) |" in across, across
+    stranger = tmp_path / "config.json"
+    stranger.write_text(json.dumps({"engines": ["ddp"]}))
+    with pytest.raises(SystemExit, match=r"config\.json: not the JSON of a tools\.bench run \(KeyError: 'rows'\)"):
+        bench_verdicts.main([str(paths[0]), str(stranger)])
 
 
 def test_the_verdict_ratios_pair_the_runs_of_each_round() -> None:

@@ -13,17 +13,23 @@ an averager's buffers fall. Nothing is measured here.
 
 from __future__ import annotations
 
+import argparse
 import json
-import sys
 from pathlib import Path
 
 from tools import bench
 
 
 def rows_of(path: Path) -> list[bench.Row]:
-    """The rows a bench run wrote with ``--json``."""
-    record = json.loads(path.read_text())
-    return [bench.Row(**{**row, "timed": tuple(row.get("timed", (0, 0)))}) for row in record["rows"]]
+    """The rows a bench run wrote with ``--json``; a file that is not one is refused by name."""
+    try:
+        record = json.loads(path.read_text())
+        return [bench.Row(**{**row, "timed": tuple(row.get("timed", (0, 0)))}) for row in record["rows"]]
+    except (OSError, ValueError, KeyError, TypeError) as error:
+        raise SystemExit(
+            f"{path}: not the JSON of a tools.bench run ({type(error).__name__}: {error}); "
+            "write one with `torchrun ... -m tools.bench --json FILE`"
+        ) from None
 
 
 def across(runs: list[list[bench.Row]]) -> str:
@@ -54,12 +60,15 @@ def across(runs: list[list[bench.Row]]) -> str:
     return "\n".join(lines)
 
 
-def main(paths: list[str]) -> None:
-    runs = [rows_of(Path(path)) for path in paths]
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m tools.bench_verdicts", description=__doc__.split("\n")[0])
+    parser.add_argument("runs", nargs="+", type=Path, help="the --json files of tools.bench runs, in order")
+    paths = parser.parse_args(argv).runs
+    runs = [rows_of(path) for path in paths]
     for path, rows in zip(paths, runs):
         print(f"{path}:\n\n{bench.verdict_table(rows)}\n")
     print(across(runs))
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    main()
