@@ -49,7 +49,7 @@ FUSED_PIECE = 2**20
 # One average lerps its fused views (same dtype, no kernel) in pieces of up to this many elements:
 # each piece is a call with its own dispatch and threads' join, and on a 2-core Xeon the fp32 update
 # of FSDP1's and DDP's 50M-parameter transformer ran 1.5-2% slower in 1M-element pieces than in
-# 16M-element ones (whole views were no faster).
+# 16M-element ones (FSDP1's whole views were no faster than 16M).
 LERP_PIECE = 2**24
 # A cast is staged in pieces of this many elements, up to STAGED_ELEMENTS per batch: on a 2-core
 # EPYC a bf16-to-fp32 cast and lerp ran fastest at 128K x 8 (5.9 ms for 12.6M elements, where a
