@@ -16,8 +16,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from launch import config as configs
-from tools import bench, bench_verdicts, loop
+pytest.importorskip("yaml", reason="PyYAML (the job's configs) is not installed (pip install -e '.[launch]')")
+from launch import config as configs  # noqa: E402
+from tools import bench, bench_verdicts, loop  # noqa: E402
 
 
 class Stub:

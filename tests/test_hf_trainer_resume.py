@@ -1,25 +1,30 @@
 """The Hugging Face Trainer callback in one process: an average is never paired with other weights
 on resume (a copied checkpoint, an earlier run's folder at the same step, a checkpoint without
 an average), and the export is what ``from_pretrained`` loads, the best checkpoint's average with
-``load_best_model_at_end``; more than one process taking itself for the Trainer's process zero is
-refused under ``save_total_limit``. (Training under DDP and ZeRO-3 is tested under torchrun.)"""
+``load_best_model_at_end``; more than one process taking itself for the Trainer's process zero (of
+the run, or of one node with ``save_on_each_node``) is refused under ``save_total_limit``. (Training
+under DDP and ZeRO-3, and that refusal under ZeRO-3, are tested under torchrun.)"""
 
 from __future__ import annotations
 
 import shutil
+import socket
 import warnings
 from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file
-from scenario_hf_trainer import Tokens, tiny_gpt2
-from transformers import GPT2LMHeadModel, Trainer, TrainingArguments
 
-import shardavg.integrations.transformers as hf
-from shardavg import EMA, CheckpointError
-from shardavg.integrations.transformers import WeightAveragingCallback, with_weight_averaging
-from shardavg.offline.saved_average import SavedAverage
+pytest.importorskip("transformers", reason="transformers is not installed (pip install -e '.[transformers]')")
+pytest.importorskip("accelerate", reason="accelerate is not installed (pip install -e '.[transformers]')")
+from scenario_hf_trainer import Tokens, tiny_gpt2  # noqa: E402
+from transformers import GPT2LMHeadModel, Trainer, TrainingArguments  # noqa: E402
+
+import shardavg.integrations.transformers as hf  # noqa: E402
+from shardavg import EMA, CheckpointError  # noqa: E402
+from shardavg.integrations.transformers import WeightAveragingCallback, with_weight_averaging  # noqa: E402
+from shardavg.offline.saved_average import SavedAverage  # noqa: E402
 
 STEPS = 6
 
@@ -142,3 +147,32 @@ def test_every_rank_saving_without_a_limit_is_said_once_per_run(tmp_path, monkey
     with pytest.warns(UserWarning, match=r"each writes the same checkpoint files in .*out.*use_configured_state"):
         run.train()
     assert averaging.averager.num_updates == 2
+
+
+def test_both_ranks_of_one_node_rotating_with_save_on_each_node_is_refused(tmp_path, monkeypatch) -> None:
+    # Every rank is then also its node's local process zero: both ranks of this machine would rotate
+    # output_dir as above. Before: the check trusted save_on_each_node, and the run trained.
+    two_processes_zero(monkeypatch)
+    run = trainer(tmp_path / "out", steps=4, save_total_limit=2, save_on_each_node=True)
+    with_weight_averaging(run, EMA(decay=0.9))
+    with pytest.raises(CheckpointError) as refused:
+        run.train()
+    said = str(refused.value)
+    node = f"ranks [0, 1] on host {socket.gethostname()} (of 2) each take themselves for the Trainer's process zero"
+    assert f"{node} of their node (save_on_each_node=True expects one per node" in said, said
+    assert "save_total_limit=2 keeps" in said and '"use_configured_state": True' in said, said
+    assert not list((tmp_path / "out").glob("checkpoint-*"))
+
+
+def test_one_saver_on_each_node_with_save_on_each_node_trains_without_a_word(tmp_path, monkeypatch) -> None:
+    # Two nodes (this machine and another), each with its local process zero saving: what
+    # save_on_each_node asks for, so neither refused nor warned about.
+    two_processes_zero(monkeypatch)
+    monkeypatch.setattr(hf, "all_gathered", lambda value: [value, ("another-node", value[1])])
+    run = trainer(tmp_path / "out", steps=4, save_total_limit=2, save_on_each_node=True)
+    averaging = with_weight_averaging(run, EMA(decay=0.9))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        run.train()
+    assert not [w for w in caught if "process zero" in str(w.message)], [str(w.message) for w in caught]
+    assert averaging.averager.num_updates == 4

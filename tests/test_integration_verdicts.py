@@ -1,6 +1,8 @@
 """The integrations hand ``update(finite=...)`` the verdict their engine already has: a step the
 optimizer skipped (a ``GradScaler`` that found an infinite gradient) is neither averaged nor counted,
-and a non-finite gradient norm the loop clipped with skips the step instead of raising. Each engine
+and a non-finite gradient norm the loop clipped with skips the update and has the weights screened
+at that step: the NaN the optimizer wrote with it raises there under ``on_nonfinite="raise"`` (the
+default), and under ``"skip"`` every later update is skipped while it stays. Each engine
 runs here in one process on the CPU; a ``GradScaler`` runs on the CPU too (accelerate and the Trainer
 make none there: one is installed by hand). The average is compared bitwise with an EMA of the
 weights after the applied steps only."""
@@ -9,17 +11,21 @@ from __future__ import annotations
 
 import warnings
 
-import lightning as L
 import pytest
 import torch
-from accelerate import Accelerator
-from lightning.pytorch.plugins.precision import MixedPrecision
-from scenario_hf_trainer import Tokens, tiny_gpt2
-from transformers import Trainer, TrainerCallback, TrainingArguments
 
-from launch.engines import Wrapped
-from shardavg import EMA, WeightAverager
-from shardavg.integrations import accelerate, lightning, transformers
+pytest.importorskip("lightning", reason="lightning is not installed (pip install -e '.[lightning]')")
+pytest.importorskip("accelerate", reason="accelerate is not installed (pip install -e '.[accelerate]')")
+pytest.importorskip("transformers", reason="transformers is not installed (pip install -e '.[transformers]')")
+import lightning as L  # noqa: E402
+from accelerate import Accelerator  # noqa: E402
+from lightning.pytorch.plugins.precision import MixedPrecision  # noqa: E402
+from scenario_hf_trainer import Tokens, tiny_gpt2  # noqa: E402
+from transformers import Trainer, TrainerCallback, TrainingArguments  # noqa: E402
+
+from launch.engines import Wrapped  # noqa: E402
+from shardavg import EMA, NonFiniteError, WeightAverager  # noqa: E402
+from shardavg.integrations import accelerate, lightning, transformers  # noqa: E402
 
 DECAY = 0.5
 
@@ -89,30 +95,36 @@ def test_accelerate_never_counts_a_step_its_scaler_skipped() -> None:
     assert_ema_of(avg, applied)
 
 
-def test_accelerate_skips_on_the_norm_it_clipped_with() -> None:
-    """Without a scaler the optimizer applies a NaN gradient; the norm clipped with says so, and the
-    step is skipped with a warning where the averager's screen would raise."""
+@pytest.mark.parametrize("policy", ["raise", "skip"])
+def test_accelerate_screens_at_the_norm_it_clipped_with(policy) -> None:
+    """Without a scaler the optimizer applies a NaN gradient; the norm clipped with says so: the
+    update is skipped and the weights screened at that step, which finds the NaN the optimizer
+    wrote (raised, or warned at each later step it stays, never averaged)."""
     accelerator = Accelerator(cpu=True)
     torch.manual_seed(0)
     model = torch.nn.Linear(4, 2)
     model, optimizer = accelerator.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
-    avg = WeightAverager(model, EMA(decay=DECAY))
+    avg = WeightAverager(model, EMA(decay=DECAY), on_nonfinite=policy)
     accelerate.attach(accelerator, avg)
     poison_at(model.weight, {3}, float("nan"))
     applied = []
-    for step in range(1, 4):
+    for step in range(1, 6):
         optimizer.zero_grad()
         accelerator.backward(model(torch.randn(3, 4)).pow(2).mean())
         accelerator.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
         if step < 3:
             applied.append(weights_of(model))
-        with warnings.catch_warnings(record=True):
+        if step == 3 and policy == "raise":
+            with pytest.raises(NonFiniteError, match=r"\['weight', 'bias'\] at step 3 on rank 0, after the loop's verdict"):
+                avg.update(finite=accelerate.verdict(accelerator))
+            break
+        with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             avg.update(finite=accelerate.verdict(accelerator))
+        assert any(f"step {step}" in str(w.message) and "'weight'" in str(w.message) for w in caught) == (step >= 3)
     assert model.weight.isnan().any()  # the optimizer took the step
-    assert accelerate.verdict(accelerator) is None  # nothing clipped since: no verdict
-    assert (avg.num_updates, avg.num_skipped) == (2, 1)
+    assert (avg.num_updates, avg.num_skipped) == (2, 0 if policy == "raise" else 3)
     assert_ema_of(avg, applied)
 
 
@@ -143,16 +155,23 @@ class Recorded(L.Callback):
 
 
 @pytest.mark.parametrize(
-    ("precision", "clip", "poison"),
-    [("16-mixed", None, float("inf")), ("32-true", 1.0, float("nan")), ("bf16-mixed", 1.0, float("nan"))],
+    ("precision", "clip", "poison", "policy"),
+    [
+        ("16-mixed", None, float("inf"), "raise"),
+        ("32-true", 1.0, float("nan"), "skip"),
+        ("bf16-mixed", 1.0, float("nan"), "skip"),
+        ("32-true", 1.0, float("nan"), "raise"),
+    ],
 )
-def test_lightning_passes_the_scaler_skip_and_the_norm_it_clipped_with(precision, clip, poison) -> None:
-    """16-mixed: the GradScaler skips step 3 (Lightning still counts it); with ``gradient_clip_val``
-    the norm Lightning clipped with skips the last step, whose NaN the optimizer applied."""
+def test_lightning_passes_the_scaler_skip_and_the_norm_it_clipped_with(precision, clip, poison, policy) -> None:
+    """16-mixed: the GradScaler skips step 3 (Lightning still counts it), its weights screened
+    finite; with ``gradient_clip_val`` the norm Lightning clipped with skips the last step, whose
+    NaN the optimizer applied, and the screen at that step finds it: warned under "skip", raised
+    out of ``fit`` under "raise"."""
     module, recorded = Tiny(), Recorded()
     bad = 3 if precision == "16-mixed" else 5
     poison_at(module.layer.weight, {bad}, poison)
-    averaging = lightning.ShardedWeightAveraging(decay=DECAY)
+    averaging = lightning.ShardedWeightAveraging(decay=DECAY, on_nonfinite=policy)
     # (Lightning turns precision="16-mixed" into bf16 on the CPU; its plugin, given, keeps a scaler, whose
     # scale is small enough that only the poisoned step overflows)
     scaler = torch.amp.GradScaler("cpu", init_scale=16.0)
@@ -164,11 +183,17 @@ def test_lightning_passes_the_scaler_skip_and_the_norm_it_clipped_with(precision
         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, **mixed,
     )  # fmt: skip
     data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.randn(20, 4)), batch_size=4)
+    written = precision != "16-mixed"  # (the scaler skipped its step: the weights stay finite)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
+        if written and policy == "raise":
+            with pytest.raises(NonFiniteError, match=rf"\['layer.weight', 'layer.bias'\] at step {bad} on rank 0, after the loop"):
+                trainer.fit(module, data)
+            return
         trainer.fit(module, data)
     assert trainer.global_step == 5
-    assert any(f"step {bad}" in str(w.message) for w in caught if issubclass(w.category, RuntimeWarning))
+    warned = [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning) and f"step {bad}" in str(w.message)]
+    assert len(warned) == 1 and ("'layer.weight'" in warned[0]) == written, warned
     avg = averaging.averager
     assert (avg.num_updates, avg.num_skipped) == (4, 1)
     assert_ema_of(avg, [weights for step, weights in recorded.after if step != bad])
@@ -188,10 +213,11 @@ class Recorder(TrainerCallback):
         self.after.append(weights_of(model))
 
 
-def test_hf_trainer_skips_on_the_norm_it_clipped_with(tmp_path) -> None:
+@pytest.mark.parametrize("policy", ["raise", "skip"])
+def test_hf_trainer_screens_at_the_norm_it_clipped_with(tmp_path, policy) -> None:
     """The Trainer clips through its accelerator; bound, the callback gets that norm, and the last
-    step, whose NaN gradient the optimizer applied, is skipped (with a warning) where the screen
-    would raise."""
+    step, whose NaN gradient the optimizer applied, is skipped and its weights screened: the NaN
+    raises out of ``train()`` under "raise", and is warned about, naming the tensor, under "skip"."""
     args = TrainingArguments(
         output_dir=str(tmp_path), per_device_train_batch_size=4, max_steps=5, learning_rate=1e-2,
         lr_scheduler_type="constant", save_strategy="no", report_to=[], seed=0, use_cpu=True, disable_tqdm=True,
@@ -200,13 +226,20 @@ def test_hf_trainer_skips_on_the_norm_it_clipped_with(tmp_path) -> None:
     trainer = Trainer(model=model, args=args, train_dataset=Tokens(32, 1))
     recorder = Recorder()
     trainer.add_callback(recorder)
-    averaging = transformers.with_weight_averaging(trainer, EMA(decay=DECAY))
+    averaging = transformers.with_weight_averaging(trainer, EMA(decay=DECAY), on_nonfinite=policy)
     poison_at(model.transformer.h[0].mlp.c_fc.weight, {5}, float("nan"))
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        trainer.train()
+        if policy == "raise":
+            with pytest.raises(NonFiniteError, match=r"'transformer.h.0.mlp.c_fc.weight'.* at step 5 on rank 0, after"):
+                trainer.train()
+        else:
+            trainer.train()
     assert not model.transformer.h[0].mlp.c_fc.weight.isfinite().all()  # the optimizer took the step
-    assert any("step 5" in str(w.message) for w in caught if issubclass(w.category, RuntimeWarning))
+    if policy == "raise":
+        return
+    warned = [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning) and "step 5" in str(w.message)]
+    assert len(warned) == 1 and "transformer.h.0.mlp.c_fc.weight" in warned[0], warned
     avg = averaging.averager
     assert (avg.num_updates, avg.num_skipped) == (4, 1)
     assert_ema_of(avg, recorder.after[:4])
@@ -245,8 +278,8 @@ def test_main_job_passes_the_norm_it_clips_with() -> None:
         assert isinstance(loss, float) and isinstance(finite, torch.Tensor) and finite.isfinite() == (step == 1)
         if step == 1:
             applied.append(weights_of(module))
-        with warnings.catch_warnings(record=True):
-            warnings.simplefilter("always")
             avg.update(step, finite=finite)
-    assert (avg.num_updates, avg.num_skipped) == (1, 1)
+    with pytest.raises(NonFiniteError, match=r"\['weight', 'bias'\] at step 2 on rank 0, after the loop's verdict"):
+        avg.update(2, finite=finite)  # (the optimizer applied the NaN gradient the norm saw)
+    assert (avg.num_updates, avg.num_skipped) == (1, 0)
     assert_ema_of(avg, applied)

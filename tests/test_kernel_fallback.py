@@ -4,7 +4,8 @@ one that compiles to wrong bits, forced onto the CPU through Triton's interprete
 tests/test_device_check.py forces the kernel path. In each, ``update()`` returns, the averages are
 bitwise those of the host-checked ATen path over several updates, and one warning names the
 device, the Triton version and the error. The self-check runs once per device, and
-``SHARDAVG_KERNEL=0`` turns the kernel off by hand."""
+``SHARDAVG_KERNEL=0`` turns the kernel off by hand (so do ``false``, ``off`` and ``no``, in any case;
+a value not understood is warned about once)."""
 
 from __future__ import annotations
 
@@ -248,3 +249,37 @@ def test_shardavg_kernel_0_turns_the_kernel_off(model, trainer, stand_in, checks
     assert_bitwise(on_host, on_device)
     monkeypatch.setenv(kernels.SWITCH, "1")
     assert kernels.usable(torch.device("cpu")) and checks == [torch.device("cpu")]
+
+
+@pytest.mark.parametrize("value", ["false", "off", "no", " 0", "FALSE", "Off\n"])
+def test_the_usual_spellings_of_off_turn_the_kernel_off(stand_in, checks, monkeypatch, value: str) -> None:
+    """In any case, with spaces around: no self-check, no launch, no warning."""
+    monkeypatch.setenv(kernels.SWITCH, value)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert not kernels.usable(torch.device("cpu"))
+    assert checks == [] and stand_in.launches == 0
+
+
+@pytest.mark.parametrize("value", ["", "1", "true", "ON", " yes "])
+def test_the_usual_spellings_of_on_leave_the_kernel_on_without_a_word(monkeypatch, value: str) -> None:
+    monkeypatch.setenv(kernels.SWITCH, value)
+    kernels.reset()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert not kernels.switched_off()
+
+
+def test_a_value_not_understood_is_warned_about_once_and_leaves_the_kernel_on(stand_in, checks, monkeypatch) -> None:
+    """A user who meant "off" learns that the kernel still runs, and how to say it; once per value."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for value in ("disable", "disable", "2"):
+            monkeypatch.setenv(kernels.SWITCH, value)
+            assert kernels.usable(torch.device("cpu")) and kernels.usable(torch.device("cpu"))
+    given = [w for w in caught if str(w.message).startswith(f"shardavg: {kernels.SWITCH}=")]
+    assert [w.category for w in given] == [RuntimeWarning, RuntimeWarning], [str(w.message) for w in given]
+    assert str(given[0].message).startswith(f"shardavg: {kernels.SWITCH}='disable' in the environment is not")
+    assert str(given[1].message).startswith(f"shardavg: {kernels.SWITCH}='2' in the environment")
+    assert "set SHARDAVG_KERNEL to 0/false/off/no (in any case) to turn it off" in str(given[0].message)
+    assert checks == [torch.device("cpu")] and kernel_warnings(caught) == []

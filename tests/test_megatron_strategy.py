@@ -2,30 +2,34 @@
 average exported and checkpointed by Megatron's own ``dist_checkpointing``, and every refusal,
 each naming the tensor. Tensor and pipeline parallelism: ``tests_distributed/test_megatron.py``.
 
-megatron-core is in the ``test`` extra (``pip install -e .[test]``): imported, never skipped."""
+megatron-core is in the ``test`` extra (``pip install -e .[test]``); where it is missing (a Python it has
+no wheel for), the module is skipped with the reason, as the DeepSpeed tests are without DeepSpeed."""
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
 import queue
+import re
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
-from megatron.core import dist_checkpointing
-from megatron.core import parallel_state as ps
-from megatron.core.dist_checkpointing.strategies import filesystem_async
-from megatron.core.models.gpt import GPTModel
-from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-from megatron.core.transformer.transformer_config import TransformerConfig
 from safetensors.torch import load_file
 from torch.optim.swa_utils import get_ema_multi_avg_fn
 
 import shardavg
 from shardavg import EMA, CheckpointError, StrategyError, WeightAverager
+
+pytest.importorskip("megatron.core", reason="megatron-core is not installed (pip install -e '.[megatron]')")
+from megatron.core import dist_checkpointing  # noqa: E402
+from megatron.core import parallel_state as ps  # noqa: E402
+from megatron.core.dist_checkpointing.strategies import filesystem_async  # noqa: E402
+from megatron.core.models.gpt import GPTModel  # noqa: E402
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec  # noqa: E402
+from megatron.core.transformer.transformer_config import TransformerConfig  # noqa: E402
 
 DECAY = 0.5
 
@@ -134,6 +138,19 @@ def test_the_average_in_megatrons_own_checkpoints(world_of_one: None, tmp_path: 
     with pytest.raises(CheckpointError, match=r"'ema\.embedding\.word_embeddings\.weight'"):
         restored.load_sharded_state_dict({k: v for k, v in loaded.items() if "word_embeddings" not in k})
     assert all(torch.equal(a, b) for a, b in zip(shadows, restored.shadows()))  # nothing changed
+
+
+def test_a_prefix_that_is_not_a_str_is_refused_naming_prefix(world_of_one: None) -> None:
+    """Not Python's ``TypeError`` of ``None + "key"``, which never says which argument: refused as it
+    enters, naming ``prefix`` and what it takes, and nothing changes."""
+    averager, _ = averaged(gpt(), 2)
+    shadows = [s.clone() for s in averager.shadows()]
+    for prefix in (None, 5, b"ema."):
+        with pytest.raises(TypeError, match=rf"^sharded_state_dict\(prefix={re.escape(repr(prefix))}\): prefix must"):
+            averager.sharded_state_dict(prefix=prefix)
+        with pytest.raises(TypeError, match=r"^load_sharded_state_dict\(prefix=.*\): prefix must be a str, the one"):
+            averager.load_sharded_state_dict(averager.sharded_state_dict(), prefix=prefix)
+    assert averager.num_updates == 2 and all(torch.equal(a, b) for a, b in zip(shadows, averager.shadows()))
 
 
 @contextlib.contextmanager

@@ -9,6 +9,7 @@ The inputs are built by the other merge tests' builders."""
 from __future__ import annotations
 
 import os
+import re
 import shutil
 from collections.abc import Callable
 from pathlib import Path
@@ -167,3 +168,33 @@ def test_a_hub_snapshot_and_a_linked_input_are_read_and_an_averagers_files_are_n
     with pytest.raises(shardavg.CheckpointError, match=f"{shard} links to {save / 'kept.safetensors'}: a save's files"):
         shardavg.merge([save], tmp_path / "refused")
     assert not (tmp_path / "refused").exists()
+
+
+def test_an_out_that_is_a_link_is_refused_saying_where_it_points_and_what_to_pass(
+    tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    """OUT a link to an empty folder: ``merge --out``, ``export`` and an averager's ``save`` are each
+    refused in one line saying that it is a link, where it points and the real folder to pass (a save
+    would replace the link, not fill the folder); nothing is written there, and that folder works."""
+    folders, _ = inputs(tmp_path, "dcp")
+    real = tmp_path / "real"
+    real.mkdir()
+    link = tmp_path / "out"
+    link.symlink_to(real)
+    said = f"{link} is a symbolic link to {real.resolve()}: shardavg does not write through a link; pass the real "
+    said += f"folder, {real.resolve()}, instead"
+    Refusals(capsys)(*map(str, folders), "--out", str(link), match=said)
+
+    averager = trained(Trainer(TiedNet()), steps=2)
+    averager.save(tmp_path / "save")
+    capsys.readouterr()
+    assert shardavg.cli.main(["export", str(tmp_path / "save"), str(link)]) == 2
+    assert capsys.readouterr().err == f"shardavg: error: {said}\n"
+    with pytest.raises(shardavg.CheckpointError, match=re.escape(said)):
+        averager.save(link)
+    assert os.listdir(real) == [] and link.is_symlink()
+
+    (tmp_path / "notes").write_text("mine")
+    (tmp_path / "to-a-file").symlink_to(tmp_path / "notes")
+    Refusals(capsys)(*map(str, folders), "--out", str(tmp_path / "to-a-file"), match="; name a folder instead")
+    assert read_model(shardavg.merge(folders, real)).keys()

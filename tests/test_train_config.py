@@ -12,12 +12,14 @@ from pathlib import Path
 
 import pytest
 import torch
-import yaml
 from helpers import deadline
 from safetensors.torch import save_file
 
-from launch import checkpoints, train
-from launch import job as jobs
+pytest.importorskip("yaml", reason="PyYAML (the main job's configs) is not installed (pip install -e '.[launch]')")
+import yaml  # noqa: E402
+
+from launch import checkpoints, train  # noqa: E402
+from launch import job as jobs  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = ROOT / "configs"

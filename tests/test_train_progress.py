@@ -5,9 +5,12 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from tqdm import tqdm
+import pytest
 
-from launch.progress import Progress
+pytest.importorskip("tqdm", reason="tqdm (the main job's bar) is not installed (pip install -e '.[launch]')")
+from tqdm import tqdm  # noqa: E402
+
+from launch.progress import Progress  # noqa: E402
 
 
 def drawn_on(controller: int) -> str:

@@ -73,9 +73,12 @@ def test_a_true_verdict_stands_in_for_the_screen_and_gives_the_same_bits(model, 
 
 
 @pytest.mark.parametrize("policy", ["raise", "skip", "off"])
-def test_a_false_verdict_skips_the_update_warns_and_is_counted(model, trainer, policy) -> None:
-    """Never an error, even under "raise" with non-finite weights (a loss scaler's overflow is
-    routine); silent under "off". The averages are those of a loop that did not call update()."""
+def test_a_false_verdict_skips_the_update_and_screens_the_weights_at_its_step(model, trainer, policy) -> None:
+    """A false verdict skips the update and the weights are screened at that step: finite (a loss
+    scaler's overflow, routine), a warning and no error; not finite (step 7: what a step with
+    infinite gradients writes), ``on_nonfinite`` applies: "raise" raises naming the tensor, the step
+    and the verdict, "skip" warns once with both. Silent under "off". The averages are those of a
+    loop that did not call update() at those steps."""
     reference = WeightAverager(model, RULES, on_nonfinite=policy)
     averager = WeightAverager(model, RULES, on_nonfinite=policy, screen_every=3)
     false = {4: False, 6: torch.tensor(False), 7: torch.tensor([1.0, float("inf")]), 8: torch.tensor(float("nan"))}
@@ -86,22 +89,41 @@ def test_a_false_verdict_skips_the_update_warns_and_is_counted(model, trainer, p
             reference.update(step)
             averager.update(step, finite=grad_norm(model))
             continue
-        if step == 7:  # (the optimizer would have left NaN weights alone: the verdict is what counts)
+        if step == 7:  # (as the optimizer writes it after infinite gradients)
             with torch.no_grad():
                 model.block.up.weight[0, 0] = float("nan")
         with warnings.catch_warnings(record=True) as given:
             warnings.simplefilter("always")
-            assert averager.update(step, finite=false[step]) is False
-        expected = [] if policy == "off" else [
-            f"skipping the update at step {step} on rank 0: the loop's verdict was false (finite={shown[step]}): "
-            "its optimizer step was skipped (a loss scaler's overflow) or its gradients were not finite"
-        ]  # fmt: skip
+            if step == 7 and policy == "raise":
+                with pytest.raises(NonFiniteError) as raised:
+                    averager.update(step, finite=false[step])
+                assert str(raised.value).startswith(
+                    f"non-finite live values in ['block.up.weight'] at step 7 on rank 0, after the loop's verdict "
+                    f"on that step was false (finite={shown[7]}): a step with non-finite gradients writes NaN"
+                )
+            else:
+                assert averager.update(step, finite=false[step]) is False
+        if policy == "off":
+            expected = []
+        elif step == 7:
+            expected = [] if policy == "raise" else [
+                f"skipping the update at step 7 on rank 0: non-finite live values in ['block.up.weight'], after the "
+                f"loop's verdict on that step was false (finite={shown[7]}): a step with non-finite gradients writes "
+                "NaN (clip_grad_norm_ scales them by 1/inf = 0, and inf * 0 is NaN); every update is screened until "
+                "they are finite"
+            ]  # fmt: skip
+        else:
+            expected = [
+                f"skipping the update at step {step} on rank 0: the loop's verdict was false (finite={shown[step]}): "
+                "its optimizer step was skipped (a loss scaler's overflow) or its gradients were not finite"
+            ]  # fmt: skip
         assert [str(w.message) for w in given] == expected
         assert all(w.category is RuntimeWarning and w.filename == __file__ for w in given)
         if step == 7:
             with torch.no_grad():
                 model.block.up.weight[0, 0] = 0.5
-    assert (averager.num_updates, averager.num_skipped, averager.step) == (5, 4, 9)
+    skipped = 3 if policy == "raise" else 4  # (the update that raised is neither applied nor counted)
+    assert (averager.num_updates, averager.num_skipped, averager.step) == (5, skipped, 9)
     assert_same(reference, averager)
 
 
@@ -152,15 +174,16 @@ def test_a_restore_or_a_new_model_state_brings_the_screen_back(model, trainer, t
 
 
 def test_a_step_between_updates_needs_a_true_verdict_too(model, trainer, screens) -> None:
-    """Steps that are not due change the weights as well: a step called without a true verdict
-    (none, or a skipped one) brings the screen back at the next update."""
+    """Steps that are not due change the weights as well: a step called without a verdict brings
+    the screen back at the next update; one with a false verdict is screened at once, and its clean
+    screen vouches for the weights from then on."""
     averager = WeightAverager(model, EMA(decay=0.9), every_n_steps=2, start_step=1)
     ran = []
     for step in range(1, 12):
         trainer.step()
         verdict = None if step == 6 else False if step == 8 else True
         ran.append(screens.ran(functools.partial(averager.update, finite=verdict)))
-    assert [step for step, did in enumerate(ran, 1) if did] == [1, 7, 9]
+    assert [step for step, did in enumerate(ran, 1) if did] == [1, 7, 8]  # (8: screened at its false verdict)
     assert (averager.num_updates, averager.num_skipped) == (6, 0)
 
 

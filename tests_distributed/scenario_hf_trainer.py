@@ -11,12 +11,16 @@ MODE is one of
   first   train; every update is checked against an EMA of the weights gathered by the engine's
           own API; the final average and the export are written for the second launch
   second  resume from checkpoint-6 in a new launch: the average ends bitwise where ``first`` ended
+  each_node  (KIND deepspeed) accelerate not set up and ``save_on_each_node=True``: both ranks of this
+          one machine take themselves for its process zero, and the callback refuses the run on
+          every rank before the first step
 """
 
 from __future__ import annotations
 
 import json
 import os
+import socket
 import sys
 from pathlib import Path
 
@@ -29,10 +33,16 @@ from torch.distributed.elastic.multiprocessing.errors import record
 from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainerCallback, TrainingArguments
 
-from shardavg import EMA
+from shardavg import EMA, CheckpointError
 from shardavg.integrations.transformers import FOLDER, with_weight_averaging
 
 STEPS, DECAY = 8, 0.9
+ZERO3 = {
+    "train_micro_batch_size_per_gpu": 4,
+    "gradient_accumulation_steps": 2,
+    "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},
+    "zero_allow_untested_optimizer": True,
+}
 
 
 def tiny_gpt2() -> GPT2LMHeadModel:
@@ -118,16 +128,7 @@ def build(kind: str, root: Path, check: bool):
         report_to=[],
         seed=0,
         use_cpu=kind == "ddp",
-        deepspeed=(
-            {
-                "train_micro_batch_size_per_gpu": 4,
-                "gradient_accumulation_steps": 2,
-                "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},
-                "zero_allow_untested_optimizer": True,
-            }
-            if kind == "deepspeed"
-            else None
-        ),
+        deepspeed=ZERO3 if kind == "deepspeed" else None,
         disable_tqdm=True,
         accelerator_config={"use_configured_state": True} if kind == "deepspeed" else None,
     )
@@ -145,9 +146,38 @@ def gathered(value: bool) -> list:
     return values
 
 
+def refused_on_each_node(root: Path) -> None:
+    """ZeRO-3 with accelerate not set up and ``save_on_each_node=True``: accelerate takes each rank for
+    process 0 of 1, so for local process 0 of its node too, and both ranks of this machine would save
+    and rotate ``output_dir`` (before: trained without a word). Refused on every rank before the
+    first step, naming the ranks, the host and the fix."""
+    args = TrainingArguments(
+        output_dir=str(root / "out"), per_device_train_batch_size=4, gradient_accumulation_steps=2,
+        max_steps=STEPS, save_strategy="steps", save_steps=3, save_total_limit=2, save_on_each_node=True,
+        report_to=[], seed=0, deepspeed=ZERO3, disable_tqdm=True,
+    )  # fmt: skip
+    trainer = Trainer(model=tiny_gpt2(), args=args, train_dataset=Tokens(256, 1))
+    with_weight_averaging(trainer, EMA(decay=DECAY))
+    savers = [r for r, saves in enumerate(gathered(args.should_save)) if saves]
+    assert savers == [0, 1], f"ranks {savers} save: the set-up this checks is every rank saving"
+    with harness.expect_raises(
+        CheckpointError,
+        f"ranks [0, 1] on host {socket.gethostname()} (of 2) each take themselves for the Trainer's process zero "
+        "of their node (save_on_each_node=True expects one per node",
+        "save_total_limit=2 keeps",
+        '"use_configured_state": True',
+    ):
+        trainer.train()
+    assert not list((root / "out").glob("checkpoint-*")), "a checkpoint was written before the refusal"
+    harness.report("REFUSED", {"savers": savers})
+
+
 @record
 def main() -> None:
     mode, kind, root = sys.argv[1], sys.argv[2], Path(sys.argv[3])
+    if mode == "each_node":
+        refused_on_each_node(root)
+        harness.finish()  # (leaves the process)
     trainer, averaging = build(kind, root, check=mode == "first")
     if mode == "first":
         trainer.train()

@@ -20,3 +20,11 @@ def test_the_trainer_callback_averages_saves_resumes_evaluates_and_exports(kind:
         )
         assert launch.returncode == 0, launch.output[-20000:]
         assert [r["mode"] for r in launch.reports("TRAINER")] == [mode], launch.output[-5000:]
+
+
+def test_both_ranks_of_one_node_saving_with_save_on_each_node_is_refused(tmp_path: Path) -> None:
+    # ZeRO-3 on CPU with accelerate not set up: every rank is its node's process zero, and with
+    # save_on_each_node=True both would rotate output_dir under save_total_limit=2. Before: trained.
+    launch = torchrun(SCRIPT, 2, "each_node", "deepspeed", str(tmp_path), timeout=240, preload=ZERO)
+    assert launch.returncode == 0, launch.output[-20000:]
+    assert [r["savers"] for r in launch.reports("REFUSED")] == [[0, 1]], launch.output[-5000:]

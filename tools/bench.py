@@ -73,6 +73,7 @@ from launch import config as configs
 from launch import engines
 from shardavg import EMA, SWA, WeightAverager
 from shardavg.strategies import canonical_name
+from shardavg.update.check import Decision  # (the decision count_screens observes)
 from tools.measure import CommCounter, allocated_peak, copy_bandwidth, interleaved_ms
 
 log = logging.getLogger("bench")
@@ -204,12 +205,11 @@ def with_verdict(wrapped: engines.Wrapped, decay: float, shards: Shards, screen_
 
 def count_screens(average: WeightAverager, update: Callable[[], object]) -> tuple[Callable[[], None], Callable]:
     """``update`` counted, and the list of its calls (1-based) at which the non-finite screen ran,
-    observed by wrapping the updater's decision (``Updater._screening``, read only: what it returns
-    is unchanged; an empty list when that method is not there to observe). Its own calls, not the
-    averager's updates: the verdict's phase calls the same averager with the check off between
-    them (``unchecked_twin``)."""
-    updater = average._state.updater
-    decide = getattr(updater, "_screening", None)
+    observed by wrapping the check's decision (``NonFiniteCheck.due``, read only: what it returns
+    is unchanged). Its own calls, not the averager's updates: the verdict's phase calls the same
+    averager with the check off between them (``unchecked_twin``)."""
+    check = average._state.updater.check
+    decide = check.due
     calls, screens = 0, []
 
     def counted() -> None:
@@ -217,14 +217,13 @@ def count_screens(average: WeightAverager, update: Callable[[], object]) -> tupl
         calls += 1
         update()
 
-    def screening(given: object) -> bool:
-        screen = decide(given)
-        if screen:
+    def due(verdict: object) -> Decision:
+        decision = decide(verdict)
+        if decision.screen:
             screens.append(calls)
-        return screen
+        return decision
 
-    if decide is not None:
-        updater._screening = screening
+    check.due = due
     return counted, lambda: list(screens)
 
 

@@ -77,7 +77,7 @@ def copy_into_model(state: AverageState, average: str | None) -> None:
     wait_for_every_update()
     _write(state, state.strategy.swap_views(), indices, average)
     state.updater.follow(state.current_views())
-    state.updater.distrust()  # (the live weights are new: no verdict has seen them)
+    state.updater.check.distrust()  # (the live weights are new: no verdict has seen them)
 
 
 def _stored(state: AverageState, average: str | None, what: str, nested: str) -> list[int]:

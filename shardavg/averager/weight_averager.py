@@ -526,11 +526,17 @@ class WeightAverager:
             A sharded state dict for ``dist_checkpointing.save`` / ``load``.
 
         Raises:
+            TypeError: ``prefix`` is not a str.
             StrategyError: The averager does not average a Megatron-Core model (save with ``save``
                 or ``state_dict`` then).
             ValueError: No average of that name, or None while several averages are kept.
             ModelChangedError: The model's tensors are no longer those the averager was built on.
         """
+        if not isinstance(prefix, str):
+            raise TypeError(
+                f"sharded_state_dict(prefix={prefix!r}): prefix must be a str, put before every key of the "
+                "average: 'ema.' (the default) beside the model in one checkpoint, '' for the model's own keys"
+            )
         state = self._state
         state.updater.require_whole("sharded_state_dict()")
         state.verify_structure()
@@ -561,10 +567,16 @@ class WeightAverager:
             average: The average's name; None for the only one.
 
         Raises:
+            TypeError: ``prefix`` is not a str (on every rank that passed it, before any collective).
             CheckpointError: On every rank, naming the rank and its reason: a tensor or the counters
                 missing, or of another shape than this rank's slice; no average of that name; or the
                 averager does not average a Megatron-Core model.
         """
+        if not isinstance(prefix, str):
+            raise TypeError(
+                f"load_sharded_state_dict(prefix={prefix!r}): prefix must be a str, the one the average was "
+                "saved under by sharded_state_dict(prefix=...): 'ema.' by default"
+            )
         state = self._state
         error: BaseException | None = None
         try:

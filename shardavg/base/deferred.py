@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import inspect
+import os
 import warnings
 from collections.abc import Iterator
 
@@ -29,11 +31,23 @@ def deferring(kept: list[Warning]) -> Iterator[None]:
         _KEPT.reset(token)
 
 
-def warn(warning: Warning, stacklevel: int = 1) -> None:
-    """Issue ``warning`` (``stacklevel`` counted from the caller, as ``warnings.warn`` counts it), or
-    keep it where this thread is ``deferring``."""
+def warn(warning: Warning, stacklevel: int | None = None) -> None:
+    """Issue ``warning`` (``stacklevel`` counted from the caller, as ``warnings.warn`` counts it;
+    None: at the first line outside shardavg, the user's, however deep the call), or keep it where
+    this thread is ``deferring``."""
     kept = _KEPT.get()
     if kept is not None:
         kept.append(warning)
     else:
-        warnings.warn(warning, stacklevel=stacklevel + 1)
+        warnings.warn(warning, stacklevel=(_outside() if stacklevel is None else stacklevel) + 1)
+
+
+_PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
+
+
+def _outside() -> int:
+    """The stacklevel, counted from ``warn``'s caller, of the first frame outside the package."""
+    frame, level = inspect.currentframe().f_back.f_back, 1  # type: ignore[union-attr] (warn's caller)
+    while frame.f_back is not None and frame.f_code.co_filename.startswith(_PACKAGE):  # type: ignore[union-attr]
+        frame, level = frame.f_back, level + 1
+    return level

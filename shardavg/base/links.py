@@ -9,6 +9,11 @@ followed only while it stays within the input (or, for a snapshot of the Hugging
 repository's ``blobs/``, where the cache keeps the files its snapshots link to). ``own_file`` adds
 what a reader needs before it opens one: a regular file (a FIFO would block the read). The input
 the user names may itself be a link, and so may the folders above it: the user chose it.
+
+What shardavg writes is never reached through a link at the name given (``refuse_linked_target``):
+a save swaps a new folder into that name, which would replace the link and leave the folder it
+points to as it was, and an export's checks and lock see the name, not where it leads. The user
+chose the link, so the refusal says where it points: that real folder is what to pass.
 """
 
 from __future__ import annotations
@@ -59,3 +64,14 @@ def own_file(file: Path, folder: Path, refused: str) -> Path:
     if not regular:
         raise CheckpointError(f"{file} is missing or not a regular file: {refused}")
     return real
+
+
+def refuse_linked_target(target: Path, error: type[CheckpointError]) -> None:
+    """Refuse ``target``, a folder shardavg is to write (a save's, OUT), where it is a symbolic link,
+    raising ``error`` in one line naming where it points and the real folder to pass instead (a
+    link to a file: a folder to name instead)."""
+    if not target.is_symlink():
+        return
+    real = Path(os.path.realpath(target))  # (never raises: a dangling link or a loop gives a path)
+    fix = "name a folder instead" if real.exists() and not real.is_dir() else f"pass the real folder, {real}, instead"
+    raise error(f"{target} is a symbolic link to {real}: shardavg does not write through a link; {fix}")

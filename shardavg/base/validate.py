@@ -26,7 +26,9 @@ def count(name: str, value: Any, minimum: int, optional: bool = False) -> None:
 
 
 def step(name: str, value: Any) -> int:
-    """A step count: anything ``operator.index`` takes (numpy integers too), >= 0."""
+    """A step count: anything ``operator.index`` takes (numpy integers too) but a bool, >= 0."""
+    if isinstance(value, bool):  # (an int to Python: True would be step 1)
+        raise ValueError(f"{name}: a step is an int >= 0, got {value!r}")
     value = operator.index(value)
     if value < 0:
         raise ValueError(f"{name}: a step is >= 0, got {value}")

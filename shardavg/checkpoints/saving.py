@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 from ..base.errors import CheckpointError
+from ..base.links import refuse_linked_target
 from ..layouts.tensor_layout import MeshLayout, world_grid
 from .description import Description
 from .format import MANIFEST, SAVE_ID_KEY, STEP_DIR, manifest_json, shard_file
@@ -39,7 +40,8 @@ from .storage import INCOMPLETE, Entry, atomic_file, commit_folder, replaced_pat
 
 
 def _check_not_a_file(path: Path) -> None:
-    if path.is_symlink() or (path.exists() and not path.is_dir()):
+    refuse_linked_target(path, CheckpointError)
+    if path.exists() and not path.is_dir():
         raise CheckpointError(f"{path} exists and is not a folder: shardavg will not replace it")
 
 

@@ -19,9 +19,10 @@ The Trainer saves and rotates checkpoints on the process it takes for process ze
 counts the processes wrongly (DeepSpeed on a machine without GPUs: every rank is "process zero"),
 every rank rotates ``output_dir`` at once, and one rank's deletion in progress makes that folder the
 newest by mtime to another, which then deletes a checkpoint ``save_total_limit`` keeps (seen under
-load, when a step's checkpoints lie over a second apart and the Trainer orders them by mtime). The
-callback finds that at the start of training and refuses it under ``save_total_limit``, saying how to
-set accelerate up (``_check_one_process_saves``).
+load, when a step's checkpoints lie over a second apart and the Trainer orders them by mtime). With
+``save_on_each_node`` every rank is then the process zero of its node, and the ranks of one machine
+rotate its ``output_dir`` alike. The callback finds that at the start of training and refuses it
+under ``save_total_limit``, saying how to set accelerate up (``_check_one_process_saves``).
 
 Bound to its Trainer (``with_weight_averaging``), it also evaluates the averaged weights after
 each evaluation, through ``swapped()``, and reports them as ``eval_avg_*`` next to the raw ``eval_*``.
@@ -43,6 +44,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import os
+import socket
 import warnings
 import weakref
 from pathlib import Path
@@ -285,27 +287,44 @@ class WeightAveragingCallback(TrainerCallback):
 
 
 def _check_one_process_saves(args: Any) -> None:
-    """Collective: refuse (under ``save_total_limit``) or warn when more than one process of the group
-    would save checkpoints, every rank alike.
+    """Collective: refuse (under ``save_total_limit``) or warn when more than one process would save
+    checkpoints where one is expected (one in all; one per node with ``save_on_each_node``), every
+    rank alike.
 
     The Trainer writes a checkpoint's files and rotates ``output_dir`` on each process whose
-    ``args.should_save`` is true, meant to be one (one per node with ``save_on_each_node``). Where
-    accelerate counts the processes wrongly (DeepSpeed without GPUs: each rank is process 0 of 1),
-    all of them rotate at once: ``shutil.rmtree`` of the oldest folder in one process updates that
-    folder's mtime, another process's ``rotate_checkpoints(use_mtime=True)`` then takes it for the
-    newest and deletes a checkpoint the limit keeps (only when the folders' mtimes span over a
-    second, as under load). Checking once, before training, is what makes it never happen; every
-    rank raises alike, so none waits on a peer that left.
+    ``args.should_save`` is true: process zero, or with ``save_on_each_node`` each node's local
+    process zero. Where accelerate counts the processes wrongly (DeepSpeed without GPUs: each rank
+    is process 0 of 1, and local process 0 of its node), several processes rotate one folder at once:
+    ``shutil.rmtree`` of the oldest folder in one process updates that folder's mtime, another
+    process's ``rotate_checkpoints(use_mtime=True)`` then takes it for the newest and deletes a
+    checkpoint the limit keeps (only when the folders' mtimes span over a second, as under load).
+    Checking once, before training, is what makes it never happen; every rank raises alike, so none
+    waits on a peer that left.
+
+    A node is a host name: every process of one machine has it whatever launched them, where the
+    launchers' variables differ (torchrun's ``GROUP_RANK``, MPI's, none under a hand-made group), and
+    accelerate's own local index is the count that went wrong. (Two machines of one run that share a
+    name would count as one node, and one saver on each be refused.)
     """
-    if not distributed() or args.save_on_each_node:  # (one saver per node is the Trainer's own choice)
+    if not distributed():
         return
-    savers = [r for r, saves in enumerate(all_gathered(bool(args.should_save))) if saves]
-    if len(savers) <= 1:
+    node = socket.gethostname() if args.save_on_each_node else ""  # "": the whole group is one "node"
+    savers: dict[str, list[int]] = {}
+    for r, (host, saves) in enumerate(all_gathered((node, bool(args.should_save)))):
+        if saves:
+            savers.setdefault(host, []).append(r)
+    crowded = {host: ranks for host, ranks in savers.items() if len(ranks) > 1}
+    if not crowded:
         return
-    why = (
-        f"ranks {savers} of {world_size()} each take themselves for the Trainer's process zero "
-        f"(it counts {args.world_size} process(es), as accelerate does under DeepSpeed on a machine without GPUs)"
-    )
+    counted = f"it counts {args.world_size} process(es), as accelerate does under DeepSpeed on a machine without GPUs"
+    if args.save_on_each_node:
+        where = " and ".join(f"ranks {ranks} on host {host}" for host, ranks in crowded.items())
+        why = (
+            f"{where} (of {world_size()}) each take themselves for the Trainer's process zero of their node "
+            f"(save_on_each_node=True expects one per node; {counted})"
+        )
+    else:
+        why = f"ranks {crowded['']} of {world_size()} each take themselves for the Trainer's process zero ({counted})"
     fix = (
         'set accelerate up first: os.environ["ACCELERATE_USE_DEEPSPEED"] = "true"; '
         'accelerate.PartialState(backend="gloo"); then TrainingArguments(..., '

@@ -20,6 +20,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from ..base.errors import ExportError
+from ..base.links import refuse_linked_target
 from ..checkpoints.format import DCP_METADATA, MANIFEST, WEIGHTS_INDEX
 from ..checkpoints.ownership import enclosing_checkpoint, entries_of, temporary_of
 from ..checkpoints.storage import safetensors_metadata, staging_path
@@ -62,7 +63,8 @@ def check_out(
         ExportError: naming OUT and what is in the way.
     """
     path = out_path(out, what)
-    if path.is_symlink() or (path.exists() and not path.is_dir()):
+    refuse_linked_target(path, ExportError)
+    if path.exists() and not path.is_dir():
         raise ExportError(f"{out} exists and is not a folder: shardavg will not replace it")
     enclosing = enclosing_checkpoint(path.parent)
     if enclosing is not None:

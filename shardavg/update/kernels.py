@@ -45,7 +45,10 @@ the same way, marks the device, and raises ``KernelFailed`` saying which average
 launches wrote; a compile error is raised before its launch, and a launch error by the driver
 before the grid runs, so the others hold what they held, and ``fused.apply_masked`` finishes
 them through ATen. ``SHARDAVG_KERNEL=0`` in the environment turns the kernel off by hand (no
-Triton import, no self-check: the ATen path on every device), for a user who must bisect.
+Triton import, no self-check: the ATen path on every device), for a user who must bisect; so do
+``false``, ``off`` and ``no``, in any case and with spaces around (``switched_off``). A value
+it does not know is warned about once and leaves the kernel on: a setting read as a wish to
+turn it off, and silently ignored, would send that user bisecting the wrong path.
 """
 
 from __future__ import annotations
@@ -67,7 +70,9 @@ MAX_SHADOWS = 4  # averages updated by one launch (one read of the live piece); 
 PROGRAM_NUMEL = 1024  # elements per program
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 EXACT_INTERPRETER = (3, 9)  # the first Triton whose interpreter computes an fp32 fma with one rounding
-SWITCH = "SHARDAVG_KERNEL"  # "0" in the environment: no kernel on any device, the ATen path everywhere
+SWITCH = "SHARDAVG_KERNEL"  # one of OFF in the environment: no kernel on any device, the ATen path everywhere
+OFF = ("0", "false", "off", "no")  # SWITCH's values that turn the kernel off (in any case, spaces around)
+ON = ("1", "true", "on", "yes")  # its values that leave it on, as unset (or empty) does
 BITS = {torch.float32: torch.int32, torch.bfloat16: torch.int16, torch.float16: torch.int16}
 
 # Per device (``cuda:0``, ``cpu``), whether the kernel passed its self-check; False once it failed
@@ -86,19 +91,44 @@ class KernelFailed(Exception):
 
 def usable(device: torch.device) -> bool:
     """Whether the update runs ``masked_update_many_`` on ``device``: not turned off by hand
-    (``SHARDAVG_KERNEL=0``), Triton importable and a CUDA device (not under ``TRITON_INTERPRET=1``,
-    where every launch would copy through the host), or the CPU under ``TRITON_INTERPRET=1`` (how
-    the tests run it) with an interpreter whose ``fma`` rounds once (Triton 3.9 and later; before,
-    it multiplied then added, which loses the bits of ATen's lerp); and the kernel passed its
-    self-check there (``self_check``, run at the first call for each device, warning once if it
-    fails) and no launch failed there since. Never raises; cached per device (``reset``)."""
+    (``SHARDAVG_KERNEL=0``: ``switched_off``), Triton importable and a CUDA device (not under
+    ``TRITON_INTERPRET=1``, where every launch would copy through the host), or the CPU under
+    ``TRITON_INTERPRET=1`` (how the tests run it) with an interpreter whose ``fma`` rounds once
+    (Triton 3.9 and later; before, it multiplied then added, which loses the bits of ATen's lerp);
+    and the kernel passed its self-check there (``self_check``, run at the first call for each
+    device, warning once if it fails) and no launch failed there since. Never raises; cached per
+    device (``reset``)."""
     device = torch.device(device)
-    if os.environ.get(SWITCH) == "0" or not _available(device.type):
+    if switched_off() or not _available(device.type):
         return False
     key = _key(device)
     if key not in _working:
         _working[key] = self_check(device)
     return _working[key]
+
+
+def switched_off() -> bool:
+    """Whether ``SHARDAVG_KERNEL`` in the environment turns the kernel off by hand (one of ``OFF``);
+    read at each call, so a test or a user may change it between averagers."""
+    value = os.environ.get(SWITCH)
+    return value is not None and _means_off(value)
+
+
+@functools.cache
+def _means_off(value: str) -> bool:
+    """Whether ``SHARDAVG_KERNEL=value`` turns the kernel off; a value in neither ``OFF`` nor ``ON``
+    is warned about once (cached per value, until ``reset``) and leaves it on, the default."""
+    spelled = value.strip().lower()
+    if spelled and spelled not in OFF + ON:
+        deferred.warn(
+            RuntimeWarning(
+                f"shardavg: {SWITCH}={value!r} in the environment is not understood, so the Triton kernel of the "
+                f"update stays on where it can run: set {SWITCH} to {'/'.join(OFF)} (in any case) to turn it off, "
+                f"to {'/'.join(ON)} or unset it to leave it on"
+            ),
+            stacklevel=4,
+        )
+    return spelled in OFF
 
 
 def _key(device: torch.device) -> str:
@@ -203,10 +233,11 @@ def _version(text: str) -> tuple[int, ...]:
 
 
 def reset() -> None:
-    """Forget the built kernel, the ``usable`` answers and the self-checks (tests that set
-    ``TRITON_INTERPRET``, or stand in for the kernel)."""
+    """Forget the built kernel, the ``usable`` answers, the self-checks and which ``SHARDAVG_KERNEL``
+    values were warned about (tests that set ``TRITON_INTERPRET``, or stand in for the kernel)."""
     _module.cache_clear()
     _available.cache_clear()
+    _means_off.cache_clear()
     _working.clear()
 
 

@@ -4,15 +4,13 @@ An ``Updater`` keeps the state's live views grouped for the fused kernels (``fus
 regroups them only when the engine really changed them; it stages local shards for offloaded
 shadows and casts (``staging.py``); it screens them for NaN and infinity, on the host, or on an
 accelerator without a host read (the verdicts read later, ``settle``), or takes the loop's own
-verdict instead where it can be trusted (``Given``, ``_screening``); it looks up each rule's weight;
-and it is the one place that counts an update, applied or skipped. No collective runs here.
+verdict instead (``Given``) where its check (``check.py``: the trust the verdicts have earned, and
+when to screen) says it can be trusted; it looks up each rule's weight; and it is the one place
+that counts an update, applied or skipped. No collective runs here.
 
-The loop's verdict (``update(finite=...)``: a skipped optimizer step, or the total gradient norm)
-says that the optimizer moved every weight by a finite amount, or not at all: it proves the
-weights finite only where they were finite before. So it stands in for the screen only within
-``screen_every`` updates of a screen that found every local shard finite, with every step since
-then seen with a true verdict, and nothing since having replaced the live tensors or the state
-(``distrust``).
+An update of several averages writes them one after another: an exception that stops it part
+way (an interrupt, out of memory) leaves some moved and others not, so it marks the average
+torn, as a write seen in the background does (below).
 
 In the background (``background.py``) it also checks that nothing wrote the local shards while
 the thread read them: each tensor's version counter, which every in-place write through the
@@ -26,11 +24,12 @@ non-torch kernels do) are not seen.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 import operator
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import NamedTuple, Protocol
 
 import torch
@@ -42,6 +41,7 @@ from ..rules import LerpRule, Rule
 from ..strategies import Strategy
 from ..strategies.dtensor import is_dtensor, local_shard
 from .background import Background
+from .check import SKIP, Decision, NonFiniteCheck
 from .fused import (
     Step,
     UpdateGroup,
@@ -120,6 +120,11 @@ def taken(finite: object, on_host: bool = False) -> Given | None:
                 "value; pass its full_tensor() (a collective, which update() never runs)"
             )
         finite = local_shard(finite)
+    if finite.is_meta:
+        raise ValueError(
+            "update(finite=...) got a tensor on the meta device, which holds no value: pass the verdict computed "
+            "where the gradients are (the norm clip_grad_norm_ returned for the materialised model)"
+        )
     if finite.numel() == 0 or (finite.dtype == torch.bool and finite.dim() != 0):
         raise ValueError(
             f"update(finite=...) got a {finite.dtype} tensor of shape {tuple(finite.shape)}: a verdict is a 0-d "
@@ -177,9 +182,9 @@ class Updater:
     the non-finite check on the device, its verdict read later, where the update's kernel runs
     there; True or False to choose; see ``check_on_device``), ``kernel_devices`` (the device
     types whose groups run the Triton kernel where it is available) and
-    ``torn`` (in the background: why the average cannot be trusted, once a write it did not wait
-    for was seen; None while it can), ``ordinal`` (due updates taken so far) and ``trusted_until``
-    (the last of them that may take the loop's verdict instead of the screen, see ``_screening``)."""
+    ``torn`` (why the average cannot be trusted, once a background update saw a write it did not
+    wait for, or an update stopped part way; None while it can) and ``check`` (the non-finite
+    check's trust and screen schedule, ``check.py``)."""
 
     kernel_devices: frozenset[str] = frozenset({"cuda"})
 
@@ -199,14 +204,13 @@ class Updater:
         self.stager = Stager()  # staging buffers for offloaded shadows and casts, kept between updates
         self.on_device: bool | None = None
         # The check on an accelerator: verdicts not yet read, by step; each lerp rule's weights by
-        # update count; the update count itself, as device tensors.
+        # update count; the update count itself, and the flag that the weights are vouched for
+        # (``NonFiniteCheck.vouched``, whose mirror it is), as device tensors.
         self.pending: deque[Issued] = deque()
         self.weight_tables: dict[tuple, torch.Tensor] = {}
         self.device_counters: dict[torch.device, torch.Tensor] = {}
-        # Where the loop's verdict stands in for the screen (``_screening``): due updates so far, the
-        # last one trusted, and the first whose clean screen may extend that (``distrust``).
-        self.ordinal = self.trusted_until = self.trust_from = 0
-        self.distrust()
+        self.vouched_flags: dict[torch.device, torch.Tensor] = {}
+        self.check = NonFiniteCheck(state.options)
 
     # ------------------------------------------------------------------ the update
 
@@ -222,22 +226,25 @@ class Updater:
         state = self.state
         previous = state.step
         state.step = self.next_step(step)
-        if state.step != previous + 1:  # steps the loop took without a word to us
-            self.distrust()
+        self.check.stepped(previous, state.step)
         if not state.options.due(state.step):
-            if given is None or not given.known():  # (a step not seen to be finite, or a skipped one)
-                self.distrust()
+            if self.check.between(None if given is None else given.known()):
+                self._screen_between(given)  # type: ignore[arg-type] (a false verdict, read)
             return False
         with torch.no_grad():
             self.follow(state.current_views())
-            self.ordinal += 1
             if self.background is None:
                 return self._average(given)
-            if self.buffer_copies:  # what the next forward may write before the update reads it
-                torch._foreach_copy_(list(self.buffer_copies.values()), [state.live[i] for i in self.buffer_copies])
+            self._copy_buffers()
         devices = (group.live_tensors[0].device for group in self.groups)
         self.background.start(state.step, functools.partial(self._average, given), devices, self._unwritten(state.step))
         return True
+
+    def _copy_buffers(self) -> None:
+        """In the background: the buffers as ``update()`` finds them, which the next forward may
+        write before the thread reads them."""
+        if self.buffer_copies:
+            torch._foreach_copy_(list(self.buffer_copies.values()), [self.state.live[i] for i in self.buffer_copies])
 
     def wait(self) -> None:
         """Collect the update running in the background, if any (raising what it raised)."""
@@ -286,22 +293,40 @@ class Updater:
             on_device = self.check_on_device(given)
             if given is not None and type(given.ok) is not bool and not on_device:  # (read here, as the screen's is)
                 given = Given(bool(given.ok), given.shown)
-            if given is not None and given.ok is False:  # (nothing to read or write, nor to wait for)
-                self._refused(given.shown, self.state.step, "skipping")
+            decision = self.check.due(None if given is None else given.ok)
+            if decision is SKIP:  # (the check off: nothing to read or write, nor to wait for)
+                self._refused(given.shown, self.state.step, "skipping")  # type: ignore[union-attr]
                 return False
-            screen = self._screening(given)
             if on_device:
-                self._apply_on_device(given, screen)
+                with self._whole_or_torn():
+                    self._apply_on_device(given, decision)
                 return True
             self.settle()  # (nothing pending unless the model just left its accelerator)
             stage_gathered(self.groups)  # the small shards that lie apart, into one buffer per group
-            if screen and self._skip_nonfinite():
+            if decision.screen and self._skip_nonfinite(given):
                 return False
-            if screen:
-                self._trust(self.ordinal)
-            self._apply()
+            if not decision.apply:  # (a false verdict, its weights screened finite)
+                self._refused(given.shown, self.state.step, "skipping")  # type: ignore[union-attr]
+                return False
+            with self._whole_or_torn():
+                self._apply()
         self._counted()
         return True
+
+    @contextlib.contextmanager
+    def _whole_or_torn(self) -> Iterator[None]:
+        """The averages' writes of one update, all of them or a torn mark: an exception that stops
+        them part way (an interrupt between two kernels, out of memory) leaves some averages or
+        tensors moved and others not, which no count can say, so every later use of the average is
+        refused until it is restored (``require_whole``)."""
+        try:
+            yield
+        except BaseException as error:
+            self.torn = (
+                f"the update of step {self.state.step} on rank {rank()} stopped part way ({type(error).__name__}), "
+                "leaving some averages or tensors updated and others not"
+            )
+            raise
 
     def _read_where_free(self, given: Given) -> Given:
         """A tensor verdict ``given`` read on the host where that is free: on the CPU, for an update
@@ -317,6 +342,8 @@ class Updater:
         state = self.state
         if step is None:
             return state.step + 1
+        if isinstance(step, bool):  # (an int to Python: True would be step 1)
+            raise ValueError(f"update(step=...) takes the optimizer step, an int (or None), got {step!r}")
         step = operator.index(step)
         seen = state.step > 0 or state.num_updates > 0 or state.num_skipped > 0
         if step < 0 or step < state.step or (step == state.step and seen):
@@ -340,8 +367,8 @@ class Updater:
         """The one way an update is skipped, for whatever reason: counted, and ``warning`` (None:
         silently) given as a ``RuntimeWarning``, at once, or from the background's thread at the
         call that collects the update, in the loop's thread."""
-        if warning is not None:  # (stacklevel: the loop's line from settle() and for a verdict, else update()'s)
-            deferred.warn(RuntimeWarning(warning), stacklevel=6)
+        if warning is not None:  # (at the loop's line that called update(), or whatever settled it)
+            deferred.warn(RuntimeWarning(warning))
         self._counted(applied=False)
 
     def _apply(self) -> None:
@@ -368,54 +395,44 @@ class Updater:
 
     # ------------------------------------------------------------------ the non-finite check
 
-    def _screening(self, given: Given | None) -> bool:
-        """Whether this update runs the non-finite screen: with the check on, unless the loop's
-        verdict can stand in for it, as it can for the update being taken (``ordinal``) within
-        ``screen_every`` updates of one whose screen found every local shard finite (the weights
-        were finite then; with finite gradients, a torch optimizer moves each weight by a finite
-        amount), nothing since having made that screen's word stale (``distrust``)."""
-        return self.state.options.on_nonfinite != "off" and (given is None or self.ordinal > self.trusted_until)
-
-    def _trust(self, ordinal: int) -> None:
-        """The screen of update ``ordinal`` found every local shard finite: the next ``screen_every
-        - 1`` updates may take the loop's verdict alone (unless something since made it stale)."""
-        if ordinal >= self.trust_from:
-            self.trusted_until = max(self.trusted_until, ordinal + self.state.options.screen_every - 1)
-
-    def distrust(self) -> None:
-        """From the next update on, the loop's verdict stands in for the screen only once a screen
-        run from then on has found every local shard finite: the live weights were replaced (the
-        averager built, ``copy_into_model``, new live tensors), the state restored, or a step
-        taken that no true verdict vouched for."""
-        self.trusted_until, self.trust_from = self.ordinal, self.ordinal + 1
-
     def _refused(self, shown: str, step: int, verb: str) -> None:
         """Skip the update of ``step``, which the loop's verdict ``shown`` said was not finite: a
-        skipped optimizer step (a loss scaler's overflow) or non-finite gradients. Never an error,
-        whatever ``on_nonfinite`` says (a run with a loss scaler skips steps routinely); silent
-        under ``"off"``."""
+        skipped optimizer step (a loss scaler's overflow) or non-finite gradients. A warning, not an
+        error, whatever ``on_nonfinite`` says (a run with a loss scaler skips steps routinely; the
+        weights were screened at that step, and found finite, before this is called); silent under
+        ``"off"``."""
         warning = (
             f"{verb} the update at step {step} on rank {rank()}: the loop's verdict was false (finite={shown}): its "
             "optimizer step was skipped (a loss scaler's overflow) or its gradients were not finite"
         )
         self._skipped(None if self.state.options.on_nonfinite == "off" else warning)
 
-    def _skip_nonfinite(self) -> bool:
-        """Check every local shard the update reads, on the host; raise, or warn and return True to skip."""
+    def _skip_nonfinite(self, given: Given | None) -> bool:
+        """Screen every local shard the update reads, on the host, and tell the check what it found;
+        where a shard is not finite raise, or warn and return True to skip (``given``: the loop's
+        verdict on the step, named in both where it was false)."""
         state = self.state
-        if state.options.on_nonfinite == "off":
-            return False
         bad = [state.infos[index].name for index in nonfinite(self.groups)]
+        self.check.screened(clean=not bad)
         if not bad:
             return False
-        self._nonfinite_found(
-            bad,
-            state.step,
-            raised="non-finite live values in {bad} {where}; the average was not updated "
-            "(on_nonfinite='skip' skips such updates instead)",
-            warned="skipping the update {where}: non-finite live values in {bad}",
-        )
+        self._nonfinite_found(bad, state.step, None if given is None or given.ok is not False else given.shown)
         return True
+
+    def _screen_between(self, given: Given) -> None:
+        """The screen at a step no update is due at, whose verdict (``given``) was false: its
+        optimizer may have written NaN, which the next verdicts would not see."""
+        state = self.state
+        with torch.no_grad():
+            self.follow(state.current_views())
+            self.settle()
+            if self.background is not None:
+                self._copy_buffers()
+            stage_gathered(self.groups)
+            bad = [state.infos[index].name for index in nonfinite(self.groups)]
+        self.check.screened(clean=not bad)
+        if bad:
+            self._nonfinite_found(bad, state.step, given.shown, due=False)
 
     def may_mask(self) -> bool:
         """Whether an update may be masked on the device by a verdict left there (``check_on_device``):
@@ -448,21 +465,31 @@ class Updater:
             return bool(floating) and all(group.kernel for group in floating)
         return self.on_device
 
-    def _apply_on_device(self, given: Given | None, screen: bool) -> None:
-        """The update with the non-finite check left on the device: screened (with ``screen``),
-        masked by the screen's flag and the loop's verdict ``given``, and counted there, so the
-        host never waits; its verdicts are read later (``settle``)."""
+    def _apply_on_device(self, given: Given | None, decision: Decision) -> None:
+        """The update with the non-finite check left on the device, so that the host never waits:
+        screened (as ``decision`` says), masked, and counted there; its verdicts are read later
+        (``settle``). It is applied where the loop's verdict ``given`` is true and the weights are
+        vouched for: by this update's screen, or else by the device's ``vouched`` flag (no verdict
+        issued there was false since the last clean screen; ``NonFiniteCheck.settled`` mirrors it).
+        With the check off, the verdict alone masks it."""
         state = self.state
         if len(self.pending) >= MAX_PENDING:  # (a device far behind: wait for its oldest verdicts)
             self.settle()
-        verdicts, oks = screen_on_device(self.groups) if screen else ([], {})
+        verdicts, oks = screen_on_device(self.groups) if decision.screen else ([], {})
         (live_device,) = {group.live_tensors[0].device for group in self.groups}
-        ok = oks.get(live_device, torch.ones((), dtype=torch.bool, device=live_device))  # no floating shard: ok
-        loop = None
-        if given is not None and isinstance(given.ok, torch.Tensor):  # (a Python bool here is true)
-            said = given.ok.to(live_device)  # (a device's own, or the CPU standing in for one: no copy)
-            ok = ok & said if screen else said
-            loop = to_host((~said).view(1), [])
+        said = None  # the loop's verdict as a device flag (None: none, or a true one read on the host)
+        if given is not None and given.ok is not True:
+            said = given.ok.to(live_device) if isinstance(given.ok, torch.Tensor) else torch.zeros_like(self._ones(live_device))
+        if state.options.on_nonfinite == "off":
+            ok = self._ones(live_device) if said is None else said
+        else:
+            vouched = self.vouched_flags.get(live_device)
+            if vouched is None:
+                vouched = self.vouched_flags[live_device] = self._ones(live_device).clone()
+            weights_ok = oks.get(live_device, self._ones(live_device)) if decision.screen else vouched
+            ok = weights_ok if said is None else weights_ok & said
+            vouched.copy_(weights_ok if decision.screen else ok)
+        loop = None if said is None else to_host((~said).view(1), [])
         for group in self.groups:
             ok_here = ok.to(group.shadows[0][0].device)  # offloaded shadows: the host waits for the flag
             counter = self._counter(group)
@@ -475,7 +502,12 @@ class Updater:
         for device, counter in self.device_counters.items():
             counter.add_(ok.to(device))
         shown = "" if given is None else given.shown
-        self.pending.append(Issued(state.step, self.ordinal, verdicts if screen else None, loop, shown))
+        self.pending.append(Issued(state.step, self.check.ordinal, verdicts if decision.screen else None, loop, shown))
+
+    @staticmethod
+    def _ones(device: torch.device) -> torch.Tensor:
+        """A true 0-d flag on ``device`` (no floating shard there to screen: nothing to find)."""
+        return torch.ones((), dtype=torch.bool, device=device)
 
     def _weight(self, name: str | None, counter: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """Average ``name``'s lerp weight after ``counter`` updates (a device tensor), looked up on
@@ -491,10 +523,10 @@ class Updater:
         return table.index_select(0, counter.view(1))
 
     def settle(self, block: bool = True) -> None:
-        """Read the verdicts of updates checked on the device, in order: count each one applied,
-        or (the device left the average untouched) skip it as the loop's false verdict says, or
-        (non-finite live values) raise or warn as the ``on_nonfinite`` policy says; a clean screen
-        lets the next updates take the loop's verdict alone (``_trust``). Without ``block`` only
+        """Read the verdicts of updates checked on the device, in order, and tell the check
+        (``NonFiniteCheck.settled``): count each one applied, or (the device left the average
+        untouched) skip it as the loop's false verdict says, or as the device's ``vouched`` flag
+        did, or (non-finite live values) raise or warn as the ``on_nonfinite`` policy says. Without ``block`` only
         verdicts already on the host are read: a CPU's at once (computed there, it has no event), an
         accelerator's once its event says its copy landed, so that ``update()`` reads what it can of
         the earlier ones and never waits."""
@@ -509,37 +541,68 @@ class Updater:
             self.pending.popleft()
             screened = issued.screened or []
             bad = [self.state.infos[i].name for v in screened for i, flag in zip(v.indices, v.bad.tolist()) if flag]
-            if issued.screened is not None and not bad:
-                self._trust(issued.ordinal)
-            if issued.given is not None and bool(issued.given.bad[0]):
-                self._refused(issued.shown, issued.step, "skipped")  # (whatever the screen found: masked out)
-            elif bad:
-                self._nonfinite_found(
-                    bad,
-                    issued.step,
-                    raised="non-finite live values in {bad} {where} (found on the device after the update was "
-                    "issued: that update was masked out there, the average holds the others; on_nonfinite='skip' "
-                    "warns instead)",
-                    warned="skipped the update {where}: non-finite live values in {bad}",
+            refused = issued.given is not None and bool(issued.given.bad[0])
+            clean = None if issued.screened is None else not bad
+            outcome = self.check.settled(issued.step, issued.ordinal, clean, refused)
+            if outcome == "applied":
+                self.state.num_updates += 1  # (the device counters moved already, on the device)
+            elif outcome == "refused":
+                self._refused(issued.shown, issued.step, "skipped")
+            elif outcome == "unvouched":
+                self._skipped(
+                    f"skipped the update at step {issued.step} on rank {rank()}: it was issued on the device before "
+                    f"the host read the loop's false verdict of step {self.check.unvouched_at}, and masked there "
+                    "until a screen finds the weights finite (the next update issued screens them)"
                 )
             else:
-                self.state.num_updates += 1  # (the device counters moved already, on the device)
+                self._nonfinite_found(bad, issued.step, issued.shown if refused else None, on_device=True)
 
-    def _nonfinite_found(self, bad: list[str], step: int, raised: str, warned: str) -> None:
-        """The ``on_nonfinite`` policy for an update whose local shards ``bad`` were not finite:
-        raise ``raised``, or warn ``warned`` and count the update skipped."""
-        where = f"at step {step} on rank {rank()}"
+    def _nonfinite_found(
+        self, bad: list[str], step: int, refused: str | None, due: bool = True, on_device: bool = False
+    ) -> None:
+        """The ``on_nonfinite`` policy for step ``step``, whose local shards ``bad`` a screen found not
+        finite: raise, or warn and count its update skipped (``due``; at a step between updates
+        there is none). ``refused`` names the loop's verdict where it was false on that step (the
+        usual way there: ``clip_grad_norm_`` scales infinite gradients by 1/inf = 0, inf * 0 is NaN,
+        and the optimizer writes it); ``on_device``: the screen ran on the device, read later."""
+        where = f"at step {step} on rank {rank()}" + ("" if due else " (between updates)")
+        after = (
+            ""
+            if refused is None
+            else f", after the loop's verdict on that step was false (finite={refused}): a step with non-finite "
+            "gradients writes NaN (clip_grad_norm_ scales them by 1/inf = 0, and inf * 0 is NaN)"
+        )
         if self.state.options.on_nonfinite == "raise":
-            raise NonFiniteError(raised.format(bad=bad, where=where))
-        self._skipped(warned.format(bad=bad, where=where))
+            held = (
+                " (found on the device after the update was issued: that update was masked out there, the average "
+                "holds the others; "
+                if on_device
+                else "; the average was not updated ("
+            )
+            raise NonFiniteError(
+                f"non-finite live values in {bad} {where}{after}{held}on_nonfinite='skip' skips such updates instead, "
+                "screening each until the weights are finite)"
+            )
+        verb = "skipped" if on_device else "skipping"
+        until = "" if refused is None else "; every update is screened until they are finite"
+        warning = (
+            f"{verb} the update {where}: non-finite live values in {bad}{after}{until}"
+            if due
+            else f"non-finite live values in {bad} {where}{after}{until}"
+        )
+        if due:
+            self._skipped(warning)
+        else:
+            deferred.warn(RuntimeWarning(warning))
 
     def forget(self) -> None:
-        """Drop what the device holds of the counts, and a torn mark, and trust no verdict before a
-        screen: the state was just restored."""
+        """Drop what the device holds of the counts and flags, and a torn mark, and trust no verdict
+        before a screen: the state was just restored."""
         self.device_counters.clear()
+        self.vouched_flags.clear()
         self.pending.clear()
         self.torn = None
-        self.distrust()
+        self.check.restored()
 
     # ------------------------------------------------------------------ grouping
 
@@ -556,7 +619,7 @@ class Updater:
         ):
             self.state.adopt(live)
             self._regroup()
-            self.distrust()  # (new live tensors: new values, perhaps, that no verdict has seen)
+            self.check.distrust()  # (new live tensors: new values, perhaps, that no verdict has seen)
         self.followed = live
 
     def _regroup(self) -> None:
