@@ -215,6 +215,46 @@ def check_nonfinite_on_one_rank(engine: Engine) -> None:
     with expect_raises(RuntimeError, "ranks disagree on the number of updates"):
         averagers["skip"].full_state_dict()
     check_nonfinite_in_the_background(engine, rank=1)
+    check_a_false_verdict_screens_every_rank(engine)
+
+
+def check_a_false_verdict_screens_every_rank(engine: Engine) -> None:
+    """The loop's norm is inf on every rank (clip_grad_norm_'s total); the NaN it had the optimizer
+    write lies in rank 1's shard. The update is skipped everywhere and each rank screens its own
+    shards at that step: rank 1 raises under 'raise' (rank 0, finite, skips with the verdict's
+    warning); under 'skip' rank 1 keeps skipping while the NaN stays, though the next verdict is
+    true, and its average never holds it. Trusted before (a clean screen, screen_every=100)."""
+    averagers = {
+        policy: WeightAverager(engine.model, EMA(decay=0.9), on_nonfinite=policy) for policy in ("raise", "skip")
+    }
+    for averager in averagers.values():
+        averager.update(1, finite=True)  # the first update screens: trusted from here
+        averager.update(2, finite=True)
+    local = engine.model.block.up.weight.to_local()
+    saved = local.detach().clone()
+    if dist.get_rank() == 1:
+        with torch.no_grad():
+            local.view(-1)[0] = float("nan")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        if dist.get_rank() == 1:
+            with expect_raises(shardavg.NonFiniteError, "block.up.weight", "rank 1", "step 3", "verdict"):
+                averagers["raise"].update(3, finite=False)
+        else:
+            assert averagers["raise"].update(3, finite=False) is False
+        assert averagers["skip"].update(3, finite=False) is False
+        assert averagers["skip"].update(4, finite=True) is (dist.get_rank() != 1)
+    said = [str(w.message) for w in caught]
+    if dist.get_rank() == 1:
+        assert sum("block.up.weight" in text for text in said) == 2, said  # steps 3 and 4
+        assert averagers["skip"].num_skipped == 2
+    else:
+        assert all("loop's verdict was false" in text for text in said) and len(said) == 2, said
+    for averager in averagers.values():
+        stored = [shadow for shadow in averager.shadows() if shadow is not None and shadow.is_floating_point()]
+        assert all(shadow.isfinite().all() for shadow in stored), "NaN entered the average"
+    with torch.no_grad():
+        local.copy_(saved)
 
 
 def check_nonfinite_in_the_background(engine: Engine, rank: int) -> None:
