@@ -204,7 +204,7 @@ def test_the_verdict_rows_against_the_unchecked_update_and_the_fp32_peers() -> N
     }
     text = bench.verdict_table(rows)
     assert figures["A/A"] == pytest.approx(1.03)  # (the second unchecked averager against the first)
-    shown = "| 0.50 (bf16 avg) | 1.00 | 1.020 PASS | 1.020 PASS | 1.040 MISS | 1.040 PASS | 1.020 | 1.030 | 0 of 15 |"
+    shown = "| 0.50 (bf16 avg) | 1.00 | 1.020 PASS | 1.020 PASS | 1.040 MISS | 1.040 PASS | 1.020 | 1.030 | nan | 0 of 15 |"
     assert shown in text, text  # (a run without the twin: check off is the check-off averager's)
     assert bench.verdict_table(rows_of_a_case("transformer", ms, {})) == ""  # (no verdict rows: no table)
     fp32 = [bench.Row("ddp", "s", "float32", "torchtitan-style", "peer", 1.0, 1.0, 0, 0, "peer")]
@@ -289,14 +289,19 @@ def test_the_verdict_ratios_come_from_the_verdicts_own_rounds() -> None:
     assert with_twin["verdict / check off"] == pytest.approx(statistics.median([1.0, 1.0, 1.0 / 0.98, 1.01]))
     assert with_twin["check off"] == pytest.approx(1.005) and with_twin["verdict / another averager"] == figures[
         "verdict / another averager"]  # fmt: skip
-    rows.pop()
+    skipped = [0.5, 0.52, 0.49, 0.5]  # (a step with a false verdict: the screen alone)
+    rows.append(row(bench.SKIPPED, "skipped", 0.5, 0.5, 0, 0, "-", verdict_rounds_ms=skipped, verdict_timed=(22, 101)))
+    with_skipped = bench.verdict_figures(bench.cases(rows)[("ddp", "many_small", "bfloat16")])
+    assert with_skipped["skipped step / check off"] == pytest.approx(statistics.median([0.5, 0.52, 0.49, 0.5]) / 1.0)
+    assert "| 1.000 | 0.500 | 1 of 80 | bitwise |" in bench.verdict_table(rows)
+    del rows[-2:]
     assert figures["verdict / fastest fp32 peer"] == pytest.approx(1.01 / 1.1)
     assert figures["verdict amortized / check off"] == pytest.approx(1.01 + 0.99 / 100)
     assert (figures["verdict"], figures["check on"], figures["fastest fp32 peer"]) == (1.01, 3.0, 1.1)
     assert bench.verdict_window(rows[2]) == (22, 101) and bench.verdict_window(rows[0]) == (0, 0)
     text = bench.verdict_table(rows)
     assert "| 1.01 | 2.00 | 1.02 | 1.00 | 3.00 | 0.50 (bf16 avg) | 1.10 | 1.010 PASS |" in text, text
-    assert "| 1.000 | 1 of 80 | bitwise |" in text, text  # (update 100 screened: in the phase's window)
+    assert "| 1.000 | nan | 1 of 80 | bitwise |" in text, text  # (update 100 screened: in the phase's window)
 
 
 def test_each_round_shuffles_the_order_alike_on_every_rank(tmp_path) -> None:

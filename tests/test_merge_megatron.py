@@ -1,22 +1,30 @@
 """``shardavg merge`` on Megatron-Core ``torch_dist`` checkpoints, built here as ``dist_checkpointing.save``
-lays them out (Megatron itself is not installed): flat keys, layer stacks ``[L, ...]`` stored in chunks by
-layer and tensor-parallel offset, the optimizer under ``optimizer.state.*``, pickled objects as bytes
-entries, the ranks' save plans in DCP's metadata (``all_local_plans``), ``metadata.json`` and
-``common.pt`` beside it, ``iter_NNNNNNN`` folders and ``latest_checkpointed_iteration.txt``."""
+lays them out (without Megatron): flat keys, layer stacks ``[L, ...]`` stored in chunks by layer and
+tensor-parallel offset, the optimizer under ``optimizer.state.*``, pickled objects as bytes entries, the
+ranks' save plans in DCP's metadata (``all_local_plans``), ``metadata.json`` and ``common.pt`` beside it,
+``iter_NNNNNNN`` folders and ``latest_checkpointed_iteration.txt``; and saved by a live Megatron-Core run
+(megatron-core, from the ``test`` extra, in a gloo group of one) with its averager beside the model, as
+docs/megatron.md shows, then resumed from the merge."""
 
 from __future__ import annotations
 
+import contextlib
 import io
 import json
 import logging
 import math
 import pickle
+import queue
+import re
 import tracemalloc
+from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from helpers import Payload
 from test_merge import Refusals, read_model
@@ -34,6 +42,7 @@ import shardavg.cli
 from shardavg.offline import megatron
 from shardavg.offline.saved_average import DcpFolder
 from shardavg.output import dcp_checkpoint
+from shardavg.output.megatron_run import TRACKER
 
 LAYERS = 3
 
@@ -51,11 +60,11 @@ def model(seed: int) -> dict[str, torch.Tensor]:
 
 
 def chunks(name: str, tensor: torch.Tensor, tp: int) -> list[tuple[tuple[int, ...], torch.Tensor]]:
-    """``(offsets, chunk)`` as ``tp`` ranks save it: a stack by layer and, within a layer, by its
-    tensor-parallel offset along its first dim; a replicated vector whole."""
+    """``(offsets, chunk)`` as ``tp`` ranks save it: a stack by layer (``decoder.layers.``, after an averager's
+    prefix too) and, within a layer, by its tensor-parallel offset along its first dim; a replicated vector whole."""
     if tensor.dim() == 1:
         return [((0,), tensor)]
-    if not name.startswith("decoder.layers."):
+    if "decoder.layers." not in name:
         rows = tensor.shape[0] // tp
         return [((r * rows, 0), tensor[r * rows : (r + 1) * rows]) for r in range(tp)]
     found = []
@@ -360,7 +369,6 @@ def megatron_load(folder: Path) -> dict:
     """``folder`` as Megatron-Core's own ``dist_checkpointing.load`` reads it into whole tensors (one process,
     a gloo group of one, which its load asks for)."""
     pytest.importorskip("megatron.core")
-    import torch.distributed as dist
     from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing import ShardedTensor
 
@@ -485,3 +493,243 @@ def test_the_iteration_is_megatrons_own_and_only_a_megatron_merge_takes_one(tmp_
     assert not (tmp_path / "out").exists()
     written = shardavg.merge(unnamed, tmp_path / "out", output="dcp", iteration=7)
     assert written == megatron_lm_tracked(tmp_path / "out") == tmp_path / "out" / "iter_0000007"
+
+
+# ---------------------------------------------------------------------- an averager saved beside the model
+
+
+def with_averager(seed: int, prefix: str, step: int) -> dict[str, torch.Tensor]:
+    """A model's tensors and, under ``prefix``, an averager's, keyed as ``avg.sharded_state_dict(prefix)`` keys
+    them: its averages (``model(seed + 10)``, the model's keys after the prefix; with ``prefix=""`` in the
+    model's place) and its counters (step, updates, skipped updates)."""
+    averages = {prefix + name: tensor for name, tensor in model(seed + 10).items()}
+    return model(seed) | averages | {prefix + megatron.COUNTERS: torch.tensor([step, step, 0])}
+
+
+def test_an_averager_is_found_by_its_counters_whatever_its_prefix_and_carried_whole_from_the_newest(
+    tmp_path: Path,
+) -> None:
+    """The marker is the entry only an averager writes (its counters), not a prefix guessed: ``avg_`` here."""
+    from shardavg.strategies import megatron as live
+
+    assert megatron.COUNTERS == live.COUNTERS  # (the key avg.sharded_state_dict writes its counters under)
+    inputs = [tmp_path / "iter_0000010", tmp_path / "iter_0000030"]
+    for seed, (folder, step) in enumerate(zip(inputs, (10, 30))):
+        megatron_save(folder, with_averager(seed, "avg_", step), tmp_path / "unpickled", tp=1 + seed)
+    out = shardavg.merge(inputs, tmp_path / "out", output="dcp")
+    merged = DcpFolder(out)
+    dtypes = {name: t.dtype for name, t in model(0).items()}
+    assert_matches({name: merged.read(name) for name in dtypes}, numpy_mean([model(0), model(1)], [0.5, 0.5]), dtypes)
+    newest = {key: value for key, value in with_averager(1, "avg_", 30).items() if key.startswith("avg_")}
+    for key, value in newest.items():  # the newest input's averager, unchanged: its averages and its counters
+        assert merged.read(key).dtype == value.dtype and torch.equal(merged.read(key), value), key
+    record = json.loads((out / "provenance.json").read_text())
+    assert [i["left_out"]["avg_* (averager)"] for i in record["inputs"]] == [6, 6]  # (5 averages, its counters)
+    assert [i.get("averagers_carried") for i in record["inputs"]] == [None, ["avg_"]]
+
+    again = shardavg.merge(inputs, tmp_path / "averages", key="avg_", output="dcp")  # on purpose: as a model
+    merged = DcpFolder(again)
+    assert not [key for key in merged.metadata.state_dict_metadata if str(key).startswith("avg_")]
+    averages = numpy_mean([model(10), model(11)], [0.5, 0.5])
+    assert_matches({name: merged.read(name) for name in dtypes}, averages, dtypes)
+    record = json.loads((again / "provenance.json").read_text())
+    assert record["inputs"][-1]["left_out"]["avg_shardavg.counters"] == 1
+    assert "averagers_carried" not in record["inputs"][-1]
+
+
+def test_a_checkpoint_of_the_average_alone_is_merged_only_on_purpose(tmp_path: Path) -> None:
+    """``avg.sharded_state_dict(prefix="")`` saves the average as the model: a merge of models refuses it by
+    name; ``key=""`` merges the averages (its counters left out); the options that would mix them are refused."""
+    inputs = [tmp_path / "iter_0000010", tmp_path / "iter_0000030"]
+    for seed, (folder, step) in enumerate(zip(inputs, (10, 30))):
+        megatron_save(folder, with_averager(seed, "", step), tmp_path / "unpickled", tp=1)
+    with pytest.raises(shardavg.CheckpointError, match=r"holds no model tensor, only the averages of an averager"):
+        shardavg.merge(inputs, tmp_path / "out")
+    dtypes = {name: t.dtype for name, t in model(0).items()}
+    out = shardavg.merge(inputs, tmp_path / "out", key="")
+    assert_matches(read_model(out), numpy_mean([model(10), model(11)], [0.5, 0.5]), dtypes)  # (no counters)
+    beside = tmp_path / "beside"
+    megatron_save(beside / "iter_0000010", with_averager(0, "ema.", 10), tmp_path / "unpickled", tp=1)
+    refused = {
+        "key='emx'": ({"key": "emx"}, "holds no averager saved with avg.sharded_state_dict(prefix='emx')"),
+        "prefix=''": ({"prefix": ""}, "holding averagers (prefixes ['ema.']): leave --prefix out"),
+        "average='fast'": ({"key": "ema", "average": "fast"}, "holds one average under each averager's prefix"),
+    }
+    for given, (options, match) in refused.items():
+        with pytest.raises(shardavg.CheckpointError, match=re.escape(match)):
+            shardavg.merge([beside / "iter_0000010"], tmp_path / "refused", **options)
+        assert not (tmp_path / "refused").exists(), given
+
+
+DECAY = 0.5
+
+
+@contextlib.contextmanager
+def megatron_world(folder: Path) -> Iterator[None]:
+    """One gloo process, Megatron's groups at TP1/PP1. TEST-ONLY, as ``test_megatron_strategy.py``'s
+    ``world_of_one``: ``dist_checkpointing.save`` waits with ``torch.cuda.synchronize()`` and keeps its
+    failure flag on ``torch.cuda.current_device()``, which a CPU build of torch refuses (the tensors are on
+    the CPU: nothing to wait for), and its writer's results go through a plain queue (one process)."""
+    pytest.importorskip("megatron.core")
+    from megatron.core import parallel_state
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(filesystem_async, "_results_queue", queue.Queue())
+        patch.setattr(torch.cuda, "synchronize", lambda *args, **kwargs: None)
+        patch.setattr(torch.cuda, "current_device", lambda: "cpu")
+        dist.init_process_group("gloo", store=dist.FileStore(str(folder / ".store"), 1), rank=0, world_size=1)
+        parallel_state.initialize_model_parallel(1, 1)
+        try:
+            yield
+        finally:
+            parallel_state.destroy_model_parallel()
+            dist.destroy_process_group()
+            (folder / ".store").unlink(missing_ok=True)
+
+
+def live_gpt(seed: int):  # -> GPTModel (megatron-core is imported only where it is installed)
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    torch.manual_seed(seed)
+    config = TransformerConfig(
+        num_layers=2, hidden_size=16, num_attention_heads=2, use_cpu_initialization=True, hidden_dropout=0.0,
+        attention_dropout=0.0,
+    )  # fmt: skip
+    return GPTModel(config, get_gpt_layer_local_spec(), vocab_size=32, max_sequence_length=8)
+
+
+def live_tensors(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The model's tensors by its state-dict names, without Megatron's ``_extra_state`` objects."""
+    return {name: value.clone() for name, value in module.state_dict().items() if isinstance(value, torch.Tensor)}
+
+
+@dataclass
+class LiveRun:
+    """A Megatron-LM run folder a live run saved, and what it held at each save."""
+
+    run: Path
+    models: list[dict[str, torch.Tensor]]  # the live weights
+    averages: list[dict[str, torch.Tensor]]  # the averager's ``full_state_dict()``
+
+
+@pytest.fixture(scope="module")
+def live_run(tmp_path_factory: pytest.TempPathFactory) -> LiveRun:
+    """A Megatron-Core GPT updated 20 times, its averager after each update; at iterations 10 and 20 it and
+    the averager are saved the documented way (docs/megatron.md) into ``iter_NNNNNNN`` folders and the
+    tracker names the newest: 35 tensors each (17 of the model, 17 averages, the averager's counters)."""
+    root = tmp_path_factory.mktemp("live-megatron")
+    found = LiveRun(root / "run", [], [])
+    with megatron_world(root):
+        from megatron.core import dist_checkpointing
+
+        gpt = live_gpt(seed=0)
+        avg = shardavg.WeightAverager(gpt, shardavg.EMA(decay=DECAY))
+        for iteration in range(1, 21):
+            generator = torch.Generator().manual_seed(iteration)
+            with torch.no_grad():  # (a stand-in for an optimizer step: every weight moves)
+                for param in gpt.parameters():
+                    param.add_(torch.randn(param.shape, generator=generator))
+            avg.update()
+            if iteration % 10:
+                continue
+            folder = found.run / f"iter_{iteration:07d}"
+            folder.mkdir(parents=True)
+            state = {"model": gpt.sharded_state_dict(), "iteration": iteration, **avg.sharded_state_dict(prefix="ema.")}
+            dist_checkpointing.save(state, str(folder))
+            (found.run / TRACKER).write_text(str(iteration))
+            found.models.append(live_tensors(gpt))
+            found.averages.append(avg.full_state_dict())
+    return found
+
+
+@dataclass
+class Resumed:
+    """What a run resuming from a checkpoint holds: its weights, its averager's average and counters."""
+
+    weights: dict[str, torch.Tensor]
+    average: dict[str, torch.Tensor]
+    counters: tuple[int, int, int]  # step, updates, skipped updates
+
+
+def resumed(folder: Path, world: Path) -> Resumed:
+    """A fresh GPT and averager resumed from ``folder`` the documented way (docs/megatron.md): the model's and
+    the averager's own sharded state dicts as the load's template, then ``avg.load_sharded_state_dict``."""
+    with megatron_world(world):
+        from megatron.core import dist_checkpointing
+
+        gpt = live_gpt(seed=1)
+        avg = shardavg.WeightAverager(gpt, shardavg.EMA(decay=DECAY))
+        template = {"model": gpt.sharded_state_dict(), **avg.sharded_state_dict(prefix="ema.")}
+        loaded = dist_checkpointing.load(template, str(folder))
+        gpt.load_state_dict(loaded["model"])
+        avg.load_sharded_state_dict(loaded)
+        return Resumed(live_tensors(gpt), avg.full_state_dict(), (avg.step, avg.num_updates, avg.num_skipped))
+
+
+def test_a_live_runs_averager_is_left_out_of_the_merge_by_name_and_the_log_counts_the_model(
+    live_run: LiveRun, tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    """``shardavg merge --last 2 RUN --format dcp`` called all 35 tensors "model tensors" and averaged the
+    averager's ``ema.*`` too; now it merges the model's 17 and names the averager it left out, in the log and
+    in the record (as ``*._extra_state``), and says what became of it."""
+    out = tmp_path / "merged"
+    assert shardavg.cli.main(["merge", "--last", "2", str(live_run.run), "--format", "dcp", "--out", str(out)]) == 0
+    said = capsys.readouterr().err
+    for iteration in ("iter_0000010", "iter_0000020"):
+        line = (
+            f"{live_run.run / iteration}: merged its 17 model tensors; left out 8 under '*._extra_state', 1 under "
+            "'common.pt', 26 under 'ema.* (averager)'"  # (17 averages, its counters, its 8 objects)
+        )
+        assert line in said, said
+    assert (
+        f"{out / 'iter_0000020'}: the averager saved beside the model under 'ema.' is left out of the merge of the "
+        f"models; 'ema.' of the newest input, {live_run.run / 'iter_0000020'}, carried unchanged (averages and "
+        "counters): a run resuming from OUT restores that run's average. To merge the averages themselves, as a "
+        "model, pass key='ema.' (--key ema.)"
+    ) in said, said
+    record = json.loads((out / "iter_0000020" / "provenance.json").read_text())
+    assert [i["left_out"]["ema.* (averager)"] for i in record["inputs"]] == [26, 26]
+    assert [i.get("averagers_carried") for i in record["inputs"]] == [None, ["ema."]]
+
+    folder = shardavg.merge(live_run.run, tmp_path / "model-folder", last=2)  # (a model folder: no averager)
+    assert len(read_model(folder)) == 17 and not [name for name in read_model(folder) if name.startswith("ema.")]
+
+
+def test_resuming_from_the_merge_restores_the_newest_runs_average_never_a_mean_of_averages(
+    live_run: LiveRun, tmp_path: Path
+) -> None:
+    """The merge restored an averager with 20 updates whose average was the mean of two saved averages. The
+    model is the merge; the averager is the newest input's, whole: its average and counters, as it saved them."""
+    written = shardavg.merge(live_run.run, tmp_path / "merged", last=2, output="dcp")
+    run = resumed(written, tmp_path)
+    dtypes = {name: value.dtype for name, value in live_run.models[0].items()}
+    assert_matches(run.weights, numpy_mean(live_run.models, [0.5, 0.5]), dtypes)
+    assert run.counters == (20, 20, 0)
+    average, newest = run.average, live_run.averages[-1]
+    assert sorted(average) == sorted(newest)
+    assert all(torch.equal(average[name], value) for name, value in newest.items())
+    mean = numpy_mean(live_run.averages, [0.5, 0.5])
+    assert not all(torch.equal(average[name], torch.from_numpy(value)) for name, value in mean.items())
+
+
+def test_the_averages_are_merged_on_purpose_as_a_model_with_key(live_run: LiveRun, tmp_path: Path) -> None:
+    """``key="ema."`` (``--key ema.``) merges the saved averages (an average of averages: a model to evaluate
+    or start from), written under the model's keys, which Megatron's own load reads into the model; the
+    averager's counters are left out by name, and the output holds no averager to resume."""
+    written = shardavg.merge(live_run.run, tmp_path / "merged", last=2, key="ema.", output="dcp")
+    keys = [str(key) for key in DcpFolder(written).metadata.state_dict_metadata]
+    assert not [key for key in keys if key.startswith("ema.")]
+    record = json.loads((written / "provenance.json").read_text())
+    left_out = record["inputs"][-1]["left_out"]
+    assert left_out["ema.shardavg.counters"] == 1 and left_out["model"] == 17
+    with megatron_world(tmp_path):
+        from megatron.core import dist_checkpointing
+
+        gpt = live_gpt(seed=1)
+        gpt.load_state_dict(dist_checkpointing.load({"model": gpt.sharded_state_dict()}, str(written))["model"])
+        weights = live_tensors(gpt)
+    dtypes = {name: value.dtype for name, value in live_run.averages[0].items()}
+    assert_matches(weights, numpy_mean(live_run.averages, [0.5, 0.5]), dtypes)

@@ -1,9 +1,9 @@
 """``torchrun -m shardavg merge --format dcp`` at 2 workers: each worker writes its own part of the DCP
 checkpoint (the largest tensor in row pieces across both), the first commits ``.metadata``; the result
 loads back with DCP's own ``dcp_to_torch_save`` equal to the one-process merge, and a Megatron merge
-carries its files and ``*._extra_state`` byte for byte, in the ``iter_NNNNNNN`` folder its tracker
-names; a re-merge that fails late on the workers leaves the earlier merge byte for byte and no
-staging folder."""
+carries its files and ``*._extra_state`` byte for byte, and the averager saved beside its model
+unchanged (the first worker writes it), in the ``iter_NNNNNNN`` folder its tracker names; a re-merge
+that fails late on the workers leaves the earlier merge byte for byte and no staging folder."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ import torch.distributed.checkpoint as dcp
 from launcher import torchrun
 from test_dcp_checkpoint import raw_item
 from test_merge_dcp_output import torchtitan_save, weights
-from test_merge_megatron import megatron_save, model
+from test_merge_megatron import megatron_save, model, with_averager
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 import shardavg
@@ -49,8 +49,8 @@ def files_of_chunks(folder: Path) -> dict[str, set[str]]:
 def test_two_workers_write_a_dcp_checkpoint_equal_to_one_process(tmp_path: Path, kind: str) -> None:
     inputs = [tmp_path / "inputs" / name for name in ("iter_0000100", "iter_0000200")]
     for seed, folder in enumerate(inputs):
-        if kind == "megatron":
-            megatron_save(folder, model(seed), tmp_path / "unpickled", tp=1 + seed)
+        if kind == "megatron":  # (an averager beside the model, as avg.sharded_state_dict(prefix="ema.") saves it)
+            megatron_save(folder, with_averager(seed, "ema.", 100 + 100 * seed), tmp_path / "unpickled", tp=1 + seed)
         else:
             torchtitan_save(folder, seed)
     one = shardavg.merge(inputs, tmp_path / "one", weights=[1, 3], output="dcp")
@@ -82,6 +82,10 @@ def test_two_workers_write_a_dcp_checkpoint_equal_to_one_process(tmp_path: Path,
             assert (out / name).read_bytes() == (inputs[-1] / name).read_bytes(), name
         extra = "decoder.layers.self_attention.linear_proj._extra_state/shard_0_3"
         assert raw_item(out, extra) == raw_item(inputs[-1], extra)
+        averager = {key: value for key, value in with_averager(1, "ema.", 200).items() if key.startswith("ema.")}
+        for key, value in averager.items():  # the newest input's, unchanged, all in the first worker's part
+            assert torch.equal(DcpFolder(out).read(key), value) and DcpFolder(out).read(key).dtype == value.dtype, key
+            assert [file.split("_")[2] for file in chunks[key]] == ["0"], chunks[key]
         assert not (tmp_path / "unpickled").exists()
     made = json.loads((out / "provenance.json").read_text())
     assert made["world_size"] == 2 and made["output"] == "dcp", made

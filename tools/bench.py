@@ -61,6 +61,7 @@ import statistics
 import sys
 import tempfile
 import time
+import warnings
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
@@ -210,16 +211,19 @@ def count_screens(average: WeightAverager, update: Callable[[], object]) -> tupl
     averager with the check off between them (``unchecked_twin``)."""
     check = average._state.updater.check
     decide = check.due
-    calls, screens = 0, []
+    calls, inside, screens = 0, False, []
 
     def counted() -> None:
-        nonlocal calls
-        calls += 1
-        update()
+        nonlocal calls, inside
+        calls, inside = calls + 1, True
+        try:
+            update()
+        finally:
+            inside = False
 
     def due(verdict: object) -> Decision:
         decision = decide(verdict)
-        if decision.screen:
+        if decision.screen and inside:
             screens.append(calls)
         return decision
 
@@ -560,6 +564,7 @@ def run_case(kind: str, shape_name: str, shape: dict, dtype: torch.dtype, cfg: d
 # the rows issue 47's ratios compare, with the shard-local peers that keep an fp32 average
 VERDICT_PHASE = ("ours, check off", "ours, check off again", "ours, verdict", "ours, verdict, screen_every=1")
 TWIN = "ours, verdict's averager, check off"
+SKIPPED = "ours, verdict's averager, a false verdict"
 
 
 def unchecked_twin(verdict: Method) -> Method:
@@ -573,24 +578,42 @@ def unchecked_twin(verdict: Method) -> Method:
     the verdict's. On CUDA its call first reads the flags the verdict's updates left on the device
     (``settle``), a host read the check-off averager never makes."""
     average = verdict.average
-    on = average._state.options
+    state, check = average._state, average._state.updater.check
+    on = state.options
     off = replace(on, on_nonfinite="off")
 
     def update() -> None:
-        average._state.options = off
+        state.options = check.options = off
         try:
             average.update()
         finally:
-            average._state.options = on
+            state.options = check.options = on
 
     return Method(TWIN, "twin", update, lambda: None, average.shadow_bytes, verdict.floor_bytes)
+
+
+def skipped_twin(verdict: Method) -> Method:
+    """A step the loop's verdict says was skipped (``update(finite=False)``: a loss scaler's
+    overflow), by the verdict's own averager: the update is skipped and the local shards screened at
+    that step (finite here, so trust returns and the steady row's next update takes the verdict
+    alone again). What a healthy skip costs: the screen, and the warning (formatted, then filtered
+    out here, as a loop that filters it would)."""
+    average = verdict.average
+
+    def update() -> None:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)
+            average.update(finite=False)
+
+    return Method(SKIPPED, "skipped", update, lambda: None, average.shadow_bytes, verdict.floor_bytes)
 
 
 def verdict_phase(built: list[Method], rows: list[Row], cfg: dict, next_weights, synchronize) -> list[Row]:
     """Issue 47's ratios timed again in rounds of their own, once the averages are checked: the
     unchecked update (by its averager and by the verdict's, ``unchecked_twin``), the verdict's two
     rows, the A/A averager and the peers that keep an fp32 average, the shape's ``verdict_repeats``
-    rounds after one untimed, into each row's ``verdict_rounds_ms``; returns the twin's row. On a
+    rounds after one untimed, into each row's ``verdict_rounds_ms``; returns the twin's row and the
+    row of a skipped step by the same averager (``skipped_twin``). On a
     shared CPU one round's ratio of two updates spreads by 5-20% on small tensors (3-10% large),
     which leaves the median of the main rounds (15) up to ~3% from the ratio it estimates, the size
     of the 1.03 target, and the median of 80 up to 3% on the noisiest small rows (bootstrapped from
@@ -603,7 +626,8 @@ def verdict_phase(built: list[Method], rows: list[Row], cfg: dict, next_weights,
     like = next(r for r in rows if r.method == steady.name)
     twin_row = Row(like.engine, like.shape, like.dtype, TWIN, "twin", 0.0, 0.0, 0, like.extra_bytes_per_rank, "-",
                    floor_bytes=like.floor_bytes)  # fmt: skip
-    timed.append((unchecked_twin(steady), twin_row))
+    skipped_row = replace(twin_row, method=SKIPPED, role="skipped")
+    timed += [(unchecked_twin(steady), twin_row), (skipped_twin(steady), skipped_row)]
     timings = interleaved_ms([method.update for method, _ in timed], 1, repeats, before=next_weights,
                              synchronize=synchronize)  # fmt: skip
     before = cfg["warmup"] + cfg["repeats"] + 1  # the calls so far: the main rounds and the one that counts bytes
@@ -611,8 +635,9 @@ def verdict_phase(built: list[Method], rows: list[Row], cfg: dict, next_weights,
         row.verdict_rounds_ms = timing.rounds_ms
         row.verdict_timed = (before + 2, before + 1 + repeats)
         row.screened = method.screened() if method.screened else None
-    twin_row.ms_median, twin_row.ms_p90 = timings[-1].median_ms, timings[-1].p90_ms
-    return [twin_row]
+    for row, timing in zip((twin_row, skipped_row), timings[-2:]):
+        row.ms_median, row.ms_p90 = timing.median_ms, timing.p90_ms
+    return [twin_row, skipped_row]
 
 
 def against_memory(rows: list[Row]) -> None:
@@ -874,6 +899,7 @@ def verdict_figures(by_role: dict[str, list[Row]]) -> dict[str, float] | None:
     on, off = by_role["ours"]
     again = next(iter(by_role.get("again", [])), None)  # (runs before 0.12.2 have none)
     twin = next(iter(by_role.get("twin", [])), off)  # (runs before 0.12.3 have none)
+    skipped = next(iter(by_role.get("skipped", [])), None)  # (runs before 0.13.0 have none)
     peers = [r for r in by_role.get("peer", []) if keeps_fp32(r)]
     fastest = min(peers, key=lambda r: statistics.median(verdict_rounds(r)), default=None)
     rounds = {
@@ -895,6 +921,7 @@ def verdict_figures(by_role: dict[str, list[Row]]) -> dict[str, float] | None:
         "verdict amortized / fastest fp32 peer": paired(rounds["amortized"], rounds["peer"]),
         "verdict / another averager": paired(rounds["verdict"], verdict_rounds(off)),
         "A/A": paired(verdict_rounds(again), verdict_rounds(off)) if again else float("nan"),
+        "skipped step / check off": paired(verdict_rounds(skipped), rounds["check off"]) if skipped else float("nan"),
     }
 
 
@@ -982,13 +1009,15 @@ def verdict_table(rows: list[Row]) -> str:
     update, a peer whose average is bf16); the ratios of issue 47's targets with PASS or MISS; the
     verdict against the separate check-off averager beside the A/A ratio of two identical unchecked
     averagers (``again``: what the same update measures against itself in those rounds); and how
-    many timed updates of the steady row ran the screen."""
+    many timed updates of the steady row ran the screen; and what a step with a false verdict costs
+    (``skipped_twin``: the screen alone) against the unchecked update."""
     lines = [
         "| engine | shape | live | verdict | verdict, screen_every=1 | verdict amortized (1 in "
         f"{SCREEN_EVERY}) | check off | check on (screen) | torchtitan-style | hand-written fp32 "
         "| verdict / check off | verdict / fastest fp32 peer | amortized / check off | amortized / fastest fp32 peer "
-        "| verdict / another averager's check off | A/A: check off again / check off | screens timed | check |",
-        "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---|---|---|---|---|---|---|---|",
+        "| verdict / another averager's check off | A/A: check off again / check off | a skipped step / check off "
+        "| screens timed | check |",
+        "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---|---|---|---|---|---|---|---|---|",
     ]
     for case, by_role in cases(rows).items():
         figures = verdict_figures(by_role)
@@ -1002,6 +1031,7 @@ def verdict_table(rows: list[Row]) -> str:
         cells += [peer_ms(peers.get(name)) for name in ("torchtitan-style", "hand-written fp32")]
         cells += [judged(metric, figures[metric]) for metric, _ in VERDICT_TARGETS]
         cells += [f"{figures['verdict / another averager']:.3f}", aa_shown(figures["A/A"])]
+        cells += [f"{figures['skipped step / check off']:.3f}"]
         cells += [f"{timed} of {last - first + 1}", steady.check]
         lines.append(f"| {' | '.join(case)} | " + " | ".join(cells) + " |")
     return "\n".join(lines) if len(lines) > 2 else ""

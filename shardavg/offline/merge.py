@@ -11,7 +11,10 @@ from the last input (with ``last=K``, the newest). The output is a Hugging Face 
 model (``model.safetensors``, or shards and an index), an averager's checkpoint that
 ``avg.load`` restores at any world size, or a ``torch.distributed.checkpoint`` folder under the
 inputs' own keys that the trainers that wrote them load back (``output.dcp_checkpoint``; from
-Megatron-Core inputs, in a Megatron-LM run folder: ``output.megatron_run``).
+Megatron-Core inputs, in a Megatron-LM run folder: ``output.megatron_run``). An averager saved
+beside a Megatron-Core model (``megatron.Averager``) is no part of a merge of the models: left out by
+name, and carried unchanged from the newest input into a DCP output, as its ``*._extra_state`` is;
+``key`` merges its averages instead, as a model.
 
 The merge plans, then writes. Each input's share comes from a method (``methods``: uniform,
 weights, an EMA over steps, WSM's schedules), the tensors and their names from ``merge_names``;
@@ -70,6 +73,7 @@ from .saved_average import rows_shape
 from .sources import DcpSource, SafetensorsSource, Source, Spec, finished_checkpoints, open_source
 
 Carried = dict[str, Path]  # a model folder's files a merge carries: {name: the real file read}
+AVERAGERS_CARRIED = "averagers_carried"  # an input's record: the prefixes of its averagers a DCP output carries
 
 
 def merge(
@@ -113,7 +117,12 @@ def merge(
         method: any merge method (``offline.methods``: ``Ema(0.99)``, ``Wsm("cosine")``, a method of
             one's own registered there), or a registered one's name (``"uniform"``), in place of
             ``weights``, ``ema`` or ``schedule`` (each of which names a registered method).
-        key: an averager's key in DCP checkpoints (else the model's tensors are merged).
+        key: an averager's key in DCP checkpoints (else the model's tensors are merged); in Megatron-Core
+            ``torch_dist`` checkpoints, the prefix an averager was saved under (``"ema."``, or ``"ema"``):
+            its averages are merged, as the model (under the model's keys), its counters left out.
+            Without it, a merge of Megatron-Core checkpoints leaves the averagers saved beside the
+            model out (named in the log and the provenance's ``left_out``) and a DCP output carries
+            the newest input's unchanged: a mean of averages with one input's counters is no run's.
         average: which average of a shardavg checkpoint that keeps several.
         prefix: the entry of DCP checkpoints that holds the model (``"model."``; ``""`` for the top
             level); default: found from how the checkpoint nests its entries (``sources.model_tensors``).
@@ -132,8 +141,9 @@ def merge(
             that trainer saves restores it), else of the tensors' names at the top level; one file per
             writer, ``.metadata`` written last. From a Megatron-Core ``torch_dist`` input it also
             carries, byte for byte and never unpickled, ``metadata.json``, ``common.pt`` and the
-            ``*._extra_state`` entries, so that ``dist_checkpointing.load`` reads it (without the
-            optimizer and rng state: ``--no-load-optim --no-load-rng``), laid out as a Megatron-LM run
+            ``*._extra_state`` entries (and, unchanged, the averagers saved beside its model), so that
+            ``dist_checkpointing.load`` reads it (without the optimizer and rng state:
+            ``--no-load-optim --no-load-rng``), laid out as a Megatron-LM run
             that ``--load OUT`` resumes from: ``OUT/iter_NNNNNNN`` beside ``latest_checkpointed_iteration.txt``
             naming it (``output.megatron_run``). ``max_shard_size`` does not apply.
         iteration: the iteration a Megatron-LM run folder written as DCP holds the merge as (default:
@@ -213,7 +223,7 @@ def merge(
             written = _write_checkpoint(Path(out), merging, made, writers, progress)
         else:
             written = _write_dcp(Path(out), merging, made, writers, progress)
-        _log_done(sources, plan.tensors, written)
+        _log_done(sources, plan.tensors, written, write.output)
         return written
     finally:
         progress.close()  # (its line ended before any error is said)
@@ -323,15 +333,18 @@ def _write_dcp(out: Path, merging: Merging, made: dict | None, writers: Writers,
     into place whole: the first writer makes the staging folder (``staged``: locked, its record
     written); every writer, once it has proved it sees that folder (``joined``), writes its pieces
     into a file of its own there, in parallel, each piece a chunk of its rows under the key of each
-    of its names; once every writer has, the first carries a Megatron input's files, commits
-    ``.metadata`` there and swaps the folder into place. A failure anywhere is every writer's, and
-    leaves ``out`` as it was (an earlier merge, whole, or nothing) and no staging folder. With an
-    ``iteration`` (the plan's), ``out`` is a Megatron-LM run folder: the checkpoint goes into its ``iter_NNNNNNN``
-    folder, and the tracker naming it is written once that is in place (``output.megatron_run``)."""
+    of its names (the first also the newest Megatron input's averagers, unchanged: ``DcpSource.kept``);
+    once every writer has, the first carries a Megatron input's files, commits ``.metadata`` there and
+    swaps the folder into place. A failure anywhere is every writer's, and leaves ``out`` as it was (an
+    earlier merge, whole, or nothing) and no staging folder. With an ``iteration`` (the plan's), ``out``
+    is a Megatron-LM run folder: the checkpoint goes into its ``iter_NNNNNNN`` folder, and the tracker
+    naming it is written once that is in place (``output.megatron_run``)."""
     plan, iteration = merging.plan, merging.plan.write.iteration
     run, out = out, out if iteration is None else megatron_run.folder_of(out, iteration)
     keys, nesting, newest = _dcp_keys(merging.sources)
     tensors = {keys(n): (s.dtype, s.shape) for planned, s in zip(plan.tensors, plan.specs) for n in planned.names}
+    kept = newest.kept if newest is not None else {}  # (its averagers' tensors, carried unchanged)
+    tensors |= {key: (stored.properties.dtype, tuple(stored.size)) for key, stored in kept.items()}
     error: Exception | None = None
     token = ""
     objects: list[tuple[str, dcp_checkpoint.StoredBytes]] = []
@@ -343,7 +356,8 @@ def _write_dcp(out: Path, merging: Merging, made: dict | None, writers: Writers,
                     held.enter_context(megatron_run.held(run))
                 token = held.enter_context(dcp_checkpoint.staged(out, made or {}))
                 if newest is not None and megatron.is_torch_dist(newest.path):
-                    objects, files = megatron.carried(newest.folder)
+                    averaged = None if newest.averaged is None else newest.averaged.prefix
+                    objects, files = megatron.carried(newest.folder, averaged)
             except Exception as caught:
                 error = caught
         writers.agree(error, f"preparing {out}")
@@ -354,6 +368,8 @@ def _write_dcp(out: Path, merging: Merging, made: dict | None, writers: Writers,
                 for name in plan.tensors[piece.index].names:  # (a tied tensor under each of its names' keys)
                     yield keys(name), piece.rows, tensor
                 del tensor  # (before the next one is merged)
+            for key in kept if writers.lead else ():  # (the newest input's own, whole, as it stored them)
+                yield key, None, newest.folder.read(key)  # type: ignore[union-attr]
 
         written: list[dcp_checkpoint.Written] = []
         try:
@@ -377,14 +393,19 @@ def _write_dcp(out: Path, merging: Merging, made: dict | None, writers: Writers,
     return out
 
 
+def _newest_dcp(sources: list[Source]) -> DcpSource | None:
+    """The newest DCP input: a DCP output takes its keys, nesting and what it carries from it."""
+    return next((s for s in reversed(sources) if isinstance(s, DcpSource)), None)
+
+
 def _dcp_keys(sources: list[Source]) -> tuple[Callable[[str], str], dict[str, tuple] | None, DcpSource | None]:
     """How a DCP output names and nests the merged tensors: as the newest DCP input stores them
     (``model.`` and its nesting, as torchtitan or the main job saved; Megatron's flat keys), else
     under their names at the top level; and that input."""
-    newest = next((s for s in reversed(sources) if isinstance(s, DcpSource)), None)
+    newest = _newest_dcp(sources)
     if newest is None:
         return (lambda name: name), None, None
-    stored = {name: key for name, (key, _) in newest.keys.items()}
+    stored = {name: newest.output_key(name) for name in newest.keys}
     return (lambda name: stored.get(name, name)), dcp_checkpoint.nesting_of(newest.folder.metadata), newest
 
 
@@ -486,7 +507,7 @@ def _run_iteration(sources: list[Source], write: WriteOptions) -> int | None:
     (its newest DCP input one) is written as: the one given (``write.iteration``), else the newest
     input's step; None for any other merge, which takes no iteration."""
     iteration = write.iteration
-    newest = next((s for s in reversed(sources) if isinstance(s, DcpSource)), None)
+    newest = _newest_dcp(sources)
     if write.output != "dcp" or newest is None or not megatron.is_torch_dist(newest.path):
         if iteration is not None:
             raise ValueError(
@@ -648,12 +669,17 @@ def _made(sources: list[Source], shares: list[float], chosen: Method, write: Wri
     """The merge's provenance, made before anything is written (so that nothing an input holds can
     fail it afterwards): each input's path, step, weight, run and manifest digest, the provenance
     it recorded, where it can be read (``_input_made``), and the groups of its entries left out
-    (``{group: entries}``: an optimizer, rng state); the learning-rate decay the method stands in for
-    (``schedule``) and the dtype written; a DCP output's format (``"output"``)."""
+    (``{group: entries}``: an optimizer, rng state, an averager), and in a DCP output the prefixes of
+    the averagers carried unchanged from it (``AVERAGERS_CARRIED``); the learning-rate decay the
+    method stands in for (``schedule``) and the dtype written; a DCP output's format (``"output"``)."""
     inputs = [_input_made(source, share) for source, share in zip(sources, shares)]
     for record, source in zip(inputs, sources):
         if source.left_out:
             record["left_out"] = dict(source.left_out)
+    carried = _averagers_carried(sources, write.output)
+    if carried is not None:
+        source, averagers = carried
+        inputs[sources.index(source)][AVERAGERS_CARRIED] = [averager.prefix for averager in averagers]
     written = None if write.dtype is None else dtype_name(write.dtype)
     details = {"output": write.output} if write.output == "dcp" else {}
     return made_by("merge", writers, schedule=chosen.schedule, dtype=written, inputs=inputs, **details)
@@ -674,11 +700,52 @@ def _input_made(source: Source, share: float) -> dict:
     return made | ({"run_id": source.run_id} if source.run_id else {}) | ({"manifest_sha256": digest} if digest else {})
 
 
-def _log_done(sources: list[Source], plan: list[Planned], out: Path) -> None:
+def _log_done(sources: list[Source], plan: list[Planned], out: Path, output: Output) -> None:
+    """Say what the merge did not do plainly: names it untied, and each input's entries left out,
+    the averagers saved beside a Megatron-Core model among them (``_log_averagers``)."""
     untied = sorted(n for p in plan if p.untied for n in p.names)
     if untied:
         log.warning("%s: the inputs disagree on tying %s; each name merged on its own, written untied", out, untied)
     for source in sources:
         if source.left_out:
             skipped = ", ".join(f"{count} under {key!r}" for key, count in source.left_out.items())
-            log.info("%s: merged its %d model tensors; left out %s", source, len(source.specs), skipped)
+            log.info("%s: merged its %d %s; left out %s", source, len(source.specs), _merged_as(source), skipped)
+    _log_averagers(sources, out, output)
+
+
+def _merged_as(source: Source) -> str:
+    """What a merge read from ``source``: its model's tensors, or an averager's averages (``key``)."""
+    averaged = source.averaged if isinstance(source, DcpSource) else None
+    return "model tensors" if averaged is None else f"averages of the averager {averaged.prefix!r}, as the model"
+
+
+def _averagers_carried(sources: list[Source], output: Output) -> tuple[DcpSource, list[megatron.Averager]] | None:
+    """The input whose averagers a DCP output carries unchanged (the newest DCP input, a Megatron-Core
+    one holding averagers beside its model: ``DcpSource.kept``), and those averagers; None elsewhere."""
+    newest = _newest_dcp(sources)
+    if output != "dcp" or newest is None or not newest.kept:
+        return None
+    return newest, newest.averagers
+
+
+def _log_averagers(sources: list[Source], out: Path, output: Output) -> None:
+    """Say what became of the averagers saved beside the models merged: left out of the merge (a mean
+    of averages restored with one input's counters would be no run's average); in a DCP output, the
+    newest input's carried unchanged, so that a run resuming from it restores that run's average."""
+    left = sorted({a.prefix for s in sources if isinstance(s, DcpSource) and s.averaged is None for a in s.averagers})
+    if not left:
+        return
+    named = ", ".join(repr(prefix) for prefix in left)
+    carried = _averagers_carried(sources, output)
+    if carried is None:
+        became = "OUT holds none"
+    else:
+        source, kept = carried
+        became = (
+            f"{', '.join(repr(a.prefix) for a in kept)} of the newest input, {source}, carried unchanged (averages and "
+            "counters): a run resuming from OUT restores that run's average"
+        )
+    log.info(
+        "%s: the averager saved beside the model under %s is left out of the merge of the models; %s. To merge the "
+        "averages themselves, as a model, pass key=%r (--key %s)", out, named, became, left[0], left[0],
+    )  # fmt: skip

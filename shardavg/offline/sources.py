@@ -130,12 +130,23 @@ class AverageSource(Source):
 
 
 class DcpSource(Source):
-    """The model's tensors of a DCP checkpoint, named as the model names them (see ``model_tensors``)."""
+    """The model's tensors of a DCP checkpoint, named as the model names them (see ``model_tensors``).
 
-    def __init__(self, path: Path, prefix: str | None) -> None:
+    A Megatron-Core ``torch_dist`` checkpoint names its own (``megatron.contents``): the model's tensors,
+    the averagers saved beside them (``averagers``) left out by name; or, with ``key``, the averages of
+    the averager saved under that prefix (``averaged``), named as the model's keys. Its ``kept``: the
+    averagers' tensors (their counters among them) that a DCP output carries unchanged when this is
+    the newest input, so that a run resuming from the merge restores that run's average, never a
+    mean of averages with one input's counters (none when an averager is what is merged)."""
+
+    averagers: list[megatron.Averager] = []
+    averaged: megatron.Averager | None = None
+    kept: dict[str, Any] = {}  # {key: stored}
+
+    def __init__(self, path: Path, prefix: str | None, key: str | None = None) -> None:
         self.path, self.folder = path, DcpFolder(path)
-        if megatron.is_torch_dist(path) and prefix is None:  # (its keys are the model's: no entry holds it)
-            self.keys, self.left_out = megatron.model_tensors(self.folder)
+        if megatron.is_torch_dist(path):
+            self._megatron(prefix, key)
         else:
             self.keys, self.left_out = model_tensors(self.folder, prefix)
         self.specs = {
@@ -143,15 +154,44 @@ class DcpSource(Source):
         }
         self.step = _step_of(path)
 
+    def _megatron(self, prefix: str | None, key: str | None) -> None:
+        """The tensors of a ``torch_dist`` checkpoint, whose keys are the model's (no entry holds it):
+        the model's, or with ``key`` an averager's averages (``megatron.Contents.merged``). A ``prefix``
+        alone reads it as any DCP checkpoint, refused where it holds an averager, which that would
+        merge as the model with one input's counters."""
+        held = megatron.contents(self.folder)
+        if prefix is not None and key is None:
+            if held.averagers:
+                raise CheckpointError(
+                    f"{self.path} is a Megatron-Core checkpoint holding averagers (prefixes "
+                    f"{[a.prefix for a in held.averagers]}): leave --prefix out to merge its model, or name an "
+                    "averager's prefix with --key to merge its averages"
+                )
+            self.keys, self.left_out = model_tensors(self.folder, prefix)
+            return
+        self.keys, self.left_out = held.merged(key)
+        self.averagers = held.averagers
+        self.averaged = held.averager(key) if key is not None else None
+        if self.averaged is None:
+            self.kept = {k: stored for averager in held.averagers for k, stored in averager.tensors.items()}
+
     def read(self, name: str, rows: Rows = None) -> torch.Tensor:
         return self.folder.read(self.keys[name][0], rows)
 
+    def output_key(self, name: str) -> str:
+        """The key a DCP output writes the merged tensor ``name`` under: this input's, or, for an
+        averager's averages, the model's key (its prefix taken off), so that Megatron loads the
+        merge into the model."""
+        return name if self.averaged is not None else self.keys[name][0]
+
     def check(self) -> None:
         """Every item of the checkpoint in place (a truncated file is refused even where it holds no
-        tensor merged), and the merged tensors' chunks boxes of them."""
+        tensor merged), and the merged and kept tensors' chunks boxes of them."""
         check_dcp_items(self.path, self.folder.metadata)  # (the metadata read once, when opened)
         for name, spec in self.specs.items():
             self.folder.boxes(self.keys[name][0], spec.shape, spec.dtype)
+        for key, stored in self.kept.items():
+            self.folder.boxes(key, tuple(stored.size), stored.properties.dtype)
 
 
 def model_tensors(folder: DcpFolder, prefix: str | None = None) -> tuple[dict[str, tuple[str, Any]], dict[str, int]]:
@@ -415,8 +455,9 @@ def open_source(
     path: str | Path, key: str | None = None, average: str | None = None, prefix: str | None = None
 ) -> Source:
     """The checkpoint at ``path``, by what it holds: ``key`` picks an averager inside a DCP
-    checkpoint, ``average`` one of an averager's averages, ``prefix`` the entry of a DCP
-    checkpoint that holds the model (default: found, see ``model_tensors``)."""
+    checkpoint (in a Megatron-Core one, the prefix it was saved under), ``average`` one of an
+    averager's averages, ``prefix`` the entry of a DCP checkpoint that holds the model (default:
+    found, see ``model_tensors``)."""
     path = Path(path)
     if not path.exists():
         raise CheckpointError(f"{path} does not exist")
@@ -430,7 +471,14 @@ def open_source(
             raise CheckpointError(f"{path} is a file but not a .safetensors one: merge reads no other single file")
         return SafetensorsSource(path)
     if (path / DCP_METADATA).exists():
-        return AverageSource(path, key, average) if key is not None else DcpSource(path, prefix)
+        if key is not None and not megatron.is_torch_dist(path):
+            return AverageSource(path, key, average)
+        if average is not None and key is not None:
+            raise CheckpointError(
+                f"{path} is a Megatron-Core checkpoint, which holds one average under each averager's prefix: name "
+                f"the prefix of the average to merge with --key, without --average {average}"
+            )
+        return DcpSource(path, prefix, key)
     if (path / MANIFEST).exists() or any(STEP_DIR.match(p.name) and (p / MANIFEST).is_file() for p in path.iterdir()):
         return AverageSource(path, key or "ema", average)
     if deepspeed_folders.is_universal(path):
