@@ -34,7 +34,7 @@ from .rules import (
 from .strategies import detect
 from .update.options import Options
 
-__version__ = "0.12.5"
+__version__ = "0.13.0"
 
 __all__ = [
     "EMA",

@@ -244,7 +244,10 @@ class WeightAverager:
         optimizer moves each weight by a finite amount, so a true verdict says what the screen
         would find, given finite weights before: the screen still runs at the first update, the
         first after ``load``/``load_state_dict``/``restart``/``copy_into_model``, after a step
-        called without a true verdict, and every ``screen_every`` updates. A verdict does not see
+        called without a verdict, after a screen that found NaN, and every ``screen_every``
+        updates; and at every false verdict, at its own step (the step is skipped, but its
+        optimizer may have written NaN: ``clip_grad_norm_`` scales infinite gradients by 0, and
+        inf * 0 is NaN), where ``on_nonfinite`` applies to what it finds. A verdict does not see
         writes outside the optimizer (a hand-written one, ``model.load_state_dict``) nor an
         optimizer that is not a torch one: see the usage guide. On CUDA a tensor verdict stays on
         the device and masks the update there (no host read); in the background it is taken at
@@ -254,7 +257,8 @@ class WeightAverager:
             step: The optimizer step count; None (default): one more than the last seen.
             finite: The loop's verdict on the step: a bool, a 0-d bool tensor, or a floating tensor
                 (any shape) that is finite when all its elements are. None (default): no verdict,
-                the screen runs as ``on_nonfinite`` says. A false verdict skips the update.
+                the screen runs as ``on_nonfinite`` says. A false verdict skips the update and
+                screens the weights.
 
         Returns:
             Whether an update was applied (with ``background=True``: started; with a verdict on
@@ -262,13 +266,16 @@ class WeightAverager:
 
         Raises:
             RuntimeError: Called inside ``swapped()``.
-            ValueError: ``step`` is not after the last step seen; ``finite`` is a bool tensor of
-                more than one element, an empty tensor, or a DTensor that is not replicated.
+            ValueError: ``step`` is a bool or not after the last step seen; ``finite`` is a bool
+                tensor of more than one element, an empty tensor, a tensor on the meta device, or a
+                DTensor that is not replicated.
             TypeError: ``finite`` is not a bool or a bool or floating tensor.
             NonFiniteError: A live weight holds NaN or infinity under ``on_nonfinite="raise"``
                 (in the background, or checked on an accelerator, raised at the next call instead:
-                an ``update()`` that raises for an earlier step has taken no step of its own).
-                Never for a false verdict.
+                an ``update()`` that raises for an earlier step has taken no step of its own),
+                whatever the verdict: a false one with finite weights only warns.
+            RuntimeError: An earlier update stopped part way (an interrupt between two averages'
+                kernels): the average is refused until ``load()`` or ``restart()``.
 
         Warns:
             RuntimeWarning: An update skipped under ``on_nonfinite="skip"``, or for a false verdict

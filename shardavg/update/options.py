@@ -150,8 +150,9 @@ class Options:
     screen_every: int = option(100, _count(1))
     """With the loop's verdict (``update(finite=...)``), the non-finite screen still runs at one
     update in ``screen_every``, and at the first after the averager is built, restored (``load``,
-    ``load_state_dict``, ``restart``), copied into the model or handed new live tensors, or after a
-    step it did not see with a true verdict; the other updates take the verdict alone. A verdict
+    ``load_state_dict``, ``restart``), copied into the model or handed new live tensors, after a
+    step it did not see with a verdict, and after a screen that found NaN; at every false verdict
+    it runs at that step; the other updates take the verdict alone (``update/check.py``). A verdict
     proves the weights stayed finite only if they were finite before: the screen is what says
     they were, and what finds a NaN written outside the optimizer (within ``screen_every``
     updates; such a value is averaged in until then). Default 100: the screen costs about half
