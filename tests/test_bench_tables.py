@@ -204,7 +204,9 @@ def test_the_verdict_rows_against_the_unchecked_update_and_the_fp32_peers() -> N
     }
     text = bench.verdict_table(rows)
     assert figures["A/A"] == pytest.approx(1.03)  # (the second unchecked averager against the first)
-    shown = "| 0.50 (bf16 avg) | 1.00 | 1.020 PASS | 1.020 PASS | 1.040 MISS | 1.040 PASS | 1.020 | 1.030 | nan | 0 of 15 |"
+    shown = (
+        "| 0.50 (bf16 avg) | 1.00 | 1.020 PASS | 1.020 PASS | 1.040 MISS | 1.040 PASS | 1.020 | 1.030 | nan | 0 of 15 |"
+    )
     assert shown in text, text  # (a run without the twin: check off is the check-off averager's)
     assert bench.verdict_table(rows_of_a_case("transformer", ms, {})) == ""  # (no verdict rows: no table)
     fp32 = [bench.Row("ddp", "s", "float32", "torchtitan-style", "peer", 1.0, 1.0, 0, 0, "peer")]

@@ -12,7 +12,7 @@ import warnings
 import pytest
 import torch
 from test_device_check import device_path  # noqa: F401 (a fixture)
-from test_verdict import Screens, grad_norm
+from test_verdict import Screens
 
 import shardavg.update.updater as updater_module
 from shardavg import EMA, SWA, NonFiniteError, PowerEMA, WeightAverager
@@ -112,7 +112,7 @@ def test_on_the_device_a_false_verdict_read_late_leaves_the_updates_issued_since
     verdicts = check(screen_every=100)
     verdicts.due(None)
     assert verdicts.settled(1, 1, screened_clean=True, refused=False) == "applied"
-    for ordinal in (2, 3, 4):
+    for _ in range(3):
         assert verdicts.due(torch.tensor(True)) is APPLY  # issued before the host read anything
     assert verdicts.settled(2, 2, screened_clean=None, refused=True) == "refused"
     assert (verdicts.vouched, verdicts.unvouched_at) == (False, 2)
@@ -367,7 +367,8 @@ def test_on_the_device_the_nan_is_masked_and_found_by_the_next_screen(device_pat
         with pytest.raises(NonFiniteError, match=found + r" \(found on the device"):
             averager.update(finite=loop.train())
     else:
-        with pytest.warns(RuntimeWarning, match=r"^skipped the update at step 5 on rank 0: non-finite live values in \['emb"):
+        skipped = r"^skipped the update at step 5 on rank 0: non-finite live values in \['emb"
+        with pytest.warns(RuntimeWarning, match=skipped):
             averager.update(finite=loop.train())
         with pytest.warns(RuntimeWarning, match=r"^skipped the update at step 6 on rank 0: non-finite live values"):
             averager.updater.settle()  # (screened again: the NaN stays)

@@ -478,8 +478,10 @@ class Updater:
         verdicts, oks = screen_on_device(self.groups) if decision.screen else ([], {})
         (live_device,) = {group.live_tensors[0].device for group in self.groups}
         said = None  # the loop's verdict as a device flag (None: none, or a true one read on the host)
-        if given is not None and given.ok is not True:
-            said = given.ok.to(live_device) if isinstance(given.ok, torch.Tensor) else torch.zeros_like(self._ones(live_device))
+        if isinstance(given, Given) and isinstance(given.ok, torch.Tensor):
+            said = given.ok.to(live_device)  # (a device's own, or the CPU standing in for one: no copy)
+        elif given is not None and given.ok is False:  # (read on the host: the same mask)
+            said = torch.zeros((), dtype=torch.bool, device=live_device)
         if state.options.on_nonfinite == "off":
             ok = self._ones(live_device) if said is None else said
         else:
