@@ -7,8 +7,9 @@ bare ``RecursionError`` (and what parsed just under it can overflow a later walk
 with no recursion check at all (hashing a tuple nested 200,000 deep as a dict key) kills the
 process with SIGSEGV, while ``pickle`` builds such a tuple without recursing. So JSON goes
 through ``parse_json``, which bounds the depth of what it returns, and a pickle through
-``check_pickle``, which counts its nesting and the objects it would build from its opcodes,
-building nothing, before any unpickler sees it.
+``check_pickle``, which counts its nesting, the objects it would build (and a walk over them
+visit) and the memo slots it would store from its opcodes, building nothing, before any
+unpickler sees it.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import json
 import os
 import pickletools
 import struct
+from array import array
 from typing import Any
 
 from .errors import CheckpointError
@@ -24,7 +26,7 @@ from .validate import nesting
 
 JSON_DEPTH = 100  # arrays and objects nested in JSON another tool wrote (a model config: a handful)
 PICKLE_DEPTH = 100  # containers and objects nested in a pickled DCP metadata (torch's own: 11)
-PICKLE_OBJECTS = 2**26  # objects and container entries a pickle may build: DCP's own build one per ~5 bytes
+PICKLE_OBJECTS = 2**26  # objects and entries a pickle may build or a walk visit: DCP's own, one per ~5 bytes
 
 
 def parse_json(text: str | bytes, where: str | os.PathLike, depth: int = JSON_DEPTH) -> Any:
@@ -122,15 +124,27 @@ def check_pickle(
     raw: bytes, where: str | os.PathLike, depth: int = PICKLE_DEPTH, objects: int = PICKLE_OBJECTS
 ) -> None:
     """Refuse the pickle ``raw`` (from the file ``where``) with a ``CheckpointError`` naming it when
-    what it builds nests more than ``depth`` containers and objects deep, or holds more than
-    ``objects`` objects and container entries, before anything is unpickled.
+    what it builds nests more than ``depth`` containers and objects deep (``depth`` below 255), or
+    takes more than ``objects`` objects and container entries to build or to walk, or does what
+    pickle never writes and the unpickler would pay for, before anything is unpickled.
 
-    Its opcodes are walked as the unpickler would run them, keeping for each item on the stack (and
-    in the memo) only how deep it nests: nothing is built, nothing recurses, and a stack that
-    underflows or a byte that is no opcode is refused as not a pickle. An object's depth is
-    counted when it is built; a tuple, the one container hashed recursively in C, never changes
-    after that. Linear in the pickle's length: about as long as unpickling it takes.
+    Its opcodes are walked as the unpickler would run them, keeping for each object it would build
+    only how deep it nests and how many objects walking it visits: nothing is built, nothing
+    recurses, and a stack that underflows, a memo slot fetched that was never stored or a byte that
+    is no opcode is refused as not a pickle. Linear in the pickle's length, a few bytes an object:
+    about three times as long as unpickling DCP's metadata takes. Refused too, each costing the
+    unpickler far more than the bytes that ask for it:
+
+    - a memo slot stored past those stored so far: pickle numbers them 0, 1, 2... as it stores
+      them, but the unpickler sizes its memo table by the highest slot named (slot 2**30: 16 GB);
+    - anything added to a container after it was put inside another (appending to a list fetched
+      from the memo, a cycle): a million lists each appended to the last are a million levels deep,
+      at a few bytes a level, however deep each looked when it was put in the next;
+    - shared objects that a walk visits too often: a tuple holding another twice, 40 times over, is
+      200 bytes, and hashing it (as a dict key) visits 2**40 tuples.
     """
+    if not 0 < depth < 255:
+        raise ValueError(f"check_pickle's depth is {depth}: it keeps depths in bytes, so 1 to 254")
     try:
         _walk(raw, where, depth, objects)
     except CheckpointError:
@@ -141,17 +155,26 @@ def check_pickle(
 
 def _walk(raw: bytes, where: str | os.PathLike, limit: int, most: int) -> None:
     """``check_pickle``'s walk; IndexError, KeyError, ValueError or struct.error where ``raw`` is no pickle.
-    The commonest opcodes of DCP's metadata come first, inline: this loop is the whole cost."""
-    stack: list[int] = []  # how deep each item on the unpickler's stack nests
+
+    Every object is numbered as it is built (0 stands for every scalar), and the stack and the memo
+    hold those numbers: an object fetched from the memo is the same object, as deep and as large as
+    it is now. Once an object is inside another, nothing may be added to it (pickle adds to a
+    container before putting it anywhere, except in a cycle), so what was counted for all that holds
+    it stays true, and a cycle, nested without end, is refused with the rest. The commonest
+    opcodes of DCP's metadata come first, inline: this loop is the whole cost."""
+    stack: list[int] = []  # the objects on the unpickler's stack, by number
     marks: list[int] = []  # the stack's length at each MARK
-    memo: dict[int, int] = {}
+    memo = array("I")  # the objects the memo holds, slot by slot (stored densely, as pickle does)
+    depths = bytearray(1)  # how deep each object nests (a scalar: 0)
+    sizes = array("Q", [1])  # how many objects and entries walking each visits, shared ones each time
+    inside = bytearray(b"\x01")  # 1 for an object put inside another (a scalar: always)
     deepest, built, position = 0, 0, 0
     push, unpack = stack.append, struct.unpack_from
     while True:
         code = raw[position]
         position += 1
         if code == 0x94:  # MEMOIZE
-            memo[len(memo)] = stack[-1]
+            memo.append(stack[-1])
             continue
         if code == 0x68:  # BINGET
             push(memo[raw[position]])
@@ -169,13 +192,21 @@ def _walk(raw: bytes, where: str | os.PathLike, limit: int, most: int) -> None:
         if code == 0x28:  # MARK
             marks.append(len(stack))
             continue
-        if code == 0x85:  # TUPLE1: one level deeper than its item
-            stack[-1] += 1
+        if code == 0x85:  # TUPLE1: a new object, one level deeper than its item
+            item = stack[-1]
+            inside[item] = 1
+            stack[-1] = len(depths)
+            level = depths[item] + 1
+            depths.append(level)
+            sizes.append(sizes[item] + 1)
+            inside.append(0)
             built += 2
-            if stack[-1] > deepest:
-                deepest = stack[-1]
+            if level > deepest:
+                deepest = level
                 if deepest > limit:
                     raise CheckpointError(_too_deep(where, limit, "a pickle", "PICKLE_DEPTH"))
+            if sizes[-1] > most:
+                raise CheckpointError(_too_large(where, most))
             continue
         entry = _OPCODES[code]
         if entry is None:
@@ -193,11 +224,19 @@ def _walk(raw: bytes, where: str | os.PathLike, limit: int, most: int) -> None:
             if length < 0:
                 raise ValueError("a negative length")
             position += size + length
-        if effect == _SCALAR or effect == _EMPTY:
-            push(effect)  # (_SCALAR is 0 and _EMPTY 1: how deep a scalar and an empty container nest)
+        if effect == _SCALAR:
+            push(0)
             built += 1
             if built > most:
-                break
+                raise CheckpointError(_too_large(where, most))
+        elif effect == _EMPTY:  # a new object, empty
+            push(len(depths))
+            depths.append(1)
+            sizes.append(1)
+            inside.append(0)
+            built += 1
+            if built > most:
+                raise CheckpointError(_too_large(where, most))
         elif effect == _MARK:
             marks.append(len(stack))
         elif effect == _BUILD or effect == _BUILD_MARKED or effect == _ADD or effect == _ADD_MARKED:
@@ -206,27 +245,55 @@ def _walk(raw: bytes, where: str | os.PathLike, limit: int, most: int) -> None:
                 raise IndexError("stack underflow")
             inner = stack[below:]
             del stack[below:]
-            level = 1 + max(inner, default=0)
+            level, size = 1, 1
+            for item in inner:
+                inside[item] = 1
+                if depths[item] >= level:
+                    level = depths[item] + 1
+                size += sizes[item]
             built += len(inner) + 1
-            if effect <= _BUILD_MARKED:
-                push(level)
-            elif level > stack[-1]:
-                stack[-1] = level
+            if size > most or built > most:
+                raise CheckpointError(_too_large(where, most))
+            if effect <= _BUILD_MARKED:  # a new object of the items
+                push(len(depths))
+                depths.append(level)
+                sizes.append(size)
+                inside.append(0)
+            else:  # the items added to the object under them
+                target = stack[-1]
+                if inside[target]:
+                    raise CheckpointError(
+                        f"{where}: a pickle that adds to a container after putting it inside another (a "
+                        "cycle, or nesting hidden behind the memo), which no checkpoint's metadata does (damaged "
+                        "or crafted): refused"
+                    )
+                depths[target] = max(depths[target], level)
+                sizes[target] += size - 1
+                if sizes[target] > most:
+                    raise CheckpointError(_too_large(where, most))
             if level > deepest:
                 deepest = level
                 if deepest > limit:
                     raise CheckpointError(_too_deep(where, limit, "a pickle", "PICKLE_DEPTH"))
-            if built > most:
-                break
         elif effect == _GET or effect == _PUT:
             if argument == -1:  # (a decimal line)
                 index = int(raw[start : position - 1])
             else:
                 index = raw[start] if argument == 1 else unpack("<I", raw, start)[0]
+            if index < 0:
+                raise ValueError("a negative memo slot")
             if effect == _GET:
                 push(memo[index])
-            else:
+            elif index < len(memo):
                 memo[index] = stack[-1]
+            elif index == len(memo):
+                memo.append(stack[-1])
+            else:
+                raise CheckpointError(
+                    f"{where}: a pickle that stores memo slot {index} after storing {len(memo)} (pickle stores "
+                    f"slots 0, 1, 2... in turn; the unpickler would allocate {2 * index:,} slots of 8 bytes for "
+                    "it) (damaged or crafted): refused"
+                )
         elif effect == _GLOBAL:
             if len(stack) < items:
                 raise IndexError("stack underflow")
@@ -243,6 +310,10 @@ def _walk(raw: bytes, where: str | os.PathLike, limit: int, most: int) -> None:
             del stack[marks.pop() :]
         elif effect == _STOP:
             return
-    raise CheckpointError(
-        f"{where} builds more than {most} objects and entries (PICKLE_OBJECTS), more than any checkpoint's metadata"
+
+
+def _too_large(where: str | os.PathLike, most: int) -> str:
+    return (
+        f"{where} builds more than {most} objects and entries (PICKLE_OBJECTS), counting a shared one each "
+        "time it is held, more than any checkpoint's metadata"
     )

@@ -9,6 +9,7 @@ checkpoint carrying a malicious pickle is refused before anything in it runs.
 
 from __future__ import annotations
 
+import enum
 import functools
 import io
 import json
@@ -63,20 +64,43 @@ _DCP_GLOBALS = {
 
 class _MetadataUnpickler(pickle.Unpickler):
     """Builds DCP's metadata classes (and the save plans Megatron-Core stores with them), torch dtypes
-    and sizes; refuses every other global."""
+    and sizes; refuses every other global.
+
+    An enum's constructor hands back its existing member, the process's own, and a ``BUILD`` after
+    it would set attributes on that member for every later user: each enum's members are noted as
+    they were when the pickle first names the enum, and ``load`` puts back and refuses any change."""
 
     def __init__(self, file: IO[bytes], where: str) -> None:
         super().__init__(file)
         self.where = where
+        self.members: dict[enum.Enum, dict[str, Any]] = {}  # each enum member named, as it was
 
     def find_class(self, module: str, name: str) -> Any:
         if name in _DCP_GLOBALS.get(module, ()):
-            return super().find_class(module, name)
+            found = super().find_class(module, name)
+            if isinstance(found, type) and issubclass(found, enum.Enum):
+                for member in found:
+                    self.members.setdefault(member, dict(vars(member)))
+            return found
         if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
             return getattr(torch, name)
         raise CheckpointError(
             f"{self.where} asks to load {module}.{name}, which a checkpoint has no business with: refused"
         )
+
+    def load(self) -> Any:
+        try:
+            return super().load()
+        finally:
+            changed = [(member, was) for member, was in self.members.items() if vars(member) != was]
+            for member, was in changed:  # (an enum hashes by its name: put back before it is hashed again)
+                vars(member).clear()
+                vars(member).update(was)
+            if changed:  # (raised over whatever the load raised: this is what the file is)
+                raise CheckpointError(
+                    f"{self.where} sets attributes on torch's own {[str(m) for m, _ in changed]} (crafted): refused, "
+                    "and the members put back as they were"
+                )
 
 
 class SavedAverage:
