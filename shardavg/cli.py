@@ -125,7 +125,11 @@ def _merge_parser(commands: Any) -> None:  # (argparse's subparsers action)
         "--last", nargs=2, metavar=("K", "RUN_DIR"), help="merge the newest K finished checkpoints of RUN_DIR"
     )
     merge.add_argument("--average", metavar="NAME", help="which average of a shardavg checkpoint that keeps several")
-    merge.add_argument("--key", help="an averager's key in DCP checkpoints (default: the model's tensors)")
+    merge.add_argument(
+        "--key",
+        help="an averager's key in DCP checkpoints; in Megatron-Core ones the prefix it was saved under, its "
+        "averages then merged as a model (default: the model's tensors)",
+    )
     merge.add_argument(
         "--prefix", help="the entry of DCP checkpoints holding the model, like model. or '' for the top level "
         "(default: found; optimizer, scheduler, data loader and train state entries are never merged)",
