@@ -7,7 +7,7 @@ This module, ``posthoc``, ``cli`` and ``__main__`` are the face: what users call
 It may import: base, rules, strategies, update, checkpoints, output, averager, offline.
 """
 
-from .averager import WeightAverager
+from .averager import WeightAverager, update_bn
 from .base.errors import (
     CheckpointError,
     ExportError,
@@ -24,7 +24,9 @@ from .posthoc import PostHocEMA
 from .rules import (
     EMA,
     SWA,
+    AvgFnRule,
     CustomRule,
+    HalfLifeFractionEMA,
     InverseGammaWarmup,
     PowerEMA,
     RatioWarmup,
@@ -39,9 +41,11 @@ __version__ = "0.13.0"
 __all__ = [
     "EMA",
     "SWA",
+    "AvgFnRule",
     "CheckpointError",
     "CustomRule",
     "ExportError",
+    "HalfLifeFractionEMA",
     "InverseGammaWarmup",
     "LayoutError",
     "ModelChangedError",
@@ -59,4 +63,5 @@ __all__ = [
     "detect",
     "merge",
     "rule_from_config",
+    "update_bn",
 ]

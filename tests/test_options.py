@@ -30,6 +30,8 @@ RECORDED_SINCE_V2 = {
     "buffers": "copy",
     "include_frozen": False,
 }
+# ... and those recorded now: the options added later, which a description may lack.
+RECORDED = RECORDED_SINCE_V2 | {"include": None, "exclude": []}
 
 
 def below_100(name: str, value: object) -> int:
@@ -74,8 +76,9 @@ def test_the_averager_takes_every_option_by_keyword_and_refuses_an_unknown_one(t
     with pytest.raises(TypeError) as refused:
         WeightAverager(trainer.model, EMA(decay=0.9), every_n_step=2)
     assert str(refused.value) == (
-        "WeightAverager got unknown keyword argument(s) ['every_n_step']: it takes strategy, source, pipeline, "
-        "every_n_steps, start_step, dtype, buffers, device, include_frozen, on_nonfinite, screen_every, background "
+        "WeightAverager got unknown keyword argument(s) ['every_n_step']: it takes avg_fn, strategy, source, pipeline, "
+        "every_n_steps, start_step, dtype, buffers, device, include_frozen, include, exclude, on_nonfinite, "
+        "screen_every, background "
         "(the options are documented in shardavg.update.options.Options)"
     )
     with pytest.raises(TypeError):
@@ -113,11 +116,11 @@ def test_the_integrations_refuse_a_bad_option_when_built() -> None:
 
 
 def test_the_recorded_options_are_those_every_checkpoint_holds(trainer) -> None:
-    assert Options().to_json() == RECORDED_SINCE_V2
-    assert list(Options().to_json()) == list(RECORDED_SINCE_V2)  # (the same order: the same bytes on disk)
+    assert Options().to_json() == RECORDED
+    assert list(Options().to_json()) == list(RECORDED)  # (the same order: the same bytes on disk)
     described = trained(trainer, steps=1, dtype=torch.float64, buffers="ignore", on_nonfinite="off")._state.describe()
     written = described.to_json()["options"]
-    assert written == RECORDED_SINCE_V2 | {"dtype": "float64", "buffers": "ignore"}
+    assert written == RECORDED | {"dtype": "float64", "buffers": "ignore"}
     parsed = check_description(json.loads(json.dumps(described.to_json())), "test").options
     assert isinstance(parsed, Options) and parsed.to_json() == written
     assert parsed == Options(dtype=torch.float64, buffers="ignore")  # (on_nonfinite is not recorded)
@@ -126,7 +129,11 @@ def test_the_recorded_options_are_those_every_checkpoint_holds(trainer) -> None:
 @pytest.mark.parametrize(
     ("options", "message"),
     [
-        ([1], "'options' must hold ['buffers', 'dtype', 'every_n_steps', 'include_frozen', 'start_step'], got [1]"),
+        (
+            [1],
+            "'options' must hold ['buffers', 'dtype', 'every_n_steps', 'include_frozen', 'start_step'] "
+            "(and may hold ['exclude', 'include']), got [1]",
+        ),
         (RECORDED_SINCE_V2 | {"device": "cpu"}, "'options' must hold ['buffers', 'dtype', 'every_n_steps', "),
         ({k: v for k, v in RECORDED_SINCE_V2.items() if k != "dtype"}, "'options' must hold ['buffers', 'dtype', "),
         (
@@ -172,7 +179,7 @@ def test_an_added_option_round_trips_through_save_and_load(trainer, tmp_path, du
     with pytest.raises(ValueError, match=r"dummy must be an int in \[0, 100\), got 100"):
         WeightAverager(trainer.model, EMA(decay=0.9), dummy=100)
     path = averager.save(tmp_path / "ckpt")
-    assert json.loads((path / MANIFEST).read_text())["options"] == RECORDED_SINCE_V2 | {"dummy": 3}
+    assert json.loads((path / MANIFEST).read_text())["options"] == RECORDED | {"dummy": 3}
     assert parse_manifest((path / MANIFEST).read_bytes(), str(path)).options.dummy == 3
     restored = fresh(dummy=3)
     restored.load(path)
@@ -201,5 +208,5 @@ def test_an_added_option_round_trips_through_the_export_metadata(trainer, tmp_pa
     out = trained(trainer, steps=2, dummy=4).export(tmp_path / "out")
     with safe_open(str(out / "model.safetensors"), "pt") as handle:
         recorded = json.loads(handle.metadata()["shardavg"])
-    assert recorded["options"] == RECORDED_SINCE_V2 | {"dummy": 4}
+    assert recorded["options"] == RECORDED | {"dummy": 4}
     assert Options.from_json(recorded["options"], str(out)).dummy == 4

@@ -27,3 +27,12 @@ def test_every_public_name_is_in_the_api_reference() -> None:
     missing = [name for name in shardavg.__all__ if f"::: shardavg.{name}\n" not in page]
     assert not missing, f"docs/reference/index.md lacks '::: shardavg.NAME' for {missing}"
     assert all(hasattr(shardavg, name) for name in shardavg.__all__)
+
+
+def test_the_peers_averaging_functions_and_schedules_are_public() -> None:
+    """Issue 60: torch's per-tensor ``avg_fn`` (``AvgFnRule``, what ``avg_fn=`` builds) and torchtitan's
+    schedule (``HalfLifeFractionEMA``) are names users import, beside the other rules."""
+    from shardavg import rules
+
+    assert shardavg.AvgFnRule is rules.AvgFnRule and shardavg.HalfLifeFractionEMA is rules.HalfLifeFractionEMA
+    assert {"AvgFnRule", "HalfLifeFractionEMA"} <= set(shardavg.__all__)

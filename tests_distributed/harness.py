@@ -402,9 +402,11 @@ class PlainAverage:
         start_step: int = 0,
         average_buffers: bool = False,
         include_frozen: bool = False,
+        copied: frozenset[str] = frozenset(),
     ) -> None:
         self.weight, self.every, self.start = weight, every_n_steps, start_step
         self.average_buffers, self.include_frozen = average_buffers, include_frozen
+        self.copied = copied  # names copied at each update, never averaged (as include=/exclude= leave out)
         self.state: dict[str, torch.Tensor] = {}
         self.num_updates = 0
 
@@ -415,7 +417,7 @@ class PlainAverage:
             averaged = (name not in buffers and (name not in frozen or self.include_frozen)) or (
                 name in buffers and self.average_buffers and value.is_floating_point()
             )
-            if self.num_updates == 0 or not averaged:
+            if self.num_updates == 0 or not averaged or name in self.copied:
                 self.state[name] = value.clone()
             else:
                 self.state[name].lerp_(value, self.weight(self.num_updates))

@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 from harness import Engine, PlainAverage, TiedNet, expect_raises
 from torch.distributed.elastic.multiprocessing.errors import record
-from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
+from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn, get_swa_avg_fn
 
 import shardavg
 from shardavg import EMA, SWA, InverseGammaWarmup, PowerEMA, RatioWarmup, StrategyError, WeightAverager
@@ -79,7 +79,7 @@ def check_zero_init_dtype_does_not_depend_on_the_cpu() -> None:
 
 
 def variants() -> dict[str, tuple[dict, object]]:
-    """name -> (WeightAverager kwargs, reference): AveragedModel multi_avg_fn or a PlainAverage."""
+    """name -> (WeightAverager kwargs, reference): AveragedModel multi_avg_fn, an AveragedModel or a PlainAverage."""
     gamma = harness.edm2_gamma(0.1)
     half_life_decay = 0.5 ** (1 / 4)
     return {
@@ -98,9 +98,15 @@ def variants() -> dict[str, tuple[dict, object]]:
         ),
         "power_ema": ({"rule": PowerEMA(sigma_rel=0.1)}, PlainAverage(lambda n: 1 - (1 - 1 / (n + 1)) ** (gamma + 1))),
         "custom_multi_avg_fn": ({"rule": get_ema_multi_avg_fn(0.8)}, get_ema_multi_avg_fn(0.8)),
+        # a per-tensor avg_fn applied to shards: bitwise torch's on the full tensors (SWA's keeps a frozen value exact)
+        "avg_fn": ({"avg_fn": get_swa_avg_fn()}, AveragedModel(TiedNet(), avg_fn=get_swa_avg_fn())),
         "average_buffers_and_frozen": (
             {"rule": EMA(decay=0.9), "buffers": "average", "include_frozen": True},
             PlainAverage(lambda n: 1 - 0.9, average_buffers=True, include_frozen=True),
+        ),
+        "ema_include_exclude": (  # the blocks and the embedding, but block.up; gain and block.up copied
+            {"rule": EMA(decay=0.9), "include": ["block.*", "embed.weight"], "exclude": ["block.up.*"]},
+            PlainAverage(lambda n: 1 - 0.9, copied=frozenset({"block.up.weight", "block.up.bias", "gain"})),
         ),
         "ema_offloaded": ({"rule": EMA(decay=0.9), "device": "cpu"}, get_ema_multi_avg_fn(0.9)),
         "ema_background": ({"rule": EMA(decay=0.9), "background": True}, get_ema_multi_avg_fn(0.9)),
@@ -189,6 +195,27 @@ def check_bad_strategies(engine: Engine, expected: str) -> None:
                 WeightAverager(engine.model, strategy=other)
     with expect_raises(StrategyError, "unknown strategy 'fsdp3'"):
         WeightAverager(engine.model, strategy="fsdp3")
+
+
+def check_update_bn(averager: WeightAverager, reference: AveragedModel) -> None:
+    """BatchNorm statistics recomputed under the average (SWA's last step): every rank runs torch's
+    update_bn over the same batches inside swapped(), and the average keeps them; they equal, bit
+    for bit, torch's update_bn on the single-process reference, and the live buffers come back."""
+    generator = torch.Generator().manual_seed(11)
+    loader = [torch.randint(0, harness.VOCAB, (8, 5), generator=generator) for _ in range(4)]
+    live = {name: buffer.clone() for name, buffer in averager.strategy.module.named_buffers()}
+    kept = averager.update_bn(loader)
+    statistics = ["block.norm.num_batches_tracked", "block.norm.running_mean", "block.norm.running_var"]
+    assert sorted(kept) == statistics, kept
+    for name, buffer in averager.strategy.module.named_buffers():
+        assert torch.equal(buffer, live[name]), f"update_bn: the live {name} did not come back"
+    got = averager.full_state_dict()
+    torch.optim.swa_utils.update_bn(loader, reference)
+    if dist.get_rank() == 0:
+        want = reference.module.state_dict()
+        for name in statistics:
+            assert torch.equal(got[name].to(want[name].dtype), want[name]), f"update_bn: {name}"
+            assert got[name].dtype == want[name].dtype or want[name].is_floating_point(), name
 
 
 def check_nonfinite_on_one_rank(engine: Engine) -> None:
@@ -405,7 +432,8 @@ def check_engine(engine_kind: str) -> None:
         averagers, references = {}, {}
         for name, (kwargs, reference) in variants().items():
             averagers[name] = WeightAverager(engine.model, **kwargs)
-            references[name] = AveragedModel(plain, multi_avg_fn=reference) if callable(reference) else reference
+            built = isinstance(reference, (AveragedModel, PlainAverage))
+            references[name] = reference if built else AveragedModel(plain, multi_avg_fn=reference)
         if engine.early_averager is not None:  # built before the engine re-allocated its partitions
             averagers["ema_built_early"] = engine.early_averager
             references["ema_built_early"] = AveragedModel(plain, multi_avg_fn=get_ema_multi_avg_fn(0.9))
@@ -453,6 +481,8 @@ def check_engine(engine_kind: str) -> None:
                     averaged |= frozen
                 if kwargs.get("buffers") == "average":
                     averaged |= {n for n, b in TiedNet().named_buffers() if b.is_floating_point()}
+                if isinstance(reference, PlainAverage):
+                    averaged -= reference.copied
                 exact = engine.dtype == torch.float32 or name == "custom_multi_avg_fn"
                 check_average(
                     f"{engine.name}/{name}", got, reference_state(references[name]), averaged, engine.dtype, exact
@@ -491,6 +521,7 @@ def check_engine(engine_kind: str) -> None:
             },
         )
         if engine_kind == "fsdp2" and world > 1 and engine.dtype == torch.float32:
+            check_update_bn(averagers["ema"], references["ema"])
             check_nonfinite_on_one_rank(engine)
         if engine_kind in ("replicated", "fsdp2") and engine.dtype == torch.float32:
             check_a_cast_is_followed(engine, ema)

@@ -14,6 +14,9 @@ that fits twice does. The CPU-only adjustments live here, not in the library. MO
            inside the swap against the reference average's loss
   second   fit from the step-4 checkpoint: the restored average goes on bitwise from the first
            run's average at step 4 (Lightning's own resume of the raw weights is not bitwise here)
+  first-average, second-average   (fsdp) the same with ``checkpoint_weights="average"``: the
+           distributed checkpoint's model shards are the average's at step 4, and the resume
+           restores the live weights of step 4 bitwise from ``<checkpoint>.shardavg-live/``
   extras   (ddp) copy_at_end, the swap undone when validation raises, a sidecar removed with its checkpoint
   theirs   Lightning's own EMAWeightAveraging on the same set-up: it raises, or averages the wrong tensors
 """
@@ -34,7 +37,7 @@ from torch import nn
 from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 
 from shardavg import CheckpointError
-from shardavg.integrations.lightning import ShardedWeightAveraging, sidecar
+from shardavg.integrations.lightning import ShardedWeightAveraging, live_sidecar, sidecar
 
 STEPS, DECAY, RESUME_AT = 8, 0.9, 4
 
@@ -116,8 +119,9 @@ class Reference(Callback):
         if averager.num_updates == self.updates:
             return
         self.updates = averager.num_updates
+        gathered = gathered_live(trainer, pl_module)
         live = harness.TiedNet()
-        live.load_state_dict(gathered_live(trainer, pl_module), strict=False)  # tied: one name
+        live.load_state_dict(gathered, strict=False)  # tied: one name
         self.reference.update_parameters(live)
         buffers = {n.replace("_fsdp_wrapped_module.", ""): b.detach().clone() for n, b in pl_module.net.named_buffers()}
         if isinstance(trainer.strategy.model, nn.parallel.DistributedDataParallel):
@@ -128,6 +132,7 @@ class Reference(Callback):
         if self.updates == RESUME_AT and dist.get_rank() == 0:
             state = {k: v.clone() for k, v in self.reference.module.state_dict().items() if k != "head.weight"}
             save_file(state, str(self.root / "at-checkpoint.safetensors"))
+            save_file(gathered, str(self.root / "live-at-checkpoint.safetensors"))
         if dist.get_rank() == 0:
             for name, value in self.reference.module.named_parameters():
                 if value.requires_grad:
@@ -200,26 +205,64 @@ def strategy(kind: str):
     return CPUDeepSpeed(config=config)
 
 
+class LiveAtStart(Callback):
+    """On a resume, the live weights training goes on from: those the first run had at the checkpoint."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self.checked = False
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        got = gathered_live(trainer, pl_module)  # collective
+        if dist.get_rank() == 0:
+            want = load_file(str(self.root / "live-at-checkpoint.safetensors"))
+            for name, value in got.items():
+                assert torch.equal(value, want[name]), f"resumed live weight {name} differs"
+        self.checked = True
+
+
 def run(mode: str, kind: str, root: Path) -> None:
-    averaging = ShardedWeightAveraging(decay=DECAY)
-    reference = Reference(averaging, root, resumed=mode == "second")
+    phase, _, weights = mode.partition("-")  # "first" or "second", then "" or "average"
+    if weights:
+        root = root / weights
+        root.mkdir(exist_ok=True)
+    averaging = ShardedWeightAveraging(decay=DECAY, checkpoint_weights=weights or "live")
+    reference = Reference(averaging, root, resumed=phase == "second")
+    live_at_start = LiveAtStart(root)
+    resuming_the_average = phase == "second" and weights == "average"
     # 4 steps an epoch (64 samples, 2 ranks, batches of 8), a checkpoint at each epoch's end
     checkpoints = ModelCheckpoint(dirpath=root / "ckpt", every_n_epochs=1, save_top_k=-1, save_last=True)
     trainer = L.Trainer(
         accelerator="cpu", devices=2, strategy=strategy(kind), max_steps=STEPS,
-        callbacks=[averaging, checkpoints, reference], num_sanity_val_steps=1, logger=False,
-        enable_progress_bar=False, enable_model_summary=False,
+        callbacks=[averaging, checkpoints, reference] + ([live_at_start] if resuming_the_average else []),
+        num_sanity_val_steps=1, logger=False, enable_progress_bar=False, enable_model_summary=False,
     )  # fmt: skip
     module = Net(fully_shard=kind == "model_parallel")
     at_checkpoint = root / "ckpt" / f"epoch=0-step={RESUME_AT}.ckpt"
-    trainer.fit(module, data(64, 1), data(16, 2), ckpt_path=str(at_checkpoint) if mode == "second" else None)
+    trainer.fit(module, data(64, 1), data(16, 2), ckpt_path=str(at_checkpoint) if phase == "second" else None)
     averager = averaging.averager
     assert averager.num_updates == STEPS and averager.step == STEPS, (averager.num_updates, averager.step)
     assert reference.updates == STEPS, f"the reference saw {reference.updates} updates"
     assert reference.checked_validation > 0, "validation with the average was never checked"
+    assert live_at_start.checked == resuming_the_average
     if dist.get_rank() == 0:
         assert sidecar(at_checkpoint).is_dir() and sidecar(root / "ckpt" / "last.ckpt").is_dir()
+        if weights == "average":
+            assert live_sidecar(at_checkpoint).is_dir()
+            assert_holds_the_average(at_checkpoint, root / "at-checkpoint.safetensors")
     harness.report("LIGHTNING", {"mode": mode, "strategy": kind, "world_size": dist.get_world_size()})
+
+
+def assert_holds_the_average(checkpoint: Path, average: Path) -> None:
+    """The distributed checkpoint's model (``FSDPStrategy``'s key) is, bitwise, the reference average."""
+    from lightning.fabric.utilities.load import _load_distributed_checkpoint
+
+    saved = _load_distributed_checkpoint(checkpoint)["model"]  # one process, every rank's shards
+    want = load_file(str(average))
+    parameters = [name for name, _ in harness.TiedNet().named_parameters() if name in want]
+    assert parameters, sorted(want)
+    for name in parameters:
+        assert torch.equal(saved[f"net.{name}"], want[name]), f"the checkpoint's {name} is not the average"
 
 
 class Failing(Net):

@@ -23,21 +23,34 @@ def launches(tmp_path_factory) -> dict[str, Launch]:
     """Two launches, made once: every strategy's ``first``, then every strategy's ``second``
     (resuming the first's checkpoint). A launch, mostly its imports of Lightning, costs more than
     a part, so the other checks ride along: Lightning's own EMA after ``first`` (sharded
-    strategies), the extras after ``second`` (DDP)."""
+    strategies), the extras after ``second`` (DDP), and FSDP's runs again with the checkpoint's
+    ``state_dict`` the average (``first-average``, ``second-average``)."""
     root = tmp_path_factory.mktemp("lightning")
-    plans = {
-        "first": ",".join(f"{s}:first+theirs" if s in THEIRS else f"{s}:first" for s in STRATEGIES),
-        "second": ",".join("ddp:second+extras" if s == "ddp" else f"{s}:second" for s in STRATEGIES),
+    modes = {
+        "first": {s: "first+theirs" if s in THEIRS else "first" for s in STRATEGIES},
+        "second": {s: "second+extras" if s == "ddp" else "second" for s in STRATEGIES},
     }
+    modes["first"]["fsdp"] += "+first-average"
+    modes["second"]["fsdp"] += "+second-average"
+    plans = {phase: ",".join(f"{s}:{m}" for s, m in by_strategy.items()) for phase, by_strategy in modes.items()}
     return {phase: torchrun(SCRIPT, 2, plan, str(root), timeout=600, preload=ZERO) for phase, plan in plans.items()}
 
 
 @pytest.mark.parametrize("strategy", STRATEGIES)
 def test_the_callback_averages_validates_and_resumes(launches, strategy: str) -> None:
     for mode, launch in launches.items():
-        found = [r for r in launch.reports("LIGHTNING") if r["strategy"] == strategy]
+        found = [r for r in launch.reports("LIGHTNING") if r["strategy"] == strategy and r["mode"] == mode]
         assert found == [{"mode": mode, "strategy": strategy, "world_size": 2}], launch.output[-20000:]
         assert launch.returncode == 0, launch.output[-20000:]
+
+
+def test_under_fsdp_a_checkpoint_can_hold_the_average_and_resume_the_live_weights(launches) -> None:
+    """``checkpoint_weights="average"``: the distributed checkpoint holds the average's shards where
+    the model's were, and a resume goes on from the live weights saved beside it, bitwise."""
+    for phase, launch in launches.items():
+        mode = f"{phase}-average"
+        found = [r for r in launch.reports("LIGHTNING") if r["strategy"] == "fsdp" and r["mode"] == mode]
+        assert found == [{"mode": mode, "strategy": "fsdp", "world_size": 2}], launch.output[-20000:]
 
 
 @pytest.mark.parametrize("strategy", sorted(THEIRS))

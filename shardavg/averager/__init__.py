@@ -11,6 +11,6 @@ live state, so that a file can be read, checked or merged without one.
 It may import: base, rules, layouts, strategies, update, checkpoints, output.
 """
 
-from .weight_averager import WeightAverager, checked_options
+from .weight_averager import WeightAverager, checked_options, update_bn
 
-__all__ = ["WeightAverager", "checked_options"]
+__all__ = ["WeightAverager", "checked_options", "update_bn"]

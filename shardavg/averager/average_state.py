@@ -65,7 +65,7 @@ class AverageState:
 
         self.infos: list[TensorInfo] = strategy.tensors()
         self.live: list[torch.Tensor] = strategy.local_shards()
-        self.roles: list[Role] = [options.role(info) for info in self.infos]
+        self.roles: list[Role] = options.roles(self.infos)  # (refuses a pattern that matches no tensor)
         self.layout = ShardLayout.build(self.infos)
         self.averages: dict[str | None, Average] = {
             name: Average(name, rule, shadows)

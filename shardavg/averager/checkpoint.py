@@ -79,6 +79,7 @@ from ..checkpoints.storage import (
 )
 from ..layouts.parts import Part, box_slices, intersect
 from ..strategies import refuse_unlike_values
+from ..update.options import Options
 from .average_state import AverageState
 
 
@@ -126,8 +127,31 @@ def check_compatible(state: AverageState, saved_state: Description, where: str, 
         if strict:
             raise CheckpointError(message)
         warnings.warn(message, stacklevel=3)
+    _compare_patterns(state, saved_state, where, strict)
     _compare_averages(state, saved_state, where, strict)
     return saved
+
+
+def _compare_patterns(state: AverageState, saved_state: Description, where: str, strict: bool) -> None:
+    """``include`` and ``exclude`` decide which tensors a checkpoint holds averaged and which
+    copied, so a checkpoint saved under other patterns is refused (with ``strict=False``, warned
+    of and loaded), as one of another rule is; one saved before they existed has none."""
+    saved = Options() if saved_state.options is None else saved_state.options  # (None: before format 2)
+
+    def shown(patterns: tuple[str, ...] | None) -> list[str] | None:
+        return None if patterns is None else list(patterns)
+
+    differ = [
+        f"{name}={shown(getattr(saved, name))} in the checkpoint, {name}={shown(getattr(state.options, name))} here"
+        for name in ("include", "exclude")
+        if getattr(saved, name) != getattr(state.options, name)
+    ]
+    if not differ:
+        return
+    message = f"{where} was saved with other patterns: {'; '.join(differ)}"
+    if strict:
+        raise CheckpointError(f"{message}; build the averager with the checkpoint's, or pass strict=False to load it")
+    warnings.warn(f"{message}; a tensor averaged in one, copied in the other starts from its saved value", stacklevel=4)
 
 
 def _compare_averages(state: AverageState, saved_state: Description, where: str, strict: bool) -> None:

@@ -28,11 +28,11 @@ from ..base import validate
 from ..base.dist import agree_or_raise
 from ..base.logs import built_by_user, log
 from ..output.write_options import DEFAULTS
-from ..rules import EMA, MultiAvgFn, Rule, named_rules
+from ..rules import EMA, AvgFn, MultiAvgFn, Rule, named_rules
 from ..strategies import make_strategy, megatron
 from ..update.background import wait_for_every_update
 from ..update.options import Options
-from . import checkpoint, export, stateful, swap
+from . import batchnorm, checkpoint, export, stateful, swap
 from .average_state import AverageState
 
 DEFAULT_RULE = EMA(decay=0.999)
@@ -87,7 +87,12 @@ class WeightAverager:
             num_updates)`` such as ``get_ema_multi_avg_fn(0.999)``, or a dict of them to keep
             several named averages (``{"ema": EMA(decay=0.999), "swa": SWA()}``), which share one
             read of the local shards per update; methods that use one average then take its name.
-            Default ``EMA(decay=0.999)``.
+            None (default): ``EMA(decay=0.999)``, or ``avg_fn``'s rule.
+        avg_fn: A per-tensor ``avg_fn(averaged, current, num_averaged)`` in place of ``rule``, such
+            as ``get_ema_avg_fn(0.999)``: applied as ``AveragedModel(model, avg_fn=...)`` applies it,
+            to each local shard, so it must be elementwise (see
+            [`AvgFnRule`][shardavg.AvgFnRule]). A callable given as ``rule`` is a ``multi_avg_fn``;
+            torch's per-tensor ones given there are refused, naming ``avg_fn=``.
         strategy: ``"auto"`` (detect, see [`detect`][shardavg.detect]) or one of ``"replicated"``,
             ``"fsdp1"``, ``"fsdp2"``, ``"zero3"``, ``"megatron"``; a forced strategy that does not fit
             the model is refused.
@@ -115,7 +120,8 @@ class WeightAverager:
             list of parts without ``pipeline``, or tensors this rank's engine holds in a way
             shardavg cannot read (a ``Partial`` DTensor, ZeRO++ or NVMe offload).
         ValueError: An option out of its range, or a dict of rules with no or badly named averages.
-        TypeError: ``rule`` is neither a rule nor a callable, or a keyword is not one of its own nor an option.
+        TypeError: ``rule`` is neither a rule nor a callable (or is a per-tensor ``avg_fn``), both ``rule``
+            and ``avg_fn`` are given, or a keyword is not one of its own nor an option.
         LayoutError: The ranks track different tensors, or their parts do not tile a tensor.
 
     Examples:
@@ -138,16 +144,18 @@ class WeightAverager:
     def __init__(
         self,
         model: nn.Module | Sequence[nn.Module],
-        rule: Rule | MultiAvgFn | Mapping[str, Rule | MultiAvgFn] = DEFAULT_RULE,
+        rule: Rule | MultiAvgFn | Mapping[str, Rule | MultiAvgFn] | None = None,
         *,
+        avg_fn: AvgFn | None = None,
         strategy: str = "auto",
         source: str = "live",
         pipeline: Any = None,
         **options: Any,
     ) -> None:
         settings = checked_options(options)
+        rules = named_rules(DEFAULT_RULE if rule is None and avg_fn is None else rule, avg_fn)
         made = make_strategy(model, strategy, source, pipeline)
-        self._state = state = AverageState(made, named_rules(rule), settings)
+        self._state = state = AverageState(made, rules, settings)
         narrowed = state.narrowed()
         if narrowed:
             warnings.warn(
@@ -379,6 +387,37 @@ class WeightAverager:
             ModelChangedError: The model's tensors are no longer those the averager was built on.
         """
         swap.copy_into_model(self._state, average)
+
+    @_after_the_update
+    def update_bn(
+        self, loader: Iterable[Any], device: torch.device | str | None = None, average: str | None = None
+    ) -> list[str]:
+        """Recompute the BatchNorm statistics under an average and keep them in it: torch's
+        ``update_bn(loader, model, device)`` run inside ``swapped()``, the running statistics it
+        leaves written into the average's buffers before the live ones come back (SWA's last
+        step; ``shardavg.update_bn(loader, avg)`` is the same call in torch's order).
+
+        Collective where the forward is (FSDP, ZeRO-3, tensor parallel): call it on every rank,
+        with loaders of the same length. Each rank's statistics are those of the batches its own
+        loader gives it; to have the statistics torch's ``update_bn`` computes on the gathered
+        model over a data set, give every rank that whole data set (not a ``DistributedSampler``'s
+        part of it), as the exported average holds one rank's statistics.
+
+        Args:
+            loader: Batches as torch's ``update_bn`` takes them (a tensor, or a list or tuple whose
+                first element is the model's input).
+            device: Where each batch is moved first; None leaves it where it is.
+            average: The average's name; None for the only one.
+
+        Returns:
+            The names of the statistics kept (none where the model has no BatchNorm or the
+            averager stores no buffer, ``buffers="ignore"``).
+
+        Raises:
+            ValueError: No average of that name, or None while several averages are kept.
+            RuntimeError: No update applied yet, or inside ``swapped()``.
+        """
+        return batchnorm.update_bn(loader, self._state, average, device)
 
     @_after_the_update
     def full_state_dict(self, average: str | None = None, live: bool = False) -> dict[str, torch.Tensor]:
@@ -685,3 +724,14 @@ class WeightAverager:
     @_after_the_update
     def __repr__(self) -> str:
         return f"WeightAverager(rules={self.rules!r}, {self._state.summary()}, num_updates={self._state.num_updates})"
+
+
+def update_bn(
+    loader: Iterable[Any],
+    averager: WeightAverager,
+    device: torch.device | str | None = None,
+    average: str | None = None,
+) -> list[str]:
+    """``torch.optim.swa_utils.update_bn(loader, model, device)`` for an average kept by ``averager``,
+    in torch's order: see ``WeightAverager.update_bn``."""
+    return averager.update_bn(loader, device, average)

@@ -25,7 +25,8 @@ rotate its ``output_dir`` alike. The callback finds that at the start of trainin
 under ``save_total_limit``, saying how to set accelerate up (``_check_one_process_saves``).
 
 Bound to its Trainer (``with_weight_averaging``), it also evaluates the averaged weights after
-each evaluation, through ``swapped()``, and reports them as ``eval_avg_*`` next to the raw ``eval_*``.
+each evaluation, through ``swapped()``, and reports them as ``eval_avg_*`` next to the raw ``eval_*``
+(not with ``validate_original_weights=True``: the live weights alone, as NeMo's EMA callback says it).
 
 Each update is handed the verdict the Trainer already has on the step (``update(finite=...)``). A
 callback is given neither the gradient norm (a local of the training loop, logged as a float only
@@ -79,6 +80,9 @@ class WeightAveragingCallback(TrainerCallback):
             it); None (default): no export.
         strict: On resume, refuse a checkpoint without an average paired with it; with False,
             warn and restart the average from the loaded weights instead.
+        validate_original_weights: Evaluate the live weights only, as NeMo's EMA callback does with
+            the same name (the Trainer's ``eval_*`` are always the live weights'); False (default):
+            also evaluate the average, reported as ``eval_avg_*``.
         **averager_options: Passed to ``WeightAverager``: its ``strategy``, ``source``, ``pipeline`` and
             [`Options`][shardavg.update.options.Options], checked here.
 
@@ -95,11 +99,13 @@ class WeightAveragingCallback(TrainerCallback):
         rule: Rule | MultiAvgFn | dict,
         export_dir: str | os.PathLike | None = None,
         strict: bool = True,
+        validate_original_weights: bool = False,
         **averager_options: Any,
     ) -> None:
         self.rule = rule
         self.export_dir = None if export_dir is None else Path(export_dir)
         self.strict = strict
+        self.validate_original_weights = validate_original_weights
         checked_options(averager_options)  # refused here, not when training begins
         self.averager_options = averager_options
         self.averager: WeightAverager | None = None
@@ -257,7 +263,8 @@ class WeightAveragingCallback(TrainerCallback):
     # ------------------------------------------------------------------ evaluation
 
     def on_evaluate(self, args, state, control, metrics=None, **kwargs):
-        """Evaluate the averaged weights too (bound callbacks only) and add them as ``eval_avg_*``.
+        """Evaluate the averaged weights too (bound callbacks only, not with ``validate_original_weights``)
+        and add them as ``eval_avg_*``.
 
         Args:
             args (transformers.TrainingArguments): The Trainer's arguments.
@@ -266,6 +273,8 @@ class WeightAveragingCallback(TrainerCallback):
             metrics (dict): The evaluation's metrics, extended in place.
             **kwargs (Any): The Trainer's other callback arguments; unused.
         """
+        if self.validate_original_weights:
+            return
         trainer = self._bound()
         if trainer is None and not self._warned_unbound:
             self._warned_unbound = True
@@ -379,8 +388,8 @@ def with_weight_averaging(trainer: Any, rule: Rule | MultiAvgFn | dict, **option
     Args:
         trainer: The ``transformers.Trainer``.
         rule: E.g. ``EMA(decay=0.999)``, or a dict of rules (see ``WeightAveragingCallback``).
-        **options: ``WeightAveragingCallback``'s other arguments (``export_dir``, ``strict``) and
-            ``WeightAverager``'s options.
+        **options: ``WeightAveragingCallback``'s other arguments (``export_dir``, ``strict``,
+            ``validate_original_weights``) and ``WeightAverager``'s options.
 
     Returns:
         The callback added.

@@ -9,8 +9,9 @@ writes and reads it with ``to_json``/``from_json``: adding a field here is addin
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field, fields
+from fnmatch import fnmatchcase
 from typing import Any, Literal
 
 import torch
@@ -94,6 +95,35 @@ def _floating_dtype(name: str, value: Any) -> torch.dtype | None:
     return value
 
 
+def _patterns(optional: bool) -> Check:
+    """Glob patterns: one string, or a list, tuple or set of them, kept as a sorted tuple without
+    repeats (a set's order differs between processes, and the order never matters); with
+    ``optional``, ``None`` (no filter) too, and an empty collection refused (it would select nothing)."""
+
+    def check(name: str, value: Any) -> tuple[str, ...] | None:
+        if value is None:
+            return None if optional else ()
+        patterns = (value,) if isinstance(value, str) else value
+        if not (
+            isinstance(patterns, (list, tuple, set, frozenset)) and all(isinstance(p, str) and p for p in patterns)
+        ):
+            raise ValueError(f"{name} must be a glob pattern or a list of them (non-empty strings), got {value!r}")
+        if optional and not patterns:
+            raise ValueError(f"{name}=[] would average no tensor: pass None (the default) to average every tensor")
+        return tuple(sorted(set(patterns)))
+
+    return check
+
+
+def _patterns_to_json(value: tuple[str, ...] | None) -> list[str] | None:
+    return None if value is None else list(value)
+
+
+def _matches(names: Sequence[str], patterns: Collection[str]) -> bool:
+    """Whether a pattern matches one of ``names``, case-sensitively on every system (``fnmatchcase``)."""
+    return any(fnmatchcase(name, pattern) for name in names for pattern in patterns)
+
+
 def _dtype_from_json(value: Any) -> torch.dtype | None:
     if value is None:
         return None
@@ -141,6 +171,31 @@ class Options:
     include_frozen: bool = option(False, _flag, recorded=True, required=True)
     """Also average parameters with ``requires_grad=False``; by default (False) they are not stored
     and exports carry their live values."""
+
+    include: tuple[str, ...] | None = option(None, _patterns(optional=True), recorded=True, to_json=_patterns_to_json)
+    """Average only the tensors whose name matches one of these patterns (a string is one pattern);
+    ``None`` (default) averages every tensor the other options do. The others are left out: see
+    ``exclude``. Names are the plain model's, as exports write them (``blocks.0.attn.qkv.weight``:
+    no ``module.``, ``_fsdp_wrapped_module.`` or ``_orig_mod.``; a tied tensor matches by any of its
+    names). Patterns are shell-style globs (``fnmatch``, case-sensitive): an exact name is a
+    pattern of itself, so ema-pytorch's sets of names pass unchanged, ``*`` spans dots
+    (``blocks.*`` is everything under ``blocks``; ema-pytorch's ``ignore_startswith_names={"pos"}``
+    is ``exclude="pos*"``), ``?`` is one character and ``[...]`` a set; unlike a regular
+    expression, the dots in a name need no escaping and nothing matches a part of a name by
+    accident. A pattern that matches no tensor of the model is refused when the averager is built,
+    naming it: a typo must not silently change what is averaged. Patterns only narrow: a frozen
+    parameter also needs ``include_frozen=True``, a buffer ``buffers="average"``. Recorded in
+    checkpoints: a checkpoint saved under other patterns is refused on load (``strict=False``
+    warns and loads it); one saved before this option existed has none."""
+
+    exclude: tuple[str, ...] = option((), _patterns(optional=False), recorded=True, to_json=_patterns_to_json)
+    """Leave out the tensors whose name matches one of these patterns (the syntax of ``include``,
+    applied after it: a tensor is averaged if it matches ``include``, when given, and no
+    ``exclude`` pattern). Default: none. A tensor left out is *copied*: its shadow takes the live
+    value at each update, as a copied buffer does (ema-pytorch's ``param_or_buffer_names_no_ema``;
+    its ``ignore_names`` instead keep the value at construction forever), so every export,
+    ``swapped()`` and ``copy_to`` is still a whole model, with those tensors as the live
+    weights were at the last update."""
 
     on_nonfinite: NonfinitePolicy = option("raise", _policy(NonfinitePolicy))
     """What a NaN or infinity in a live weight does: ``"raise"`` (default) raises ``NonFiniteError``
@@ -247,7 +302,9 @@ class Options:
         return cls(**values)
 
     def role(self, info: TensorInfo) -> Role:
-        """What the averager does with one tensor under these options.
+        """What the averager does with one tensor under these options: its kind, ``include_frozen``
+        and ``buffers`` say whether it would be averaged, and ``include``/``exclude`` may then leave
+        it out, copied instead (so that exports stay whole models).
 
         Args:
             info: The tensor, as the strategy lists it.
@@ -257,12 +314,51 @@ class Options:
                 update) or ``"live"`` (not stored: exports carry the live value).
         """
         if info.kind == "param":
-            return "average" if info.requires_grad or self.include_frozen else "live"
-        if self.buffers == "ignore":
-            return "live"
-        if self.buffers == "average" and info.dtype.is_floating_point:
-            return "average"
-        return "copy"
+            role: Role = "average" if info.requires_grad or self.include_frozen else "live"
+        elif self.buffers == "ignore":
+            role = "live"
+        elif self.buffers == "average" and info.dtype.is_floating_point:
+            role = "average"
+        else:
+            role = "copy"
+        return "copy" if role == "average" and not self.selects(info) else role
+
+    def selects(self, info: TensorInfo) -> bool:
+        """Whether ``include`` and ``exclude`` leave a tensor to be averaged: one of its names
+        matches an ``include`` pattern (when there are any) and none matches an ``exclude`` one.
+
+        Args:
+            info: The tensor, as the strategy lists it.
+
+        Returns:
+            False for a tensor the patterns leave out (copied at each update instead).
+        """
+        included = self.include is None or _matches(info.names, self.include)
+        return included and not _matches(info.names, self.exclude)
+
+    def roles(self, infos: Sequence[TensorInfo]) -> list[Role]:
+        """Every tensor's ``role``, once each ``include`` and ``exclude`` pattern is known to match
+        one of the model's names (every strategy lists the whole model's, on every rank).
+
+        Args:
+            infos: The model's tensors, as the strategy lists them.
+
+        Returns:
+            Their roles, in order.
+
+        Raises:
+            ValueError: A pattern that matches no tensor (a typo, or a wrapper's prefix), named.
+        """
+        names = [name for info in infos for name in info.names]
+        for which in ("include", "exclude"):
+            unmatched = [pattern for pattern in getattr(self, which) or () if not _matches(names, [pattern])]
+            if unmatched:
+                example = f" (such as {max(names, key=lambda name: name.count('.'))!r})" if names else ""
+                raise ValueError(
+                    f"{which} pattern(s) {unmatched} match no tensor of the model: patterns are globs over the "
+                    f"plain model's names{example}, without wrapper prefixes such as 'module.'; correct or remove them"
+                )
+        return [self.role(info) for info in infos]
 
     def due(self, step: int) -> bool:
         """Whether an update runs at ``step``: ``start_step``, then every ``every_n_steps``.
