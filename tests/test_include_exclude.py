@@ -156,7 +156,16 @@ def test_the_state_dict_refuses_other_patterns_too(trainer) -> None:
 
 def test_a_checkpoint_from_before_the_patterns_has_none(trainer, tmp_path: Path) -> None:
     path = trained(trainer).save(tmp_path / "ckpt")
-    rewritten(path, lambda options: [options.pop("include"), options.pop("exclude")])
+    rewritten(path, lambda options: [options.pop("include", None), options.pop("exclude", None)])
     fresh().load(path)
     with pytest.raises(CheckpointError, match=r"exclude=\[\] in the checkpoint, exclude=\['gain'\] here"):
         fresh(exclude="gain").load(path)
+
+
+def test_an_average_saved_without_patterns_records_what_0_12_records() -> None:
+    """A reader from before the patterns refuses an option it does not know: they are written only
+    where set, so every other checkpoint stays readable there."""
+    from shardavg.update.options import Options
+
+    assert list(Options().to_json()) == ["every_n_steps", "start_step", "dtype", "buffers", "include_frozen"]
+    assert Options(include=["a*"]).to_json()["include"] == ["a*"] and "exclude" not in Options(include="a*").to_json()

@@ -30,8 +30,9 @@ RECORDED_SINCE_V2 = {
     "buffers": "copy",
     "include_frozen": False,
 }
-# ... and those recorded now: the options added later, which a description may lack.
-RECORDED = RECORDED_SINCE_V2 | {"include": None, "exclude": []}
+# ... and those recorded now at their defaults: the options added later (include, exclude) are
+# written only where set, so that a reader from before them can read the rest.
+RECORDED = RECORDED_SINCE_V2
 
 
 def below_100(name: str, value: object) -> int:

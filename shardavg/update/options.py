@@ -260,13 +260,17 @@ class Options:
     def to_json(self) -> dict[str, Any]:
         """The options that shape the saved average, as a description records them.
 
+        An option added after the format (not ``required``) is written only where it differs from
+        its default: a reader that predates it refuses an option it does not know, and takes the
+        default for one that is not there, so an average saved without it stays readable there.
+
         Returns:
             Each recorded option by name (a dtype by its name, or None), in declaration order.
         """
         return {
             spec.name: spec.metadata["to_json"](getattr(self, spec.name))
             for spec in fields(self)
-            if spec.metadata["recorded"]
+            if spec.metadata["recorded"] and (spec.metadata["required"] or getattr(self, spec.name) != spec.default)
         }
 
     @classmethod
