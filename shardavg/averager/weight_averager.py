@@ -414,7 +414,8 @@ class WeightAverager:
             averager stores no buffer, ``buffers="ignore"``).
 
         Raises:
-            ValueError: No average of that name, or None while several averages are kept.
+            ValueError: No average of that name, or None while several averages are kept, or
+                several averages sharing one copy of the statistics (``buffers="copy"``).
             RuntimeError: No update applied yet, or inside ``swapped()``.
         """
         return batchnorm.update_bn(loader, self._state, average, device)
